@@ -1,0 +1,50 @@
+"""The one small interface every generator implements (Qwen-Image, SD3.5, the tiny textbed).
+
+The rollout and the trainer talk to a model only through this Protocol, so both call the *same*
+`velocity` (house rule 2: each formula exists once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+# Conditioning is a flat dict of batch-first tensors (model-specific keys, e.g. prompt embeddings,
+# masks, pooled embeddings, and `neg_*` for the negative prompt when CFG is on). Keeping it a plain
+# dict of tensors makes it trivially indexable, concatenable and storable in a Trajectory.
+Cond = dict[str, torch.Tensor]
+
+
+def cond_index(cond: Cond, idx: torch.Tensor | slice) -> Cond:
+    """Select samples (batch rows) from every tensor of a conditioning dict."""
+    return {k: v[idx] for k, v in cond.items()}
+
+
+@runtime_checkable
+class FlowModel(Protocol):
+    """A text-to-image rectified-flow model: x_t = (1 - sigma) * x0 + sigma * noise, v = noise - x0."""
+
+    transformer: nn.Module  # the module that LoRA wraps, FSDP shards and the optimizer trains
+
+    def encode(self, prompts: Sequence[str], *, negative_prompt: str | None = None) -> Cond:
+        """Text conditioning for `prompts` ([B] rows); with `negative_prompt`, also the `neg_*` rows."""
+        ...
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        """Per-sample shape of x_t (what the transformer sees, e.g. packed [seq, ch])."""
+        ...
+
+    def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
+        """The sampling schedule, [num_steps + 1] fp32, from 1 (or shifted near 1) down to 0."""
+        ...
+
+    def velocity(self, x_t: torch.Tensor, sigma: torch.Tensor, cond: Cond, *, guidance_scale: float) -> torch.Tensor:
+        """Predicted velocity, fp32, shape of x_t. sigma: [B]. CFG (true-CFG or plain) happens here."""
+        ...
+
+    def decode(self, x0: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """Clean latents [B, *latent_shape] -> images uint8 [B, height, width, 3]."""
+        ...

@@ -1,0 +1,64 @@
+"""Rollout interface: the sampling config, the Trajectory a rollout returns, and the engine Protocol."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+
+from fgrpo.models.base import Cond
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How images are sampled during rollout (and how training recomputes the trained transitions)."""
+
+    height: int = 512
+    """Image height in pixels (a multiple of the model's latent patch size)."""
+    width: int = 512
+    """Image width in pixels (a multiple of the model's latent patch size)."""
+    num_steps: int = 10
+    """Number of denoising steps of the rollout."""
+    guidance_scale: float = 4.0
+    """CFG scale (true-CFG for Qwen-Image, plain CFG for SD3). 1.0 turns CFG off (one forward per step)."""
+    negative_prompt: str | None = " "
+    """Negative prompt for CFG; ignored when guidance_scale is 1.0."""
+    sde_kind: Literal["flow_sde", "cps", "dance_sde", "ode"] = "flow_sde"
+    """Stochastic step used inside the SDE window (see fgrpo.core.sde.step_mean_std)."""
+    noise_level: float = 1.2
+    """Noise level of the SDE step (its meaning depends on sde_kind)."""
+    window_size: int = 2
+    """Number of consecutive stochastic (and trained) steps per sample."""
+    window_range: tuple[int, int] = (0, 5)
+    """Steps [lo, hi) from which each sample's window is drawn (start uniform in [lo, hi - window_size])."""
+    micro_batch: int = 8
+    """Samples per transformer forward during rollout (and training recomputation)."""
+
+
+@dataclass
+class Trajectory:
+    """What one rollout returns. All latents and log-probs are fp32. B samples, W window steps."""
+
+    prompts: list[str]  # [B], one per sample (the G samples of a prompt share the string)
+    seeds: torch.Tensor  # [B] int64, the per-sample seed that drew the initial noise and SDE noise
+    sigmas: torch.Tensor  # [T + 1] fp32, the schedule shared by all samples
+    window: torch.Tensor  # [B, W] int64, step indices i of the trained transitions sigma_i -> sigma_{i+1}
+    x_t: torch.Tensor  # [B, W, *latent] fp32, state before each trained transition
+    x_next: torch.Tensor  # [B, W, *latent] fp32, state after it (the sampled action)
+    log_prob: torch.Tensor  # [B, W] fp32, log-prob of x_next under the rollout policy
+    cond: Cond  # per-sample conditioning ([B] rows) to recompute the velocity in training
+    images: torch.Tensor  # [B, H, W, 3] uint8
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: Sequence[str], seeds: Sequence[int], cfg: SamplingConfig) -> Trajectory:
+        """One sample per (prompt, seed) pair; the caller repeats each prompt G times with distinct seeds.
+
+        Results depend only on (prompt, seed, cfg), never on batch layout or micro-batch size.
+        """
+        ...
