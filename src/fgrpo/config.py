@@ -1,0 +1,158 @@
+"""Config sections shared by the experiment files.
+
+An experiment file composes these into its own `Config` (with its own defaults) and tyro turns the
+field docstrings into `--help`. Nothing here is mutated after parsing; derived values are properties.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from fgrpo.rollout.base import SamplingConfig
+
+QWEN_IMAGE_LORA_TARGETS = (
+    "to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out,"
+    "img_mlp.net.0.proj,img_mlp.net.2,txt_mlp.net.0.proj,txt_mlp.net.2"
+)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    kind: Literal["qwen_image", "sd3", "textbed", "tiny_qwen_image", "tiny_sd3"] = "qwen_image"
+    """Which generator: real Qwen-Image / SD3.5, the pretrained tiny text renderer, or tiny random models."""
+    path: str = "Qwen/Qwen-Image"
+    """Local diffusers directory or hub id (ignored by the tiny kinds; textbed: '' = the bundled checkpoint)."""
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    """Compute dtype of the transformer (FSDP2 param_dtype). Masters, latents and SDE math stay fp32."""
+    lora: bool = True
+    """Train LoRA adapters (True) or all transformer weights (False)."""
+    lora_rank: int = 64
+    """LoRA rank r."""
+    lora_alpha: int = 128
+    """LoRA alpha (the update is scaled by alpha / r)."""
+    lora_targets: str = QWEN_IMAGE_LORA_TARGETS
+    """Comma-separated module names inside the transformer that get LoRA adapters."""
+    gradient_checkpointing: bool = True
+    """Recompute block activations in backward (less memory, ~30 % more compute)."""
+    attention_backend: str = ""
+    """diffusers attention backend name (e.g. 'flash', '_flash_3_hub', 'native'); '' keeps the default."""
+    compile: bool = False
+    """Regional torch.compile of the transformer blocks."""
+
+    @property
+    def lora_target_list(self) -> list[str]:
+        return [t.strip() for t in self.lora_targets.split(",") if t.strip()]
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    group_size: int = 16
+    """G: images sampled per prompt; advantages are computed within these groups."""
+    prompts_per_step: int = 32
+    """P: prompts per training step (over all ranks). The step trains on P * G samples."""
+    clip_range: float = 1e-5
+    """PPO clip epsilon on the per-step likelihood ratio (flow_grpo's value for Qwen-Image is tiny)."""
+    adv_clip_max: float = 5.0
+    """Advantages are clamped to [-adv_clip_max, adv_clip_max]."""
+    adv_std: Literal["group", "global", "none"] = "global"
+    """Normaliser of the advantages: per-group std, whole-batch std, or none."""
+    optimizer_steps_per_step: int = 2
+    """Mini-batches per training step (each ends with one optimizer step)."""
+    inner_epochs: int = 1
+    """Passes over the step's samples."""
+    train_micro_batch: int = 0
+    """Samples per training forward; 0 = the rollout micro-batch (equal shapes keep old log-probs exact)."""
+    old_log_prob: Literal["rollout", "recompute"] = "rollout"
+    """'rollout' reuses the engine's log-probs (exact for the in-process engine); 'recompute' recomputes them
+    with the trainer's kernels before the first update (needed when the engine's kernels differ, e.g. vLLM)."""
+    kl_coef: float = 0.0
+    """Weight of the KL to the reference policy (LoRA disabled). 0 turns the extra forward off."""
+    kl_kind: Literal["exact", "flow_grpo"] = "exact"
+    """'exact' Gaussian KL of the transition, or flow_grpo's variant (omits the sqrt(sigma - sigma') factor)."""
+    ratio_norm: bool = False
+    """GRPO-Guard ratio normalisation in the clipped loss."""
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-4
+    """AdamW learning rate."""
+    weight_decay: float = 1e-4
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Max global grad norm; a step whose grad norm is not finite is skipped and counted."""
+    warmup_steps: int = 0
+    """Linear LR warm-up in optimizer steps."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train_prompts: str = "data/ocr/train.txt"
+    """Training prompts: .txt (one per line, OCR target in double quotes) or .jsonl with a 'prompt' field.
+    The special value 'textbed:train' / 'textbed:heldout' uses the bundled text-renderer words."""
+    val_prompts: str = "data/ocr/test.txt"
+    """Validation prompts, same formats."""
+    val_num_prompts: int = 32
+    """How many validation prompts (the first N) are sampled at each validation."""
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    name: str = "ocr"
+    """Reward spec for fgrpo.rewards.build_reward (e.g. 'ocr', 'jpeg_compressibility')."""
+    url: str = ""
+    """If set, score through the HTTP reward service at this URL instead of in-process."""
+    asynchronous: bool = True
+    """Score in a worker thread so decoding/logging overlap with it."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    out_dir: str = "runs"
+    """Runs are written to out_dir/exp_name."""
+    wandb: Literal["online", "offline", "disabled"] = "offline"
+    """wandb mode ('offline' writes locally and needs no key)."""
+    log_images_every: int = 10
+    """Save an image grid of the rollout every N steps (0 = never)."""
+    val_every: int = 10
+    """Validate (ODE sampling, fixed seeds) every N steps and at the end (0 = never)."""
+    val_num_steps: int = 50
+    """Denoising steps of validation sampling."""
+    ckpt_every: int = 50
+    """Checkpoint every N steps and at the end (0 = only at the end)."""
+    keep_last: int = 3
+    """Checkpoints kept on disk."""
+    resume: str = ""
+    """'' = fresh run; 'auto' = latest checkpoint of this run if any; or a checkpoint directory."""
+    export_lora: bool = True
+    """Write the LoRA as a PEFT/diffusers adapter at the end of the run."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything the loop needs; experiment files build one of these."""
+
+    exp_name: str = "run"
+    """Run name (experiment files default it to their file stem)."""
+    seed: int = 0
+    """Seed of the data order, the rollout noise and the LoRA init."""
+    num_steps: int = 1000
+    """Training steps (one step = rollout of P*G images + optimizer_steps_per_step updates)."""
+    device: str = "auto"
+    """'auto' (cuda if available), 'cuda' or 'cpu'."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.grpo.prompts_per_step * self.grpo.group_size

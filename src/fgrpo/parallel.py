@@ -1,0 +1,105 @@
+"""Process group and FSDP2 sharding: the only place that knows about ranks and devices.
+
+torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; a plain `python` run is a world of one, without a
+process group, so the same loop runs unchanged on a laptop.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def initialized(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+
+def init_distributed(device: str = "auto") -> Dist:
+    """Join the torchrun process group if there is one (NCCL on CUDA, gloo on CPU)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device(device)
+    if world_size > 1 and not dist.is_initialized():
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, device_id=dev if dev.type == "cuda" else None)
+    return Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
+
+
+def shutdown(*objects_to_drop: object) -> None:
+    """Leave the process group cleanly.
+
+    Destroying the group while FSDP tensors or optimizer state are still alive aborts ~15 % of gloo
+    runs; the caller drops its references first, we collect and barrier, then destroy.
+    """
+    del objects_to_drop
+    gc.collect()
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def all_gather_cat(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate equal-shaped per-rank tensors along dim 0, in rank order (identity without a group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return x
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts)
+
+
+def all_reduce_mean(x: torch.Tensor) -> torch.Tensor:
+    if not (dist.is_available() and dist.is_initialized()):
+        return x
+    x = x.clone()
+    dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x / dist.get_world_size()
+
+
+def shard_transformer(
+    transformer: nn.Module,
+    *,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    block_attr: str = "transformer_blocks",
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """FSDP2 in TorchTitan's pattern: fully_shard every transformer block, then the root.
+
+    Parameters stay fp32 masters (sharded); `param_dtype` is what forward/backward compute in (bf16 on
+    GPUs), `reduce_dtype` what gradients are reduced in (fp32, so small LoRA gradients don't round away).
+    Call after LoRA is attached and before the optimizer is built.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    blocks = getattr(transformer, block_attr, None)
+    if blocks is None:
+        raise ValueError(f"shard_transformer: {type(transformer).__name__} has no '{block_attr}'; pass block_attr=")
+    for block in blocks:
+        fully_shard(block, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(transformer, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    return transformer

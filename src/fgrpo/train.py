@@ -1,0 +1,368 @@
+"""The Flow-GRPO training loop: thin, top to bottom, owning all state.
+
+    for step in steps:
+        prompts  <- deterministic slice of the prompt order (each rank a shard of the P*G samples)
+        traj     <- engine.generate(prompts, seeds)        # SDE inside each sample's window, ODE outside
+        rewards  <- reward(traj.images)  -> all-gather -> group advantages (core)
+        for epoch, mini-batch, window step, micro-batch:
+            log_prob <- policy.transition_log_prob(...)    # the same kernel the rollout used
+            loss     <- clipped_policy_loss (+ KL to the LoRA-disabled reference)
+            backward (scaled so the gradient does not depend on the split)
+        optimizer step per mini-batch, validation, checkpoint
+
+Deviations from flow_grpo, and why:
+- Every rank samples an arbitrary slice of the P*G samples (the G samples of a prompt may live on
+  different ranks); rewards are all-gathered before the advantages, so the result does not depend on
+  the number of ranks.
+- The noise of every sample comes from a generator seeded by (seed, step, sample index), so a
+  resumed run and a run with another world size or micro-batch draw the same images.
+- Old log-probs are the rollout's own (the in-process engine computes them with `policy.transition`,
+  the function training calls), and the |rollout - trainer| gap is measured on the first mini-batch,
+  whose weights are still the rollout's. `grpo.old_log_prob="recompute"` recomputes them in training
+  shapes first, for engines whose kernels differ (vLLM-Omni).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fgrpo import parallel
+from fgrpo.config import ModelConfig, TrainConfig
+from fgrpo.core import grpo
+from fgrpo.data import load_prompts, step_prompt_indices
+from fgrpo.models.base import FlowModel, cond_index
+from fgrpo.policy import transition, transition_log_prob
+from fgrpo.rollout.base import RolloutEngine, SamplingConfig, Trajectory
+
+# ----------------------------------------------------------------------------------------------------
+# Validation of the config: every error names the field and the fix, before anything expensive.
+
+
+def validate_config(cfg: TrainConfig, world_size: int) -> None:
+    g, s = cfg.grpo, cfg.sampling
+    n = cfg.samples_per_step
+    if g.group_size < 2:
+        raise ValueError(f"grpo.group_size={g.group_size}: GRPO needs at least 2 samples per prompt")
+    if n % world_size:
+        raise ValueError(
+            f"grpo.prompts_per_step*grpo.group_size={n} is not divisible by the {world_size} ranks; "
+            "change grpo.prompts_per_step or grpo.group_size"
+        )
+    local = n // world_size
+    if local % g.optimizer_steps_per_step:
+        raise ValueError(
+            f"grpo.optimizer_steps_per_step={g.optimizer_steps_per_step} does not divide the {local} samples "
+            "per rank; pick a divisor"
+        )
+    if s.sde_kind == "ode" or s.window_size < 1:
+        raise ValueError("sampling.sde_kind='ode' / window_size<1 leaves nothing to train; use flow_sde, cps or dance_sde")
+    lo, hi = s.window_range
+    if not (0 <= lo and lo + s.window_size <= hi <= s.num_steps):
+        raise ValueError(
+            f"sampling.window_range={s.window_range} with window_size={s.window_size} must satisfy "
+            f"0 <= lo, lo + window_size <= hi <= num_steps={s.num_steps}"
+        )
+    if g.kl_coef > 0 and not cfg.model.lora:
+        raise ValueError("grpo.kl_coef>0 needs model.lora=True (the reference is the model with adapters off)")
+    if cfg.num_steps < 1:
+        raise ValueError(f"num_steps={cfg.num_steps}: must be >= 1")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Building the pieces.
+
+
+def build_model(mcfg: ModelConfig, device: torch.device, seed: int) -> FlowModel:
+    """The generator named by model.kind, on `device`, frozen; trainable parameters are set up later."""
+    dtype = torch.bfloat16 if mcfg.dtype == "bf16" else torch.float32
+    if mcfg.kind == "textbed":
+        from fgrpo.models.textbed import load_textbed
+
+        return load_textbed(mcfg.path or None, device=device, dtype=dtype)
+    if mcfg.kind in ("tiny_qwen_image", "tiny_sd3"):
+        from fgrpo.models import tiny
+
+        build = tiny.tiny_qwen_image if mcfg.kind == "tiny_qwen_image" else tiny.tiny_sd3
+        return build(seed=seed, device=device, dtype=dtype)
+    from fgrpo.models import loading
+
+    return loading.load_model(mcfg, device=device, dtype=dtype)
+
+
+def setup_trainable(transformer: torch.nn.Module, mcfg: ModelConfig) -> list[torch.nn.Parameter]:
+    """Attach LoRA (or unfreeze everything). Trainable parameters are fp32 masters whatever the base dtype."""
+    transformer.requires_grad_(False)
+    if mcfg.lora:
+        from peft import LoraConfig
+
+        lora = LoraConfig(
+            r=mcfg.lora_rank, lora_alpha=mcfg.lora_alpha, init_lora_weights="gaussian",
+            target_modules=mcfg.lora_target_list,
+        )
+        transformer.add_adapter(lora)
+    else:
+        transformer.requires_grad_(True)
+    params = [p for p in transformer.parameters() if p.requires_grad]
+    for p in params:
+        p.data = p.data.float()
+    if mcfg.gradient_checkpointing and hasattr(transformer, "enable_gradient_checkpointing"):
+        transformer.enable_gradient_checkpointing()
+    return params
+
+
+@contextlib.contextmanager
+def adapters_disabled(transformer: torch.nn.Module):
+    """The reference policy for the KL: the same transformer with its LoRA adapters switched off."""
+    transformer.disable_adapters()
+    try:
+        yield
+    finally:
+        transformer.enable_adapters()
+
+
+def build_engine(model: FlowModel, cfg: TrainConfig) -> RolloutEngine:
+    from fgrpo.rollout.engine import DiffusersEngine
+
+    return DiffusersEngine(model)
+
+
+def sample_seeds(seed: int, step: int, sample_ids: torch.Tensor) -> list[int]:
+    """Per-sample seeds, a pure function of (run seed, step, global sample index)."""
+    from fgrpo.rollout.seeds import sample_seed
+
+    return [sample_seed(seed, step, int(i)) for i in sample_ids]
+
+
+# ----------------------------------------------------------------------------------------------------
+# One policy update on a trajectory.
+
+
+def policy_update(
+    model: FlowModel,
+    params: list[torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler,
+    traj: Trajectory,
+    advantages: torch.Tensor,
+    cfg: TrainConfig,
+    generator: torch.Generator,
+) -> dict[str, float]:
+    """Inner epochs x mini-batches of the clipped Flow-GRPO objective on this rank's samples.
+
+    Gradients are scaled so that the update equals that of one big batch: each micro-batch adds
+    (its elements / elements of the mini-batch on this rank) of its mean loss, and FSDP averages
+    equal-sized rank shards.
+    """
+    g, s = cfg.grpo, cfg.sampling
+    B, W = traj.window.shape
+    mb = g.train_micro_batch or s.micro_batch
+    device = traj.x_t.device
+    stats: dict[str, list[float]] = defaultdict(list)
+    gap_per_step: dict[int, list[float]] = defaultdict(list)
+    old_log_prob = traj.log_prob
+    first_update = True
+
+    if g.old_log_prob == "recompute":
+        old_log_prob = recompute_log_probs(model, traj, s, mb)
+        for j in range(W):
+            for i, gap in zip(traj.window[:, j].tolist(), (old_log_prob[:, j] - traj.log_prob[:, j]).abs().tolist()):
+                gap_per_step[i].append(gap)
+        first_update = False  # the gap is measured; the ratio starts from the trainer's own numbers
+
+    for _epoch in range(g.inner_epochs):
+        perm = torch.randperm(B, generator=generator).to(device)
+        for chunk in perm.chunk(g.optimizer_steps_per_step):
+            n_elems = len(chunk) * W
+            for j in range(W):
+                for idx in chunk.split(mb):
+                    steps = traj.window[idx, j]
+                    sigma, sigma_next = traj.sigmas[steps], traj.sigmas[steps + 1]
+                    cond = cond_index(traj.cond, idx)
+                    log_prob, mean, std = transition_log_prob(
+                        model, traj.x_t[idx, j], traj.x_next[idx, j], sigma, sigma_next, cond, s
+                    )
+                    old = old_log_prob[idx, j]
+                    if first_update:  # weights still equal the rollout's: the gap is the numerics alone
+                        for i, gap in zip(steps.tolist(), (log_prob.detach() - old).abs().tolist()):
+                            gap_per_step[i].append(gap)
+                    loss, metrics = grpo.clipped_policy_loss(
+                        log_prob, old, advantages[idx], clip_range=g.clip_range, adv_clip_max=g.adv_clip_max,
+                        ratio_norm=g.ratio_norm,
+                    )
+                    if g.kl_coef > 0:
+                        with torch.no_grad(), adapters_disabled(model.transformer):
+                            ref_mean, _ = transition(model, traj.x_t[idx, j], sigma, sigma_next, cond, s)
+                        kl = grpo.gaussian_kl(mean, ref_mean, std, kind=g.kl_kind)
+                        loss = loss + g.kl_coef * kl.mean()
+                        stats["kl"].append(kl.mean().item())
+                    (loss * (len(idx) / n_elems)).backward()
+                    for k, v in metrics.items():
+                        stats[k].append(float(v))
+                    stats["loss"].append(loss.item())
+            first_update = False
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
+            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+            stats["grad_norm"].append(grad_norm)
+            if math.isfinite(grad_norm):
+                optimizer.step()
+                stats["skipped_steps"].append(0.0)
+            else:  # one bad batch must not poison AdamW's moments
+                stats["skipped_steps"].append(1.0)
+            optimizer.zero_grad(set_to_none=True)
+            lr_scheduler.step()
+
+    out = {k: float(np.mean(v)) for k, v in stats.items() if k != "skipped_steps"}
+    out["skipped_steps"] = float(np.sum(stats["skipped_steps"]))
+    for i, gaps in sorted(gap_per_step.items()):
+        out[f"logprob_gap/step{i}"] = float(np.max(gaps))
+    if gap_per_step:
+        out["logprob_gap/max"] = max(out[f"logprob_gap/step{i}"] for i in gap_per_step)
+    return out
+
+
+@torch.no_grad()
+def recompute_log_probs(model: FlowModel, traj: Trajectory, s: SamplingConfig, micro_batch: int) -> torch.Tensor:
+    """[B, W] log-probs of the stored transitions under the current weights, in training shapes."""
+    out = torch.empty_like(traj.log_prob)
+    for j in range(traj.window.shape[1]):
+        for idx in torch.arange(len(traj), device=traj.x_t.device).split(micro_batch):
+            steps = traj.window[idx, j]
+            out[idx, j], _, _ = transition_log_prob(
+                model, traj.x_t[idx, j], traj.x_next[idx, j], traj.sigmas[steps], traj.sigmas[steps + 1],
+                cond_index(traj.cond, idx), s,
+            )
+    return out
+
+
+def validation_sampling(s: SamplingConfig, num_steps: int) -> SamplingConfig:
+    """Deterministic ODE sampling for evaluation (no window: nothing is trained or scored as an action)."""
+    return dataclasses.replace(s, sde_kind="ode", noise_level=0.0, num_steps=num_steps, window_size=0, window_range=(0, 0))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The loop.
+
+
+def train(cfg: TrainConfig, *, experiment_source: str | None = None) -> dict[str, float]:
+    """Run Flow-GRPO as configured; returns the last step's metrics (rank 0's view)."""
+    from fgrpo import checkpoint
+    from fgrpo import logging as flog
+    from fgrpo.rewards import build_reward
+
+    d = parallel.init_distributed(cfg.device)
+    validate_config(cfg, d.world_size)
+    run_dir = Path(cfg.run.out_dir) / cfg.exp_name
+    train_prompts = load_prompts(cfg.data.train_prompts, require_quoted=cfg.reward.name.startswith("ocr"))
+    val_prompts = load_prompts(cfg.data.val_prompts, require_quoted=cfg.reward.name.startswith("ocr"),
+                               field="data.val_prompts")[: cfg.data.val_num_prompts]
+    reward = build_reward(cfg.reward.name, url=cfg.reward.url or None)
+
+    torch.manual_seed(cfg.seed)  # LoRA init is the only draw from the global RNG
+    model = build_model(cfg.model, d.device, cfg.seed)
+    params = setup_trainable(model.transformer, cfg.model)
+    param_dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else None
+    parallel.shard_transformer(model.transformer, param_dtype=param_dtype)
+    params = [p for p in model.transformer.parameters() if p.requires_grad]  # now DTensors
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda k: min(1.0, (k + 1) / o.warmup_steps) if o.warmup_steps else 1.0
+    )
+    engine = build_engine(model, cfg)
+
+    start_step = 0
+    extra: dict = {}
+    if cfg.run.resume:
+        path = checkpoint.latest(run_dir / "checkpoints") if cfg.run.resume == "auto" else Path(cfg.run.resume)
+        if path is not None:
+            start_step, extra = checkpoint.load(path, model=model.transformer, optimizer=optimizer,
+                                                lr_scheduler=lr_scheduler)
+            flog.print0(f"resumed from {path} at step {start_step}")
+    logger = flog.make_logger(cfg, run_dir, enabled=d.is_main, experiment_source=experiment_source)
+
+    G, P = cfg.grpo.group_size, cfg.grpo.prompts_per_step
+    n_local = P * G // d.world_size
+    sample_ids = torch.arange(d.rank * n_local, (d.rank + 1) * n_local)  # this rank's slice of the step
+    metrics: dict[str, float] = {}
+    for step in range(start_step, cfg.num_steps):
+        timer = flog.PhaseTimer()
+        # 1. prompts and seeds: pure functions of (seed, step)
+        prompt_ids = step_prompt_indices(len(train_prompts), step, P, cfg.seed)
+        prompts = [train_prompts[int(prompt_ids[int(i) // G])] for i in sample_ids]
+        seeds = sample_seeds(cfg.seed, step, sample_ids)
+
+        # 2. rollout
+        with timer("rollout"), torch.no_grad():
+            traj = engine.generate(prompts, seeds, cfg.sampling)
+
+        # 3. rewards -> all ranks -> group advantages
+        with timer("reward"):
+            out = reward(traj.images.cpu().numpy(), prompts)
+            local_rewards = torch.as_tensor(out.scores, dtype=torch.float32, device=d.device)
+        with timer("sync"):
+            rewards = parallel.all_gather_cat(local_rewards)
+            advantages = grpo.group_advantages(rewards, G, std=cfg.grpo.adv_std)
+            local_adv = advantages[sample_ids.to(d.device)]
+
+        # 4. policy update
+        with timer("train"):
+            gen = torch.Generator().manual_seed(cfg.seed * 7919 + step)  # mini-batch order, same on resume
+            train_metrics = policy_update(model, params, optimizer, lr_scheduler, traj, local_adv, cfg, gen)
+
+        # 5. logging, validation, checkpoint
+        grouped = rewards.view(P, G)
+        metrics = {
+            "reward/mean": rewards.mean().item(),
+            "reward/std": rewards.std(unbiased=False).item(),
+            "reward/zero_std_group_frac": (grouped.std(dim=1, unbiased=False) == 0).float().mean().item(),
+            **{f"reward/{k}": float(v) for k, v in out.metrics.items()},
+            **{f"train/{k}": v for k, v in train_metrics.items()},
+            "lr": lr_scheduler.get_last_lr()[0],
+        }
+        if cfg.run.log_images_every and step % cfg.run.log_images_every == 0:
+            logger.log_images("rollout", traj.images[:16].cpu().numpy(), prompts[:16], step=step)
+        last = step + 1 == cfg.num_steps
+        if cfg.run.val_every and (step % cfg.run.val_every == 0 or last):
+            with timer("val"):
+                metrics.update(validate(engine, reward, val_prompts, cfg, logger, step))
+        if last or (cfg.run.ckpt_every and (step + 1) % cfg.run.ckpt_every == 0):
+            with timer("checkpoint"):
+                checkpoint.save(run_dir / "checkpoints", step + 1, model=model.transformer, optimizer=optimizer,
+                                lr_scheduler=lr_scheduler, extra_state={"exp_name": cfg.exp_name},
+                                keep_last=cfg.run.keep_last)
+        metrics.update(timer.metrics(images=P * G))
+        logger.log(metrics, step=step)
+        flog.print0(flog.progress_line(step, cfg.num_steps, metrics))
+
+    if cfg.run.export_lora and cfg.model.lora:
+        checkpoint.export_lora(run_dir / "lora", model.transformer)
+    logger.finish()
+    del engine, optimizer, params, model
+    parallel.shutdown()
+    return metrics
+
+
+@torch.no_grad()
+def validate(engine, reward, prompts: list[str], cfg: TrainConfig, logger, step: int) -> dict[str, float]:
+    """ODE samples of fixed prompts and seeds (the same every validation), scored by the reward."""
+    d_rank, d_world = (0, 1)
+    if torch.distributed.is_initialized():
+        d_rank, d_world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    n = math.ceil(len(prompts) / d_world) * d_world
+    ids = torch.arange(n).view(d_world, -1)[d_rank]
+    local_prompts = [prompts[int(i) % len(prompts)] for i in ids]  # pad by wrapping so shapes match
+    seeds = [10_000 + int(i) for i in ids]
+    s = validation_sampling(cfg.sampling, cfg.run.val_num_steps)
+    traj = engine.generate(local_prompts, seeds, s)
+    out = reward(traj.images.cpu().numpy(), local_prompts)
+    scores = parallel.all_gather_cat(torch.as_tensor(out.scores, dtype=torch.float32, device=traj.images.device))
+    scores = scores[: len(prompts)]
+    logger.log_images("val", traj.images[:16].cpu().numpy(), local_prompts[:16], step=step)
+    return {"val/reward_mean": scores.mean().item(), "val/reward_exact_frac": (scores >= 0.999).float().mean().item()}
