@@ -1,4 +1,11 @@
-"""The reward interface: uint8 images [B, H, W, 3] + prompts (+ per-sample metadata) -> scores [B]."""
+"""The reward interface: uint8 images [B, H, W, 3] + prompts (+ per-sample metadata) -> scores [B].
+
+Conventions every reward in this package follows (and every wrapper relies on):
+- `scores` is float32 [B] and finite; a reward that cannot score a sample raises (never a silent 0).
+  The one place a sample may lack a score is a member of a MultiReward: its `components` entry is NaN.
+- `metrics` are floats for logging. A key ending in `_count` is additive (failures, retries); any other key
+  is a per-sample mean. `concat_outputs` relies on this when it joins batches.
+"""
 
 from __future__ import annotations
 
@@ -20,3 +27,45 @@ class Reward(Protocol):
     def __call__(
         self, images: np.ndarray, prompts: Sequence[str], metadata: Sequence[dict[str, Any]] | None = None
     ) -> RewardOutput: ...
+
+
+def check_inputs(
+    images: np.ndarray, prompts: Sequence[str], metadata: Sequence[dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
+    """Validate a reward call's arguments before any expensive work; return metadata as a list of B dicts.
+
+    Raises:
+        TypeError / ValueError naming the field and the fix.
+    """
+    if not isinstance(images, np.ndarray) or images.dtype != np.uint8:
+        got = images.dtype if isinstance(images, np.ndarray) else type(images).__name__
+        raise TypeError(f"images must be a uint8 numpy array [B, H, W, 3], got {got}; decode to uint8 first")
+    if images.ndim != 4 or images.shape[-1] != 3:
+        raise ValueError(f"images must have shape [B, H, W, 3], got {list(images.shape)}")
+    if isinstance(prompts, str):
+        raise TypeError("prompts must be a sequence of B strings, got a single str; wrap it in a list")
+    if len(prompts) != len(images):
+        raise ValueError(f"got {len(images)} images but {len(prompts)} prompts; pass one prompt per image")
+    if metadata is None:
+        return [{} for _ in range(len(images))]
+    if len(metadata) != len(images):
+        raise ValueError(f"got {len(images)} images but {len(metadata)} metadata dicts; pass one per image")
+    return list(metadata)
+
+
+def concat_outputs(outputs: Sequence[RewardOutput]) -> RewardOutput:
+    """Join per-batch outputs in order: scores and components concatenate, `*_count` metrics add up,
+    other metrics become the sample-weighted mean over batches."""
+    if not outputs:
+        raise ValueError("concat_outputs needs at least one RewardOutput")
+    sizes = np.array([len(o.scores) for o in outputs], dtype=np.float64)
+    scores = np.concatenate([o.scores for o in outputs]).astype(np.float32)
+    components = {
+        k: np.concatenate([o.components[k] for o in outputs]).astype(np.float32)
+        for k in outputs[0].components
+    }
+    metrics: dict[str, float] = {}
+    for k in outputs[0].metrics:
+        vals = np.array([o.metrics.get(k, np.nan) for o in outputs], dtype=np.float64)
+        metrics[k] = float(vals.sum()) if k.endswith("_count") else float((vals * sizes).sum() / sizes.sum())
+    return RewardOutput(scores=scores, components=components, metrics=metrics)

@@ -1,0 +1,135 @@
+"""build_reward: one entry point from a config value to a Reward.
+
+A spec is one of
+- a name:                 "ocr", "jpeg_compressibility", "jpeg_incompressibility"
+- a dict with options:    {"name": "ocr", "engine": "vlm", "base_url": "http://127.0.0.1:8000",
+                           "model": "Qwen/Qwen2.5-VL-3B-Instruct"}
+                          {"name": "http", "url": "http://127.0.0.1:8765", "timeout_s": 30}
+- a multi-reward:         a list of member specs, or {"name": "multi", "members": [...]}; a member spec is a
+                          spec plus "weight" (default 1.0), "required" (default true) and "key" (its name
+                          in logs; default the member's name)
+- "package.module:factory" (or {"name": "package.module:factory", ...}) for a reward defined elsewhere
+- any of the above as a JSON string (what a command-line flag carries).
+
+    build_reward("ocr")
+    build_reward('[{"name": "ocr"}, {"name": "jpeg_compressibility", "weight": 0.1, "required": false}]')
+
+Options of "ocr": engine = "rapidocr" (default; RapidOcrEngine options), "vlm" (VlmOcrEngine: base_url,
+model, ...) or "vllm" (VllmOcrEngine: model, ...). Options of "http": those of HttpReward.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from fgrpo.rewards.base import Reward
+
+
+def _check_options(what: str, fn: Callable[..., Any], options: Mapping[str, Any]) -> None:
+    """Fail on unknown or missing options before building anything (a misspelt key is a one-line error)."""
+    try:
+        inspect.signature(fn).bind(**options)
+    except TypeError as e:
+        params = [p for p in inspect.signature(fn).parameters if p not in ("self", "args", "kwargs")]
+        raise ValueError(f"reward {what!r}: {e}; its options are {params}") from None
+
+
+def _ocr(engine: str = "rapidocr", **options: Any) -> Reward:
+    from fgrpo.rewards.ocr import OcrReward, RapidOcrEngine
+    from fgrpo.rewards.vlm import VllmOcrEngine, VlmOcrEngine
+
+    engines: dict[str, Callable[..., Any]] = {
+        "rapidocr": RapidOcrEngine,
+        "vlm": VlmOcrEngine,
+        "vllm": VllmOcrEngine,
+    }
+    if engine not in engines:
+        raise ValueError(f"reward 'ocr': engine must be one of {sorted(engines)}, got {engine!r}")
+    if engine != "vllm":  # VllmOcrEngine forwards unknown options to vllm.LLM
+        _check_options(f"ocr/{engine}", engines[engine], options)
+    return OcrReward(engines[engine](**options))
+
+
+def _jpeg(compressible: bool) -> Callable[..., Reward]:
+    def build(*, scale: float = 1 / 500, quality: int = 95) -> Reward:
+        from fgrpo.rewards.jpeg import JpegReward
+
+        return JpegReward(compressible=compressible, scale=scale, quality=quality)
+
+    return build
+
+
+def _http(**options: Any) -> Reward:
+    from fgrpo.rewards.client import HttpReward
+
+    _check_options("http", HttpReward, options)
+    return HttpReward(**options)
+
+
+def _multi(members: Sequence[Any]) -> Reward:
+    from fgrpo.rewards.multi import Member, MultiReward
+
+    if isinstance(members, str | Mapping) or not isinstance(members, Sequence):
+        raise ValueError("reward 'multi': members must be a list of member specs")
+    built = []
+    for spec in members:
+        spec = {"name": spec} if isinstance(spec, str) else dict(spec)
+        if "name" not in spec:
+            raise ValueError(f"multi-reward member spec {spec} has no 'name'")
+        weight, required = float(spec.pop("weight", 1.0)), spec.pop("required", True)
+        if not isinstance(required, bool):
+            raise ValueError(
+                f"multi-reward member {spec['name']!r}: 'required' must be true or false, got {required!r}"
+            )
+        key = str(spec.pop("key", spec["name"]))
+        built.append(Member(name=key, reward=build_reward(spec), weight=weight, required=required))
+    return MultiReward(built)
+
+
+REWARDS: dict[str, Callable[..., Reward]] = {
+    "ocr": _ocr,
+    "jpeg_compressibility": _jpeg(compressible=True),
+    "jpeg_incompressibility": _jpeg(compressible=False),
+    "http": _http,
+    "multi": _multi,
+}
+
+
+def _import(target: str) -> Callable[..., Reward]:
+    module, _, attr = target.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"reward {target!r}: cannot import {attr!r} from {module!r} ({e})") from e
+
+
+def build_reward(spec: str | Mapping[str, Any] | Sequence[Any]) -> Reward:
+    """Build a Reward from a spec (see the module docstring for the forms a spec takes)."""
+    if isinstance(spec, str):
+        s = spec.strip()
+        if s.startswith(("{", "[")):
+            try:
+                return build_reward(json.loads(s))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"reward spec is not valid JSON ({e}): {s[:200]}") from e
+        spec = {"name": s}
+    if isinstance(spec, Sequence):
+        return _multi(spec)
+    if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str):
+        raise ValueError(
+            f"reward spec must be a name, a dict with a 'name', or a list of those; got {spec!r}"
+        )
+    options = dict(spec)
+    name = options.pop("name")
+    if name in REWARDS:
+        fn = REWARDS[name]
+        if name != "ocr":  # _ocr checks against the chosen engine's options
+            _check_options(name, fn, options)
+        return fn(**options)
+    if ":" in name:
+        return _import(name)(**options)
+    raise ValueError(f"unknown reward {name!r}; known: {sorted(REWARDS)} or 'package.module:factory'")

@@ -1,0 +1,162 @@
+"""OCR reward (the main experiment's task): does the image spell the quoted text of its prompt?
+
+reward = 1 - min(d, n) / n, where n = len(target) and d = 0 if the target is a substring of the recognized
+text, else the Levenshtein distance between the two (both lower-cased, all whitespace removed).
+
+Engines turn images into recognized text; they are interchangeable behind `OcrEngine`:
+- `RapidOcrEngine`: PP-OCR through rapidocr + onnxruntime on CPU, weights from rapidocr's wheel (default);
+- `fgrpo.rewards.vlm.VlmOcrEngine` / `VllmOcrEngine`: a VLM transcriber through vLLM.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+from rapidfuzz.distance import Levenshtein
+
+from fgrpo.rewards.base import RewardOutput, check_inputs
+
+
+def extract_target(prompt: str) -> str:
+    """The text between the first pair of double quotes of `prompt` (the text the image must show).
+
+    Raises:
+        ValueError naming the prompt when it has no quoted text or the quoted text is blank.
+    """
+    parts = prompt.split('"')
+    if len(parts) < 3:
+        raise ValueError(
+            f'OCR prompt has no text between double quotes: {prompt!r}; write it like: a sign that says "OPEN"'
+        )
+    target = parts[1]
+    if not target.strip():
+        raise ValueError(
+            f"OCR prompt quotes only whitespace: {prompt!r}; put the text to render between the quotes"
+        )
+    return target
+
+
+def _normalize(text: str) -> str:
+    return "".join(text.split()).lower()
+
+
+def ocr_score(recognized: str, target: str) -> float:
+    """flow_grpo's OCR reward for one image: 1 - min(d, n) / n in [0, 1].
+
+    Both strings are lower-cased with all whitespace removed; d = 0 when the target is a substring of the
+    recognized text (extra text around it is not penalised), else d = Levenshtein(recognized, target);
+    n = len(target). Capping d at n makes a page of unrelated text cost no more than recognizing nothing.
+
+    Differs from flow_grpo: it strips only the ASCII space; we strip all whitespace (newlines, tabs), so a
+    target split over two lines by the model still counts as spelt correctly.
+    """
+    recognized, target = _normalize(recognized), _normalize(target)
+    if not target:
+        raise ValueError(
+            "ocr_score target is empty after removing whitespace; the prompt must quote some text"
+        )
+    d = 0 if target in recognized else Levenshtein.distance(recognized, target)
+    return 1.0 - min(d, len(target)) / len(target)
+
+
+class OcrEngine(Protocol):
+    def recognize(self, images: np.ndarray) -> list[str]:
+        """uint8 RGB images [B, H, W, 3] -> the text recognized in each (empty string when none)."""
+        ...
+
+
+# The PP-OCR models shipped inside the rapidocr wheel. We pass their paths explicitly: with model_path unset
+# rapidocr checks a checksum and would try to download a missing or different file; we never download.
+_RAPIDOCR_MODELS = {
+    "Det": "PP-OCRv6_det_small.onnx",
+    "Rec": "PP-OCRv6_rec_small.onnx",
+    "Cls": "ch_ppocr_mobile_v2.0_cls_mobile.onnx",
+}
+
+
+class RapidOcrEngine:
+    """PP-OCR (detection + recognition) through rapidocr and onnxruntime on CPU; offline and quiet.
+
+    Args:
+        text_score: lines recognized with lower confidence are dropped (PaddleOCR's drop_score, which
+            flow_grpo's PaddleOCR call uses at its default 0.5).
+        num_threads: onnxruntime intra-op threads; None = all cores. Set it when scoring overlaps a rollout
+            so OCR does not starve the data loader.
+        det_limit_side_len: the detector resizes so the short side is at least this (rapidocr's default).
+        params: extra rapidocr config overrides, e.g. {"Det.box_thresh": 0.4}.
+
+    Differs from flow_grpo: PP-OCRv6 small via onnxruntime instead of PaddleOCR's PP-OCR (en); like flow_grpo
+    the angle classifier is off (generated text is upright).
+    """
+
+    def __init__(
+        self,
+        *,
+        text_score: float = 0.5,
+        num_threads: int | None = None,
+        det_limit_side_len: int = 736,
+        params: dict[str, Any] | None = None,
+    ):
+        import rapidocr
+
+        model_dir = Path(rapidocr.__file__).parent / "models"
+        cfg: dict[str, Any] = {
+            "Global.use_cls": False,
+            "Global.text_score": float(text_score),
+            "Global.log_level": "error",  # "info" logs every model load, "warning" every blank image
+            "Det.limit_side_len": int(det_limit_side_len),
+        }
+        for task, fname in _RAPIDOCR_MODELS.items():
+            path = model_dir / fname
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"rapidocr model {path} is missing; reinstall the rapidocr wheel (uv sync --reinstall-package "
+                    f"rapidocr) — fgrpo never downloads OCR weights"
+                )
+            cfg[f"{task}.model_path"] = str(path)
+        if num_threads is not None:
+            cfg["EngineConfig.onnxruntime.intra_op_num_threads"] = int(num_threads)
+            cfg["EngineConfig.onnxruntime.inter_op_num_threads"] = 1
+        cfg.update(params or {})
+        self._engine = rapidocr.RapidOCR(params=cfg)
+
+    def recognize(self, images: np.ndarray) -> list[str]:
+        texts = []
+        for image in images:
+            # rapidocr reads a numpy array as OpenCV BGR; ours are RGB.
+            result = self._engine(np.ascontiguousarray(image[..., ::-1]))
+            lines = result.txts or ()
+            texts.append(" ".join(lines))
+        return texts
+
+
+class OcrReward:
+    """Reward = ocr_score(engine's text, quoted target of the prompt), per image.
+
+    Targets are extracted before the engine runs, so a prompt without quotes fails before any OCR work.
+    Metrics: `ocr/exact` fraction of images scoring 1, `ocr/time_per_image_s`.
+    """
+
+    def __init__(self, engine: OcrEngine | None = None):
+        self.engine = engine if engine is not None else RapidOcrEngine()
+
+    def __call__(
+        self, images: np.ndarray, prompts: Sequence[str], metadata: Sequence[dict[str, Any]] | None = None
+    ) -> RewardOutput:
+        check_inputs(images, prompts, metadata)
+        targets = [extract_target(p) for p in prompts]
+        t0 = time.perf_counter()
+        texts = self.engine.recognize(images)
+        if len(texts) != len(images):
+            raise RuntimeError(f"OCR engine returned {len(texts)} texts for {len(images)} images")
+        dt = time.perf_counter() - t0
+        scores = np.array([ocr_score(t, g) for t, g in zip(texts, targets)], dtype=np.float32)
+        metrics = {
+            "ocr/exact": float(np.mean(scores == 1.0)) if len(scores) else 0.0,
+            "ocr/time_per_image_s": dt / max(len(images), 1),
+        }
+        return RewardOutput(scores=scores, metrics=metrics)

@@ -1,0 +1,107 @@
+"""Score in the background so the next rollout overlaps the reward; the trainer waits only on .result().
+
+    runner = AsyncRewardRunner("ocr")              # or a Reward object; kind="process" for a process pool
+    fut = runner.submit(images, prompts)           # returns at once
+    traj = engine.generate(...)                    # next rollout runs meanwhile
+    out = fut.result()                             # RewardOutput
+
+A thread is enough when the reward releases the GIL (onnxruntime, PIL's JPEG encoder, HTTP waits); a
+process pool isolates a reward that holds the GIL or is not thread-safe. Each worker builds its own reward
+once (from a spec or a pickled Reward), so OCR weights are loaded once per worker, not per batch.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import multiprocessing as mp
+import time
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import numpy as np
+
+from fgrpo.rewards.base import Reward, RewardOutput, check_inputs
+
+_worker_reward: Reward | None = None  # the reward of a process-pool worker, built once by _init_worker
+
+
+def _init_worker(reward_or_spec: Any) -> None:
+    global _worker_reward
+    from fgrpo.rewards.factory import build_reward
+
+    _worker_reward = build_reward(reward_or_spec) if not callable(reward_or_spec) else reward_or_spec
+
+
+def _score_in_worker(images: np.ndarray, prompts: list[str], metadata: list[dict[str, Any]]) -> RewardOutput:
+    assert _worker_reward is not None, "process-pool worker was not initialised"
+    return _timed(_worker_reward, images, prompts, metadata)
+
+
+def _timed(
+    reward: Reward, images: np.ndarray, prompts: list[str], metadata: list[dict[str, Any]]
+) -> RewardOutput:
+    t0 = time.perf_counter()
+    out = reward(images, prompts, metadata)
+    out.metrics["reward/time_per_image_s"] = (time.perf_counter() - t0) / max(len(images), 1)
+    return out
+
+
+class AsyncRewardRunner:
+    """Run a reward in a worker pool; `submit` returns a concurrent.futures.Future[RewardOutput].
+
+    Args:
+        reward: a Reward, or a spec for `build_reward` (a spec is what a process pool should get: it is built
+            inside each worker, so nothing heavy is pickled).
+        kind: "thread" or "process" (spawned, so the trainer's CUDA/threads state is not forked).
+        max_workers: 1 keeps batches in submission order and one copy of the reward's weights.
+    """
+
+    def __init__(
+        self,
+        reward: Reward | str | dict | list,
+        *,
+        kind: Literal["thread", "process"] = "thread",
+        max_workers: int = 1,
+    ):
+        if max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+        self.kind = kind
+        if kind == "thread":
+            from fgrpo.rewards.factory import build_reward
+
+            self._reward = reward if callable(reward) else build_reward(reward)
+            self._pool: cf.Executor = cf.ThreadPoolExecutor(max_workers, thread_name_prefix="reward")
+        elif kind == "process":
+            self._reward = None
+            self._pool = cf.ProcessPoolExecutor(
+                max_workers, mp_context=mp.get_context("spawn"), initializer=_init_worker, initargs=(reward,)
+            )
+        else:
+            raise ValueError(f"kind must be 'thread' or 'process', got {kind!r}")
+
+    def submit(
+        self, images: np.ndarray, prompts: Sequence[str], metadata: Sequence[dict[str, Any]] | None = None
+    ) -> cf.Future[RewardOutput]:
+        meta = check_inputs(
+            images, prompts, metadata
+        )  # bad input fails here, in the caller, not in the worker
+        # Copy: the caller may reuse its image buffer for the next rollout while we still read this one.
+        images, prompts = np.array(images, copy=True), list(prompts)
+        if self.kind == "thread":
+            return self._pool.submit(_timed, self._reward, images, prompts, meta)
+        return self._pool.submit(_score_in_worker, images, prompts, meta)
+
+    def __call__(
+        self, images: np.ndarray, prompts: Sequence[str], metadata: Sequence[dict[str, Any]] | None = None
+    ) -> RewardOutput:
+        """Synchronous use: the runner is itself a Reward."""
+        return self.submit(images, prompts, metadata).result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> AsyncRewardRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
