@@ -1,0 +1,176 @@
+"""Sigma schedules of the supported models, and the choice of each sample's SDE window.
+
+The schedules reproduce, bit for bit, what diffusers 0.40's FlowMatchEulerDiscreteScheduler holds in
+`.sigmas` after the model's pipeline has called `set_timesteps` (tests/core/test_schedule.py compares
+them). That includes diffusers' precision: Qwen-Image's shift runs in fp32 (numpy fp32 arrays), SD3's in
+fp64 then rounded to fp32, so we follow the same operation order and dtypes here.
+
+The SDE window (MixGRPO / flow_grpo's `sde_window_size`): only W consecutive steps of each trajectory
+are stochastic and trained, the rest are Euler steps; each sample draws its own window.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _check_steps(num_steps: int) -> None:
+    if not isinstance(num_steps, int) or num_steps < 1:
+        raise ValueError(f"num_steps must be a positive int, got {num_steps!r}")
+
+
+def _linspace_f64(start: float, stop: float, num: int) -> torch.Tensor:
+    """numpy.linspace's arithmetic in fp64 (start + i * step, last = stop); torch.linspace differs by ulps."""
+    if num == 1:
+        return torch.tensor([start], dtype=torch.float64)
+    step = (stop - start) / (num - 1)
+    out = torch.arange(num, dtype=torch.float64) * step + start
+    out[-1] = stop
+    return out
+
+
+def _f32(x: float) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.float32)
+
+
+def resolution_mu(
+    image_seq_len: int,
+    *,
+    base_seq_len: int = 256,
+    max_seq_len: int = 4096,
+    base_shift: float = 0.5,
+    max_shift: float = 1.15,
+) -> float:
+    """The resolution-dependent shift mu: linear in the number of image tokens (diffusers' calculate_shift).
+
+    mu = base_shift + (max_shift - base_shift) * (image_seq_len - base_seq_len) / (max_seq_len - base_seq_len),
+    evaluated in diffusers' order of operations so the float is identical.
+    """
+    m = (max_shift - base_shift) / (max_seq_len - base_seq_len)
+    b = base_shift - m * base_seq_len
+    return image_seq_len * m + b
+
+
+def exponential_time_shift(sigmas: torch.Tensor, mu: float) -> torch.Tensor:
+    """sigma -> e^mu / (e^mu + (1/sigma - 1)), fp32 (diffusers' exponential time shift with exponent 1)."""
+    e = _f32(math.exp(mu))
+    one = _f32(1.0)
+    return e / (e + (one / sigmas - one))
+
+
+def stretch_to_terminal(sigmas: torch.Tensor, shift_terminal: float) -> torch.Tensor:
+    """Affinely rescale 1 - sigma so the last sigma equals shift_terminal (sigma = 1 stays 1), fp32."""
+    one = _f32(1.0)
+    one_minus = one - sigmas
+    scale = one_minus[-1] / _f32(1.0 - shift_terminal)
+    return one - one_minus / scale
+
+
+def qwen_image_sigmas(
+    num_steps: int,
+    image_seq_len: int,
+    *,
+    base_seq_len: int = 256,
+    max_seq_len: int = 8192,
+    base_shift: float = 0.5,
+    max_shift: float = 0.9,
+    shift_terminal: float | None = 0.02,
+) -> torch.Tensor:
+    """Qwen-Image's schedule: [num_steps + 1] fp32, from 1 down to shift_terminal, then a terminal 0.
+
+    QwenImagePipeline passes sigmas = linspace(1, 1/N, N) and mu from the packed latent's token count
+    (image_seq_len = (H / 16) * (W / 16)); the scheduler (dynamic shifting, exponential time shift,
+    shift_terminal 0.02 in Qwen/Qwen-Image's scheduler_config.json) shifts them towards 1 and stretches the
+    tail. The keyword defaults are that config.
+
+    Args:
+        num_steps: N denoising steps.
+        image_seq_len: number of image tokens of the packed latent.
+
+    Returns:
+        [N + 1] fp32, sigmas[0] = 1, sigmas[-1] = 0.
+    """
+    _check_steps(num_steps)
+    if image_seq_len < 1:
+        raise ValueError(f"image_seq_len must be >= 1, got {image_seq_len}")
+    if shift_terminal and num_steps < 2:
+        # The stretch maps the last sigma (1 when N = 1) to shift_terminal: 0 / 0, NaN in diffusers too.
+        raise ValueError(f"num_steps must be >= 2 when shift_terminal is set, got {num_steps}")
+    mu = resolution_mu(
+        image_seq_len,
+        base_seq_len=base_seq_len,
+        max_seq_len=max_seq_len,
+        base_shift=base_shift,
+        max_shift=max_shift,
+    )
+    sigmas = _linspace_f64(1.0, 1.0 / num_steps, num_steps).float()
+    sigmas = exponential_time_shift(sigmas, mu)
+    if shift_terminal:
+        sigmas = stretch_to_terminal(sigmas, shift_terminal)
+    return torch.cat([sigmas, torch.zeros(1)])
+
+
+def sd3_sigmas(num_steps: int, shift: float = 3.0, *, num_train_timesteps: int = 1000) -> torch.Tensor:
+    """SD3 / SD3.5's schedule: [num_steps + 1] fp32, static shift (3.0 in SD3.5's scheduler_config.json).
+
+    The scheduler spaces N timesteps linearly between its training range's extremes (already shifted:
+    sigma_max = 1, sigma_min = shift(1 / num_train_timesteps), computed in fp32 at init), then applies
+    sigma -> shift * sigma / (1 + (shift - 1) * sigma) in fp64 and rounds to fp32.
+
+    Returns:
+        [N + 1] fp32, sigmas[0] = 1, sigmas[-1] = 0.
+    """
+    _check_steps(num_steps)
+    if shift <= 0:
+        raise ValueError(f"shift must be > 0, got {shift}")
+    # The scheduler's training sigmas in fp32, shifted once at init; only their ends are used.
+    train = torch.arange(num_train_timesteps, 0, -1, dtype=torch.float32) / num_train_timesteps
+    train = shift * train / (1 + (shift - 1) * train)
+    sigma_max, sigma_min = train[0].item(), train[-1].item()
+    sigmas = _linspace_f64(sigma_max * num_train_timesteps, sigma_min * num_train_timesteps, num_steps)
+    sigmas = sigmas / num_train_timesteps
+    sigmas = shift * sigmas / (1 + (shift - 1) * sigmas)
+    return torch.cat([sigmas.float(), torch.zeros(1)])
+
+
+def sample_windows(
+    batch: int,
+    window_size: int,
+    lo: int,
+    hi: int,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """Each sample's W consecutive SDE steps: start ~ U{lo, ..., hi - W}, so the window lies in [lo, hi).
+
+    Args:
+        batch: B.
+        window_size: W >= 1.
+        lo, hi: the allowed step range [lo, hi) (steps are indices i of transitions sigma_i -> sigma_{i+1}).
+        generator: the torch.Generator the start is drawn from (CPU); pass one, the global RNG is never used
+            unless you pass None on purpose.
+
+    Returns:
+        [B, W] int64, row b = start_b + [0, ..., W - 1].
+
+    Differs from flow_grpo: flow_grpo draws one window start per batch from Python's `random`; we draw
+    per sample so one batch covers many noise levels, and from a passed generator so a rollout is a
+    function of its seeds.
+    """
+    if window_size < 1:
+        raise ValueError(f"window_size must be >= 1, got {window_size}")
+    if lo < 0 or hi - lo < window_size:
+        raise ValueError(
+            f"window range [lo={lo}, hi={hi}) must satisfy 0 <= lo and hi - lo >= window_size={window_size}"
+        )
+    start = torch.randint(lo, hi - window_size + 1, (batch,), generator=generator)  # [B]
+    return start[:, None] + torch.arange(window_size)  # [B, W]
+
+
+def window_mask(windows: torch.Tensor, num_steps: int) -> torch.Tensor:
+    """[B, W] step indices -> [B, num_steps] bool, True where step i is in sample b's window."""
+    if windows.numel() and (int(windows.min()) < 0 or int(windows.max()) >= num_steps):
+        raise ValueError(f"windows hold step indices outside [0, num_steps={num_steps})")
+    mask = torch.zeros(windows.shape[0], num_steps, dtype=torch.bool, device=windows.device)
+    return mask.scatter(1, windows, True)
