@@ -1,0 +1,146 @@
+"""OCR reward: target extraction, the score formula (closed forms, an independent edit-distance reference,
+invariances), the reward glue with a fake engine, and real PP-OCR on text rendered with DejaVu Sans."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fgrpo.rewards.ocr import OcrReward, extract_target, ocr_score
+
+from .helpers import render_text
+
+
+def test_extract_target_takes_first_quoted_span():
+    assert extract_target('a neon sign that says "Open 24h" above a "door"') == "Open 24h"
+    assert extract_target('"FLOW"') == "FLOW"
+
+
+@pytest.mark.parametrize("prompt", ["no quotes at all", 'one "quote only', 'blank "  " target'])
+def test_extract_target_rejects_prompt_without_target(prompt):
+    with pytest.raises(ValueError, match="quote") as e:
+        extract_target(prompt)
+    assert repr(prompt) in str(e.value)  # the error names the prompt
+
+
+@pytest.mark.parametrize(
+    ("recognized", "target", "expected"),
+    [
+        ("HELLO WORLD", "hello world", 1.0),  # case and spaces do not matter
+        ("hello\nworld", "hello world", 1.0),  # neither do newlines (flow_grpo strips only ' ')
+        ("big SALE today", "sale", 1.0),  # substring: text around the target is free
+        ("hellp", "hello", 0.8),  # one substitution out of 5
+        ("helo", "hello", 0.8),  # one deletion
+        ("", "hello", 0.0),  # nothing recognized
+        ("completely unrelated and much longer", "abc", 0.0),  # distance capped at len(target)
+        ("ab", "abcd", 0.5),  # two insertions needed
+    ],
+)
+def test_ocr_score_closed_forms(recognized, target, expected):
+    assert ocr_score(recognized, target) == pytest.approx(expected)
+
+
+def test_ocr_score_rejects_blank_target():
+    with pytest.raises(ValueError, match="empty"):
+        ocr_score("anything", " \t")
+
+
+def _levenshtein(a: str, b: str) -> int:
+    """Textbook DP, only as an independent reference for the library call."""
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i]
+        for j, cb in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
+        prev = cur
+    return prev[-1]
+
+
+text = st.text(alphabet="abcAB \n", max_size=12)
+target = st.text(alphabet="abcAB ", min_size=1, max_size=8).filter(lambda s: s.strip())
+
+
+@settings(max_examples=300, deadline=None)
+@given(text, target)
+def test_ocr_score_matches_reference_definition(recognized, tgt):
+    r, t = "".join(recognized.split()).lower(), "".join(tgt.split()).lower()
+    d = 0 if t in r else _levenshtein(r, t)
+    assert ocr_score(recognized, tgt) == pytest.approx(1 - min(d, len(t)) / len(t))
+
+
+@settings(max_examples=200, deadline=None)
+@given(text, target, st.integers(0, 12))
+def test_ocr_score_invariances(recognized, tgt, pos):
+    s = ocr_score(recognized, tgt)
+    assert 0.0 <= s <= 1.0
+    assert ocr_score(recognized.upper(), tgt.lower()) == s
+    assert ocr_score(recognized[:pos] + " \n" + recognized[pos:], tgt) == s
+    assert ocr_score("xx" + tgt + "yy", tgt) == 1.0
+
+
+class FakeEngine:
+    def __init__(self, texts):
+        self.texts, self.calls = texts, 0
+
+    def recognize(self, images):
+        self.calls += 1
+        return self.texts[: len(images)]
+
+
+def test_ocr_reward_scores_each_image_against_its_prompt():
+    engine = FakeEngine(["OPEN", "CLOSD", ""])
+    images = np.zeros((3, 8, 8, 3), np.uint8)
+    out = OcrReward(engine)(images, ['sign "open"', 'sign "closed"', 'sign "x"'])
+    np.testing.assert_allclose(out.scores, [1.0, 5 / 6, 0.0], rtol=1e-6)
+    assert out.scores.dtype == np.float32
+    assert out.metrics["ocr/exact"] == pytest.approx(1 / 3)
+
+
+def test_ocr_reward_fails_on_bad_prompt_before_running_ocr():
+    engine = FakeEngine(["a", "b"])
+    with pytest.raises(ValueError, match="no text between double quotes"):
+        OcrReward(engine)(np.zeros((2, 8, 8, 3), np.uint8), ['ok "a"', "missing quotes"])
+    assert engine.calls == 0
+
+
+def test_ocr_reward_rejects_non_uint8_images():
+    with pytest.raises(TypeError, match="uint8"):
+        OcrReward(FakeEngine(["a"]))(np.zeros((1, 8, 8, 3), np.float32), ['"a"'])
+
+
+def test_rapidocr_on_rendered_text(font_path, rapid_engine):
+    """Real PP-OCR at 512²: exact text ≈ 1, a misspelling costs about its edit distance, blank scores 0."""
+    target = "HELLO WORLD"  # 10 characters once the space is removed
+    misspelt = "HELO WORD"  # two deletions -> ideal score 0.8
+    images = np.stack(
+        [
+            render_text(target, font_path),
+            render_text(misspelt, font_path),
+            np.full((512, 512, 3), 255, np.uint8),
+        ]
+    )
+    prompt = f'a poster that says "{target}"'
+    out = OcrReward(rapid_engine)(images, [prompt] * 3)
+    exact, wrong, blank = out.scores.tolist()
+    assert exact == pytest.approx(1.0)
+    assert abs(wrong - 0.8) <= 0.1 + 1e-6, wrong  # one OCR slip of slack on top of the 2 edits
+    assert blank == 0.0
+
+
+def test_rapidocr_engine_feeds_bgr_and_joins_lines():
+    """rapidocr reads numpy input as OpenCV BGR; our images are RGB, so the engine must flip channels."""
+    from fgrpo.rewards.ocr import RapidOcrEngine
+
+    seen = []
+
+    class Result:
+        def __init__(self, txts):
+            self.txts = txts
+
+    engine = RapidOcrEngine()  # cheap: rapidocr loads its models on first use
+    engine._engine = lambda arr: seen.append(arr) or Result(("NEW", "YORK") if len(seen) == 1 else None)
+    rgb = np.random.default_rng(0).integers(0, 256, (2, 4, 5, 3), dtype=np.uint8)
+    assert engine.recognize(rgb) == ["NEW YORK", ""]
+    np.testing.assert_array_equal(seen[0], rgb[0][..., ::-1])
