@@ -1,0 +1,265 @@
+"""GRPO for flow models: group advantages, the clipped per-step policy loss, KL to a reference, and a
+per-prompt reward-statistics tracker. Pure torch, fp32 (fp64 for the tracker's running sums)."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, NamedTuple
+
+import torch
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    *,
+    std: Literal["group", "global", "none"] = "group",
+    eps: float = 1e-4,
+) -> torch.Tensor:
+    """Group-relative advantages A = (r - mean of r's group) / (s + eps).
+
+    The G samples of one prompt are adjacent: rewards.view(-1, G) is one group per row. s is the
+    population std (ddof 0) of the group ("group"), of the whole batch ("global"), or 1 ("none").
+    A group whose rewards are all equal gets exactly 0 (not a rounding residue of r - mean).
+
+    Args:
+        rewards: [B] rewards, B = num_groups * G.
+        group_size: G >= 1.
+        std: the normaliser, see above. "global" is flow_grpo's choice when per-prompt tracking is off
+            (the group mean still centres each group; flow_grpo then centres on the batch mean instead).
+        eps: added to s.
+
+    Returns:
+        [B] fp32.
+    """
+    if rewards.ndim != 1:
+        raise ValueError(f"rewards must be [B], got shape {tuple(rewards.shape)}")
+    if group_size < 1 or rewards.shape[0] % group_size:
+        raise ValueError(
+            f"batch of {rewards.shape[0]} rewards is not a whole number of groups of {group_size}"
+        )
+    if std not in ("group", "global", "none"):
+        raise ValueError(f"std must be 'group', 'global' or 'none', got {std!r}")
+    r = rewards.float().view(-1, group_size)  # [num_groups, G]
+    centred = r - r.mean(dim=1, keepdim=True)
+    if std == "group":
+        scale = r.std(dim=1, correction=0, keepdim=True) + eps
+    elif std == "global":
+        scale = r.std(correction=0) + eps
+    else:
+        scale = torch.ones((), device=r.device)
+    adv = centred / scale
+    constant = r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True)  # [num_groups, 1]
+    return torch.where(constant, torch.zeros_like(adv), adv).view(-1)
+
+
+# exp() of a log-ratio beyond this is far outside any clip range; the clamp only prevents inf/NaN.
+_MAX_LOG_RATIO = 20.0
+
+
+def clipped_policy_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_range: float,
+    adv_clip_max: float = 5.0,
+    ratio_norm: bool = False,
+    mean: torch.Tensor | None = None,
+    old_mean: torch.Tensor | None = None,
+    std: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's clipped surrogate for one denoising step of B samples.
+
+    rho = exp(log_prob - old_log_prob),  A <- clamp(A, -adv_clip_max, adv_clip_max),
+    loss = mean_b w_b * max(-A rho, -A clip(rho, 1 - eps, 1 + eps)),   w = 1 unless `weight` is given.
+    Its gradient is -A rho grad(log_prob) / B where the unclipped term is active and exactly 0 where the
+    clip binds (A > 0 and rho > 1 + eps, or A < 0 and rho < 1 - eps).
+
+    ratio_norm=True is GRPO-Guard's RatioNorm (arXiv 2510.22319, as verl-omni implements it). For a Gaussian
+    step the log-ratio is -||mu - mu_old||^2 / (2 std^2) - <mu - mu_old, noise> / std (mean-reduced): its
+    mean sits below 0 and its spread scales with 1/std, so the clip acts differently at every step. RatioNorm
+    removes the bias and rescales by the step's std:
+        log rho <- (log_prob - old_log_prob + mean((mean - old_mean)^2) / (2 std^2)) * std.
+    It needs mean, old_mean ([B, ...]) and std (broadcastable, constant over non-batch dims, as every kind of
+    sde.step_mean_std returns). GRPO-Guard also reweights steps by 1 / (sigma - sigma_next): pass that as
+    `weight`. Both assume log_prob used reduce="mean".
+
+    Args:
+        log_prob: [B] log-prob of the stored x_next under the current policy (differentiable).
+        old_log_prob: [B] the same under the rollout policy (no gradient flows into it).
+        advantages: [B].
+        clip_range: eps > 0.
+        adv_clip_max: bound on |A|.
+        ratio_norm, mean, old_mean, std: GRPO-Guard's ratio normalisation, see above.
+        weight: optional [B] per-sample loss weight.
+
+    Returns:
+        loss: scalar. metrics: detached scalars ratio_mean/min/max, clip_frac (share of samples whose rho is
+        outside [1 - eps, 1 + eps]) and approx_kl = mean(0.5 * (log rho)^2) (flow_grpo's estimator).
+
+    Differs from flow_grpo: the log-ratio is clamped to +-20 before exp (no effect inside any useful clip
+    range; it turns an overflow into a zero gradient instead of NaN).
+    """
+    if clip_range <= 0:
+        raise ValueError(f"clip_range must be > 0, got {clip_range}")
+    if not (log_prob.shape == old_log_prob.shape == advantages.shape) or log_prob.ndim != 1:
+        raise ValueError(
+            f"log_prob {tuple(log_prob.shape)}, old_log_prob {tuple(old_log_prob.shape)} and advantages "
+            f"{tuple(advantages.shape)} must all be [B]"
+        )
+    log_ratio = log_prob.float() - old_log_prob.float().detach()
+    if ratio_norm:
+        if mean is None or old_mean is None or std is None:
+            raise ValueError("ratio_norm=True needs mean, old_mean and std (from sde.step_mean_std)")
+        std = std.float()
+        d2 = (mean.float() - old_mean.float().detach()) ** 2 / (2 * std**2)
+        bias = d2.mean(dim=tuple(range(1, d2.ndim))) if d2.ndim > 1 else d2  # [B]
+        step_std = std.expand(mean.shape).reshape(mean.shape[0], -1)[:, 0]  # [B], std is constant per sample
+        log_ratio = (log_ratio + bias) * step_std
+    ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    adv = advantages.float().clamp(-adv_clip_max, adv_clip_max)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1 - clip_range, 1 + clip_range)
+    per_sample = torch.maximum(unclipped, clipped)
+    if weight is not None:
+        per_sample = per_sample * weight.float()
+    loss = per_sample.mean()
+    with torch.no_grad():
+        r = ratio.detach()
+        metrics = {
+            "ratio_mean": r.mean(),
+            "ratio_min": r.min(),
+            "ratio_max": r.max(),
+            "clip_frac": ((r - 1).abs() > clip_range).float().mean(),
+            "approx_kl": 0.5 * (log_ratio.detach() ** 2).mean(),
+        }
+    return loss, metrics
+
+
+def gaussian_kl(
+    mean: torch.Tensor,
+    ref_mean: torch.Tensor,
+    std: torch.Tensor,
+    *,
+    kind: Literal["exact", "flow_grpo"] = "exact",
+    step_size: torch.Tensor | None = None,
+    reduce: Literal["mean", "sum"] = "mean",
+) -> torch.Tensor:
+    """KL(N(mean, std^2) || N(ref_mean, std^2)) of the policy's and the reference's transitions.
+
+    "exact": (mean - ref_mean)^2 / (2 std^2) per element, reduced like sde.log_prob ("mean" = per-element
+    average, flow_grpo's convention; "sum" = the KL of the whole latent).
+    "flow_grpo": flow_grpo divides by s_t^2 instead of std^2 = s_t^2 (sigma - sigma_next) (it omits the
+    sqrt(-dt) factor), i.e. the exact KL times step_size = sigma - sigma_next. Pass step_size [B]. For cps,
+    flow_grpo's s_t is the full std, so use "exact" there.
+
+    Args:
+        mean, ref_mean: [B, ...] transition means (ref_mean carries no gradient in training).
+        std: broadcastable to mean, > 0.
+        kind: "exact" | "flow_grpo".
+        step_size: [B] sigma - sigma_next, needed by "flow_grpo".
+        reduce: "mean" | "sum" over non-batch dims.
+
+    Returns:
+        [B] fp32, >= 0.
+    """
+    if kind not in ("exact", "flow_grpo"):
+        raise ValueError(f"kind must be 'exact' or 'flow_grpo', got {kind!r}")
+    if reduce not in ("mean", "sum"):
+        raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
+    kl = (mean.float() - ref_mean.float()) ** 2 / (2 * std.float() ** 2)
+    if kl.ndim > 1:
+        dims = tuple(range(1, kl.ndim))
+        kl = kl.mean(dim=dims) if reduce == "mean" else kl.sum(dim=dims)
+    if kind == "flow_grpo":
+        if step_size is None:
+            raise ValueError("kind='flow_grpo' needs step_size=sigma - sigma_next ([B])")
+        kl = kl * step_size.float()
+    return kl
+
+
+class RewardStats(NamedTuple):
+    """Running per-prompt reward statistics, one slot per prompt id (fp64 sums: they run over many steps)."""
+
+    count: torch.Tensor  # [P] float64, number of rewards seen
+    mean: torch.Tensor  # [P] float64
+    m2: torch.Tensor  # [P] float64, sum of squared deviations from the mean (Welford)
+    min: torch.Tensor  # [P] float64, +inf before the first reward
+    max: torch.Tensor  # [P] float64, -inf before the first reward
+
+
+def reward_stats_init(num_prompts: int, device: torch.device | str | None = None) -> RewardStats:
+    """Empty statistics for prompt ids 0..num_prompts-1 (flow_grpo's tracker after clear())."""
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+    z = torch.zeros(num_prompts, dtype=torch.float64, device=device)
+    return RewardStats(z, z.clone(), z.clone(), torch.full_like(z, math.inf), torch.full_like(z, -math.inf))
+
+
+def reward_stats_update(state: RewardStats, prompt_ids: torch.Tensor, rewards: torch.Tensor) -> RewardStats:
+    """New statistics after seeing rewards[b] for prompt prompt_ids[b] (Chan et al.'s parallel Welford merge).
+
+    Args:
+        state: current RewardStats (not modified).
+        prompt_ids: [B] int64 in [0, P).
+        rewards: [B].
+
+    Returns:
+        The merged RewardStats; equal (to fp64 rounding) to statistics of all rewards seen so far per prompt.
+    """
+    P = state.count.shape[0]
+    if prompt_ids.shape != rewards.shape or prompt_ids.ndim != 1:
+        raise ValueError(
+            f"prompt_ids {tuple(prompt_ids.shape)} and rewards {tuple(rewards.shape)} must be [B]"
+        )
+    if prompt_ids.numel() and (int(prompt_ids.min()) < 0 or int(prompt_ids.max()) >= P):
+        raise ValueError(f"prompt_ids must lie in [0, {P}); raise num_prompts in reward_stats_init")
+    ids = prompt_ids.long().to(state.count.device)
+    r = rewards.to(device=state.count.device, dtype=torch.float64)
+    n_b = torch.zeros_like(state.count).index_add_(0, ids, torch.ones_like(r))
+    mean_b = torch.zeros_like(state.count).index_add_(0, ids, r) / n_b.clamp_min(1)
+    m2_b = torch.zeros_like(state.count).index_add_(0, ids, (r - mean_b[ids]) ** 2)
+    n = state.count + n_b
+    delta = mean_b - state.mean
+    safe_n = n.clamp_min(1)
+    new_mean = state.mean + delta * n_b / safe_n
+    new_m2 = state.m2 + m2_b + delta**2 * state.count * n_b / safe_n
+    new_min = state.min.index_reduce(0, ids, r, "amin")
+    new_max = state.max.index_reduce(0, ids, r, "amax")
+    return RewardStats(n, new_mean, new_m2, new_min, new_max)
+
+
+def per_prompt_advantages(
+    state: RewardStats,
+    prompt_ids: torch.Tensor,
+    rewards: torch.Tensor,
+    *,
+    std: Literal["prompt", "global"] = "prompt",
+    eps: float = 1e-4,
+) -> torch.Tensor:
+    """A_b = (r_b - mean_p) / (s_p + eps) with mean_p, s_p the tracked statistics of sample b's prompt.
+
+    Call it with the state *after* reward_stats_update on this batch (flow_grpo adds the batch to the history
+    first, then normalises). s_p is the prompt's population std ("prompt") or the std of this batch's rewards
+    ("global", flow_grpo's global_std). A prompt whose tracked rewards are all equal gets exactly 0.
+
+    Returns:
+        [B] fp32.
+    """
+    if std not in ("prompt", "global"):
+        raise ValueError(f"std must be 'prompt' or 'global', got {std!r}")
+    ids = prompt_ids.long().to(state.count.device)
+    if bool((state.count[ids] == 0).any()):
+        raise ValueError("a prompt id has no tracked rewards; call reward_stats_update with this batch first")
+    r = rewards.to(device=state.count.device, dtype=torch.float64)
+    var_p = state.m2[ids] / state.count[ids]
+    if std == "prompt":
+        scale = var_p.clamp_min(0).sqrt() + eps
+    else:
+        scale = r.std(correction=0) + eps
+    adv = (r - state.mean[ids]) / scale
+    # Identical rewards: 0 exactly, not the rounding residue of r - mean over a tiny std.
+    constant = state.max[ids] == state.min[ids]
+    return torch.where(constant, torch.zeros_like(adv), adv).float()
