@@ -1,0 +1,230 @@
+"""HTTP reward service and its client, on loopback only: a round trip equals the local reward; faults
+(service killed mid-batch, slower than the timeout, malformed reply, HTTP 500) are retried a bounded
+number of times and then raise a clear error; a restarted service is picked up again."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from aiohttp import web
+
+from fgrpo.rewards import HttpReward, RewardServiceError
+from fgrpo.rewards.base import RewardOutput
+from fgrpo.rewards.multi import Member, MultiReward
+from fgrpo.rewards.ocr import OcrReward
+from fgrpo.rewards.serve import make_app
+from fgrpo.rewards.transport import NonRetryableError, output_to_json
+
+from .helpers import serve_in_thread
+from .slow_reward import SlowMeanPixel, mean_pixel
+
+rng = np.random.default_rng(0)
+IMAGES = rng.integers(0, 256, (7, 24, 20, 3), dtype=np.uint8)
+PROMPTS = [f'p{i} "x"' for i in range(7)]
+
+
+def client(url: str, **kw) -> HttpReward:
+    kw = {"timeout_s": 10.0, "max_retries": 2, "backoff_s": 0.01, "batch_size": 3} | kw
+    return HttpReward(url, **kw)
+
+
+class MetaReward:
+    """Scores metadata["w"] * mean pixel."""
+
+    def __call__(self, images, prompts, metadata=None):
+        w = np.array([m["w"] for m in metadata], np.float32)
+        return RewardOutput(scores=w * mean_pixel(images), metrics={"meta/seen_count": float(len(images))})
+
+
+class NanOnOdd:  # an optional member that fails on samples with odd metadata["w"]
+    def __call__(self, images, prompts, metadata=None):
+        w = np.array([m["w"] for m in metadata])
+        return RewardOutput(scores=np.where(w % 2 == 1, np.nan, 1.0).astype(np.float32))
+
+
+def test_round_trip_equals_local_reward_in_batches():
+    reward = MultiReward([Member("meta", MetaReward(), 2.0), Member("odd", NanOnOdd(), 1.0, required=False)])
+    meta = [{"w": float(i)} for i in range(7)]
+    local = reward(IMAGES, PROMPTS, meta)
+    with serve_in_thread(make_app(reward, "test")) as url:
+        c = client(url)
+        assert c.health()["status"] == "ok"
+        remote = c(IMAGES, PROMPTS, meta)
+        stats = c.health()
+    np.testing.assert_array_equal(remote.scores, local.scores)  # PNG is lossless: bit-exact
+    for k in local.components:  # NaN (excluded member) survives JSON as null
+        np.testing.assert_array_equal(remote.components[k], local.components[k])
+    assert stats["requests"] == 3 and stats["images"] == 7  # batches of 3 + 3 + 1
+    assert remote.metrics["meta/meta/seen_count"] == 7  # *_count metrics add up across batches
+    assert remote.metrics["http/retry_count"] == 0
+
+
+def test_jpeg_transport_is_lossy_but_close():
+    smooth = np.repeat(np.linspace(0, 255, 20, dtype=np.uint8)[None, None, :, None], 24, axis=1).repeat(3, -1)
+    images = np.repeat(smooth, 7, axis=0)
+    with serve_in_thread(make_app(SlowMeanPixel(0.0))) as url:
+        out = client(url, image_format="jpeg")(images, PROMPTS)
+    np.testing.assert_allclose(out.scores, mean_pixel(images), atol=2 / 255)
+
+
+def test_rejected_input_is_not_retried():
+    class NoOcr:
+        def recognize(self, images):
+            raise AssertionError("OCR must not run on a bad prompt")
+
+    with serve_in_thread(make_app(OcrReward(NoOcr()))) as url:
+        with pytest.raises(NonRetryableError, match="HTTP 422.*no text between double quotes"):
+            client(url)(IMAGES[:2], ['ok "a"', "no quotes"])
+
+
+def counting_app(handler_reply, log: dict) -> web.Application:
+    """A /score endpoint whose reply is chosen per attempt by handler_reply(attempt, n_images)."""
+    log["requests"] = 0
+
+    async def score(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        log["requests"] += 1
+        return await handler_reply(log["requests"], len(body["images"]))
+
+    app = web.Application(client_max_size=1 << 26)
+    app.router.add_post("/score", score)
+    return app
+
+
+def ok(n: int) -> web.Response:
+    return web.json_response(output_to_json(RewardOutput(scores=np.full(n, 0.25, np.float32))))
+
+
+async def always_500(attempt, n):
+    return web.json_response({"error": "boom"}, status=500)
+
+
+async def fail_once(attempt, n):
+    return web.json_response({"error": "boom"}, status=500) if attempt == 1 else ok(n)
+
+
+async def wrong_length(attempt, n):
+    return web.json_response({"scores": [0.5] * (n + 1)})
+
+
+async def not_json(attempt, n):
+    return web.Response(text="<html>proxy error</html>", status=200)
+
+
+async def too_slow(attempt, n):
+    import asyncio
+
+    await asyncio.sleep(1.0)
+    return ok(n)
+
+
+@pytest.mark.parametrize(
+    ("reply", "message"),
+    [
+        (always_500, "HTTP 500"),
+        (wrong_length, "malformed response.*must be 2 numbers"),
+        (not_json, "malformed response"),
+        (too_slow, "no reply within timeout_s=0.2"),
+    ],
+)
+def test_faults_are_retried_then_raise_clearly(reply, message):
+    log: dict = {}
+    with serve_in_thread(counting_app(reply, log)) as url:
+        with pytest.raises(RewardServiceError, match=f"after 3 attempts; last error: {message}") as e:
+            client(url, timeout_s=0.2, batch_size=2)(IMAGES[:2], PROMPTS[:2])
+    assert log["requests"] == 3  # 1 try + max_retries=2, then stop: bounded
+    assert "Is it running?" in str(e.value)
+
+
+def test_transient_500_is_retried_and_succeeds():
+    log: dict = {}
+    with serve_in_thread(counting_app(fail_once, log)) as url:
+        out = client(url, batch_size=2)(IMAGES[:2], PROMPTS[:2])
+    np.testing.assert_array_equal(out.scores, [0.25, 0.25])
+    assert out.metrics["http/retry_count"] == 1 and log["requests"] == 2
+
+
+def test_service_down_is_a_clear_error():
+    port = _free_port()
+    c = client(f"http://127.0.0.1:{port}")
+    with pytest.raises(RewardServiceError, match="is not up.*python -m fgrpo.rewards.serve"):
+        c.health()
+    with pytest.raises(RewardServiceError, match=f"127.0.0.1:{port}/score failed after 3 attempts"):
+        c(IMAGES, PROMPTS)
+
+
+# ------------------------------------------------------------------------------- a real serve process
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_service(port: int) -> subprocess.Popen:
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
+    )
+    spec = json.dumps({"name": "slow_reward:make", "sleep_s": 0.4})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fgrpo.rewards.serve", "--reward", spec, "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # bounded wait for /health
+        if proc.poll() is not None:
+            raise RuntimeError(f"serve exited: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+            return proc
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("serve did not become healthy within 30 s")
+
+
+def _health(port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+        return json.loads(r.read())
+
+
+def test_service_killed_mid_batch_then_restart_is_picked_up():
+    port = _free_port()
+    proc = _start_service(port)
+    c = client(f"http://127.0.0.1:{port}", batch_size=2, max_concurrency=1, max_retries=2, backoff_s=0.05)
+
+    def kill_after_first_batch() -> None:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and _health(port)["requests"] < 1:
+            time.sleep(0.02)
+        proc.kill()  # 4 requests of 0.4 s each: this lands while a later one is being scored
+
+    killer = threading.Thread(target=kill_after_first_batch)
+    try:
+        killer.start()
+        with pytest.raises(RewardServiceError, match="after 3 attempts") as e:
+            c(IMAGES, PROMPTS)
+        killer.join(20)
+        assert proc.wait(10) != 0
+        assert f"127.0.0.1:{port}" in str(e.value)
+
+        proc = _start_service(port)  # same port: the same client object must work again
+        out = c(IMAGES, PROMPTS)
+        np.testing.assert_allclose(out.scores, mean_pixel(IMAGES), rtol=1e-6)
+        assert out.metrics["slow/calls_count"] == 4
+    finally:
+        proc.kill()
+        proc.wait(10)
