@@ -1,0 +1,353 @@
+"""Rollout on vLLM-Omni: the same Trajectory as the in-process engine, from vllm-omni's Qwen-Image kernels.
+
+`VllmOmniEngine` implements `fgrpo.rollout.base.RolloutEngine` on `vllm_omni.Omni` (0.30.x, the
+optional extra `vllm`). The denoising loop runs on vllm-omni's worker inside
+`fgrpo.rollout.vllm_omni_pipeline.FgrpoQwenImagePipeline`, which calls `fgrpo.policy.transition`, so
+the schedule, the SDE window, the step mean/std, the sampling and the log-prob are fgrpo's. Only the
+transformer's kernels are vllm-omni's; their rounding differs from the trainer's, so with this engine
+the trainer recomputes old log-probs and logs the per-timestep |rollout - trainer| gap.
+
+Weight sync after an optimizer step:
+- LoRA: `update_lora(...)` writes a PEFT directory per weight version and points every later request at
+  it through a LoRARequest with a NEW integer id (vllm-omni caches adapters by id: reusing an id
+  would silently keep the old weights). vllm-omni keeps `max_cpu_loras` = 1 adapter by default, so
+  loading version k + 1 evicts version k.
+- Full weights: `update_weights(state_dict)` writes a safetensors file and asks the worker (through
+  fgrpo's worker extension) to load it into the live transformer: vllm-omni 0.30 has no weight-update
+  RPC of its own for diffusion workers.
+`sleep()` / `wake()` free and restore the engine's GPU memory (needs `enable_sleep_mode=True`) when the
+trainer shares the GPU.
+
+vllm and vllm_omni are imported only here and in the pipeline module, lazily; `import fgrpo` never
+needs them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+
+from fgrpo.rollout.base import SamplingConfig, Trajectory
+from fgrpo.rollout.vllm_omni_pipeline import (
+    CFG_KEY,
+    COND_KEYS,
+    INFO_KEY,
+    PIPELINE_QUALNAME,
+    TRAJ_KEY,
+    WORKER_EXTENSION_QUALNAME,
+    config_to_dict,
+    pad_cond,
+    sample_window,
+)
+
+SUPPORTED_SERIES = "0.30"
+INSTALL_HINT = "install the extra: `uv sync --extra vllm` (vllm==0.30.0, vllm-omni==0.30.0)"
+
+
+class VllmOmniUnavailable(ImportError):
+    """vllm-omni is missing, or not the supported 0.30.x series."""
+
+
+def import_vllm_omni() -> ModuleType:
+    """Import vllm_omni and check its version; a one-line error naming the fix otherwise."""
+    try:
+        import vllm_omni
+    except ImportError as e:
+        raise VllmOmniUnavailable(f"the vLLM-Omni rollout engine needs vllm-omni: {INSTALL_HINT}") from e
+    version = str(getattr(vllm_omni, "__version__", "unknown"))
+    if version.split(".")[:2] != SUPPORTED_SERIES.split("."):
+        raise VllmOmniUnavailable(
+            f"vllm-omni {version} is installed but fgrpo's engine supports {SUPPORTED_SERIES}.x only: {INSTALL_HINT}"
+        )
+    return vllm_omni
+
+
+def _sampling_params_cls() -> type:
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+    return OmniDiffusionSamplingParams
+
+
+def _lora_request_cls() -> type:
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest
+
+
+def check_config(cfg: SamplingConfig, patch: int = 16) -> None:
+    """Reject a SamplingConfig this engine cannot honour, before any GPU work."""
+    if cfg.height % patch or cfg.width % patch:
+        raise ValueError(
+            f"SamplingConfig.height/width = {cfg.height}x{cfg.width} must be multiples of {patch} for Qwen-Image"
+        )
+    lo, hi = cfg.window_range
+    if not 0 <= lo <= hi - cfg.window_size or hi > cfg.num_steps:
+        raise ValueError(
+            f"SamplingConfig.window_range={cfg.window_range} with window_size={cfg.window_size} must satisfy "
+            f"0 <= lo <= hi - window_size and hi <= num_steps={cfg.num_steps}"
+        )
+
+
+def build_requests(
+    prompts: Sequence[str],
+    seeds: Sequence[int],
+    cfg: SamplingConfig,
+    lora_request: Any = None,
+    lora_scale: float = 1.0,
+) -> tuple[list[dict[str, Any]], Any]:
+    """vllm-omni prompts (one per sample, carrying seed/window/index) and the shared sampling params.
+
+    `Omni.generate` takes one sampling-params object per stage for all prompts, so everything that
+    differs per sample rides in the prompt's `additional_information`.
+    """
+    if len(prompts) != len(seeds):
+        raise ValueError(f"got {len(prompts)} prompts but {len(seeds)} seeds; pass one seed per prompt")
+    if len(prompts) == 0:
+        raise ValueError("generate() needs at least one prompt")
+    check_config(cfg)
+    requests = []
+    for i, (prompt, seed) in enumerate(zip(prompts, seeds)):
+        info = {"seed": int(seed), "window": sample_window(int(seed), cfg).tolist(), "index": i}
+        req: dict[str, Any] = {"prompt": prompt, "additional_information": {INFO_KEY: info}}
+        if cfg.guidance_scale > 1.0:
+            req["negative_prompt"] = cfg.negative_prompt or ""
+        requests.append(req)
+    params = _sampling_params_cls()(
+        height=cfg.height,
+        width=cfg.width,
+        num_inference_steps=cfg.num_steps,
+        true_cfg_scale=cfg.guidance_scale,
+        seed=int(seeds[0]),  # vllm-omni builds its own generator from this; our loop ignores it
+        output_type="pil",
+        lora_request=lora_request,
+        lora_scale=lora_scale,
+        extra_args={CFG_KEY: config_to_dict(cfg)},
+    )
+    return requests, params
+
+
+def _image_u8(image: Any) -> torch.Tensor:
+    if isinstance(image, torch.Tensor):  # [3, H, W] float in [0, 1] or uint8 [H, W, 3]
+        return (
+            image
+            if image.dtype == torch.uint8
+            else (image.permute(1, 2, 0) * 255).round().clamp(0, 255).byte()
+        )
+    return torch.from_numpy(np.asarray(image.convert("RGB"), dtype=np.uint8).copy())
+
+
+def unpack_outputs(outputs: Sequence[Any], prompts: Sequence[str], seeds: Sequence[int]) -> Trajectory:
+    """OmniRequestOutputs (any order) -> one Trajectory in the caller's sample order."""
+    by_index: dict[int, tuple[dict[str, Any], Any]] = {}
+    for out in outputs:
+        if getattr(out, "error", None):
+            raise RuntimeError(f"vllm-omni request {getattr(out, 'request_id', '?')} failed: {out.error}")
+        traj = (out.multimodal_output or {}).get(TRAJ_KEY)
+        if traj is None:
+            raise RuntimeError(
+                "vllm-omni returned no fgrpo trajectory: the engine is not running "
+                f"{PIPELINE_QUALNAME} (check custom_pipeline_args)"
+            )
+        if not out.images:
+            raise RuntimeError(f"vllm-omni request {getattr(out, 'request_id', '?')} returned no image")
+        by_index[int(traj["index"])] = (traj, out.images[0])
+    if sorted(by_index) != list(range(len(prompts))):
+        raise RuntimeError(f"vllm-omni returned samples {sorted(by_index)} for {len(prompts)} requests")
+    trajs = [by_index[i][0] for i in range(len(prompts))]
+    for i, (t, seed) in enumerate(zip(trajs, seeds)):
+        if int(t["seed"]) != int(seed):
+            raise RuntimeError(f"sample {i}: engine used seed {t['seed']}, expected {seed}")
+    conds = [{k: t[k][None] for k in COND_KEYS if k in t} for t in trajs]
+    return Trajectory(
+        prompts=list(prompts),
+        seeds=torch.tensor([int(s) for s in seeds], dtype=torch.int64),
+        sigmas=trajs[0]["timesteps"].float(),
+        window=torch.stack([t["window"] for t in trajs]).to(torch.int64),
+        x_t=torch.stack([t["x_t"] for t in trajs]).float(),
+        x_next=torch.stack([t["x_next"] for t in trajs]).float(),
+        log_prob=torch.stack([t["log_probs"] for t in trajs]).float(),
+        cond=pad_cond(conds),
+        images=torch.stack([_image_u8(by_index[i][1]) for i in range(len(prompts))]),
+    )
+
+
+def write_peft_dir(path: str | os.PathLike[str], state_dict: Mapping[str, torch.Tensor], config: Any) -> Path:
+    """Write a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) atomically.
+
+    state_dict: PEFT-named LoRA tensors (`peft.get_peft_model_state_dict(transformer)`, gathered to full
+    tensors when sharded). config: a `peft.LoraConfig` or its dict.
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    cfg = {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg.items()}
+    (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=2, default=str))
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+    save_file(tensors, str(tmp / "adapter_model.safetensors"))
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+    return path
+
+
+def _check_rpc(method: str, results: Sequence[Any]) -> list[Any]:
+    """vllm-omni reports an unsupported or failed control RPC as a dict instead of raising."""
+    flat: list[Any] = []
+    for r in results:
+        flat.extend(r if isinstance(r, list) else [r])
+    for r in flat:
+        if isinstance(r, dict) and (r.get("error") or r.get("supported") is False or r.get("todo")):
+            raise RuntimeError(f"vllm-omni {method} failed: {r.get('error') or r}")
+        status = getattr(r, "status", None)
+        if status is not None and status != "SUCCESS":
+            raise RuntimeError(f"vllm-omni {method} failed: {getattr(r, 'error_msg', r)}")
+    return flat
+
+
+class VllmOmniEngine:
+    """RolloutEngine on vllm_omni.Omni for Qwen-Image checkpoints (diffusers layout, local directory).
+
+    Args:
+        model: local diffusers directory of a Qwen-Image pipeline (or a hub id vllm-omni can fetch).
+        max_batch: requests per worker forward (vllm-omni's max_num_seqs); plays SamplingConfig.micro_batch's role.
+        batch_wait_ms: how long the scheduler waits to fill a batch (request_batch_max_wait_ms).
+        enforce_eager: False lets vllm-omni torch.compile the transformer.
+        enable_sleep_mode: required for sleep()/wake() (vllm-omni's CuMem pool).
+        dtype: the engine's weight dtype.
+        work_dir: where LoRA versions and full-weight files are written (the worker reads them by path).
+        omni_kwargs: any further `vllm_omni.Omni` keyword (e.g. diffusion_attention_backend="TORCH_SDPA").
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        max_batch: int = 8,
+        batch_wait_ms: float = 20.0,
+        enforce_eager: bool = True,
+        enable_sleep_mode: bool = False,
+        dtype: str = "bfloat16",
+        work_dir: str | os.PathLike[str] | None = None,
+        omni_kwargs: Mapping[str, Any] | None = None,
+    ):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        vllm_omni = import_vllm_omni()
+        self.work_dir = (
+            Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="fgrpo-vllm-omni-"))
+        )
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        kwargs: dict[str, Any] = {
+            "model": str(model),
+            "custom_pipeline_args": {"pipeline_class": PIPELINE_QUALNAME},
+            "worker_extension_cls": WORKER_EXTENSION_QUALNAME,
+            "max_num_seqs": max_batch,
+            "request_batch_max_wait_ms": batch_wait_ms,
+            "enforce_eager": enforce_eager,
+            "enable_sleep_mode": enable_sleep_mode,
+            "dtype": dtype,
+        }
+        kwargs.update(omni_kwargs or {})
+        self.sleep_enabled = enable_sleep_mode
+        self.omni = vllm_omni.Omni(**kwargs)
+        self.lora_request: Any = None  # the adapter every later request uses; None = base weights
+        self.lora_scale = 1.0
+        self.weight_version = 0
+        self.asleep = False
+
+    # -- rollout ---------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[str], seeds: Sequence[int], cfg: SamplingConfig) -> Trajectory:
+        if self.asleep:
+            raise RuntimeError("VllmOmniEngine.generate() while asleep: call wake() after the training step")
+        requests, params = build_requests(prompts, seeds, cfg, self.lora_request, self.lora_scale)
+        outputs = self.omni.generate(requests, params, use_tqdm=False)
+        return unpack_outputs(list(outputs), prompts, seeds)
+
+    # -- weight sync -----------------------------------------------------------------------------
+    def update_lora(
+        self,
+        source: str | os.PathLike[str] | Mapping[str, torch.Tensor],
+        config: Any = None,
+        *,
+        scale: float = 1.0,
+    ) -> Any:
+        """Use new LoRA weights from the next generate() on; returns the LoRARequest.
+
+        source: a PEFT adapter directory (e.g. the trainer's export), or a PEFT-named state dict with its
+        `config` (peft.LoraConfig). Either way the engine gets a fresh directory and a fresh adapter id,
+        because vllm-omni would otherwise serve the cached adapter of the same id.
+        """
+        self.weight_version += 1
+        v = self.weight_version
+        dst = self.work_dir / f"lora_v{v:06d}"
+        if isinstance(source, Mapping):
+            if config is None:
+                raise ValueError("update_lora(state_dict) needs config= (the peft.LoraConfig of the adapter)")
+            write_peft_dir(dst, source, config)
+        else:
+            src = Path(source)
+            if not (src / "adapter_config.json").is_file():
+                raise ValueError(
+                    f"update_lora: {src} is not a PEFT adapter directory (no adapter_config.json)"
+                )
+            shutil.rmtree(dst, ignore_errors=True)
+            shutil.copytree(src, dst)
+        lora_cls = _lora_request_cls()
+        self.lora_request = lora_cls(lora_name=f"fgrpo_v{v}", lora_int_id=v, lora_path=str(dst))
+        self.lora_scale = scale
+        old = self.work_dir / f"lora_v{v - 2:06d}"  # keep the previous version: a request may still load it
+        shutil.rmtree(old, ignore_errors=True)
+        return self.lora_request
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> int:
+        """Load full transformer weights (diffusers names, e.g. from the trainer's gathered state dict).
+
+        Goes through a safetensors file on the local filesystem: the engine's worker runs on this host.
+        Returns the number of parameters the worker loaded.
+        """
+        from safetensors.torch import save_file
+
+        if self.asleep:
+            raise RuntimeError("VllmOmniEngine.update_weights() while asleep: call wake() first")
+        self.weight_version += 1
+        path = self.work_dir / f"weights_v{self.weight_version:06d}.safetensors"
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}, str(path))
+        try:
+            results = _check_rpc(
+                "fgrpo_load_transformer_weights",
+                self.omni.engine.collective_rpc("fgrpo_load_transformer_weights", args=(str(path),)),
+            )
+        finally:
+            path.unlink(missing_ok=True)
+        return int(max((r for r in results if isinstance(r, int)), default=0))
+
+    # -- sharing the GPU with the trainer ----------------------------------------------------------
+    def sleep(self) -> None:
+        """Offload weights to CPU (level 1) and free the engine's GPU memory until wake()."""
+        if not self.sleep_enabled:
+            raise RuntimeError("VllmOmniEngine.sleep() needs VllmOmniEngine(..., enable_sleep_mode=True)")
+        if self.asleep:
+            return
+        _check_rpc("sleep", self.omni.engine.collective_rpc("sleep", args=(1,)))
+        self.asleep = True
+
+    def wake(self) -> None:
+        if not self.asleep:
+            return
+        _check_rpc("wake_up", self.omni.engine.collective_rpc("wake_up", kwargs={"tags": None}))
+        self.asleep = False
+
+    def close(self) -> None:
+        self.omni.close()
