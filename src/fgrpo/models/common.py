@@ -1,0 +1,103 @@
+"""Small pieces the diffusers-backed models share: the prompt cache, padding, resolution checks, pixels."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+
+import torch
+
+
+class PromptCache:
+    """A bounded LRU of per-prompt encodings (a tuple of tensors per key).
+
+    The G samples of a group share one prompt, and prompts recur across steps; the text encoder is
+    run once per distinct string, alone (batch of one, no padding), so an encoding depends on its
+    prompt only and never on which other prompts shared the batch.
+    """
+
+    def __init__(self, encode_one: Callable[[str], tuple[torch.Tensor, ...]], max_size: int = 1024):
+        if max_size < 1:
+            raise ValueError(f"prompt cache max_size must be >= 1, got {max_size}")
+        self._encode_one = encode_one
+        self._max_size = max_size
+        self._store: OrderedDict[Hashable, tuple[torch.Tensor, ...]] = OrderedDict()
+
+    def __call__(self, prompt: str) -> tuple[torch.Tensor, ...]:
+        if prompt in self._store:
+            self._store.move_to_end(prompt)
+            return self._store[prompt]
+        out = self._encode_one(prompt)
+        self._store[prompt] = out
+        if len(self._store) > self._max_size:
+            self._store.popitem(last=False)
+        return out
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    def clear(self) -> None:
+        self._store.clear()
+
+
+def pad_stack(seqs: list[torch.Tensor], length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[L_i, D] tensors -> zero-padded [N, L, D] and a bool mask [N, L] (True on real tokens)."""
+    length = max(s.shape[0] for s in seqs) if length is None else length
+    out = seqs[0].new_zeros(len(seqs), length, seqs[0].shape[-1])
+    mask = torch.zeros(len(seqs), length, dtype=torch.bool, device=seqs[0].device)
+    for i, s in enumerate(seqs):
+        out[i, : s.shape[0]] = s
+        mask[i, : s.shape[0]] = True
+    return out, mask
+
+
+def pad_to(embeds: torch.Tensor, mask: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad [B, L, D] embeddings (zeros) and [B, L] mask (False) to `length` tokens."""
+    extra = length - embeds.shape[1]
+    if extra <= 0:
+        return embeds, mask
+    return (
+        torch.nn.functional.pad(embeds, (0, 0, 0, extra)),
+        torch.nn.functional.pad(mask, (0, extra), value=False),
+    )
+
+
+def trim_padding(embeds: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop trailing token columns that are padding in every row.
+
+    A stored Trajectory pads prompts to the longest of the whole rollout batch; trimming to the longest
+    of the rows actually passed makes the forward's shapes a function of those rows alone, so rollout
+    and training (same rows) see identical shapes, and short prompts do not pay for a long neighbour.
+    """
+    active = mask.any(0).nonzero()
+    length = int(active.max()) + 1 if active.numel() else 1
+    return embeds[:, :length], mask[:, :length]
+
+
+def check_resolution(name: str, height: int, width: int, multiple: int) -> None:
+    """Raise a one-line error unless height and width are positive multiples of `multiple` pixels."""
+    for field, value in (("height", height), ("width", width)):
+        if not isinstance(value, int) or value <= 0 or value % multiple:
+            near = (
+                max(multiple, round(value / multiple) * multiple)
+                if isinstance(value, int | float)
+                else multiple
+            )
+            raise ValueError(
+                f"{field}={value} is not a positive multiple of {multiple} px ({name}: VAE factor x patch size); "
+                f"use e.g. {field}={near}"
+            )
+
+
+def to_uint8(images: torch.Tensor) -> torch.Tensor:
+    """VAE output in [-1, 1], [B, 3, H, W] -> uint8 [B, H, W, 3] on the CPU (diffusers' postprocess rounding)."""
+    x = (images.float() / 2 + 0.5).clamp(0, 1)
+    return (x * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
+
+
+def module_device(module: torch.nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
+def module_dtype(module: torch.nn.Module) -> torch.dtype:
+    return next(module.parameters()).dtype

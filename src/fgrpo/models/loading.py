@@ -1,0 +1,112 @@
+"""Loading a real model by name, and the transformer options the trainer toggles (LoRA, checkpointing,
+attention backend, regional compile). The tiny random models live in fgrpo.models.tiny."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from fgrpo.models.base import FlowModel
+
+if TYPE_CHECKING:
+    from fgrpo.config import ModelConfig
+
+QWEN_IMAGE_LORA_TARGETS = (
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out.0",
+    "add_q_proj",
+    "add_k_proj",
+    "add_v_proj",
+    "to_add_out",
+    "img_mlp.net.0.proj",
+    "img_mlp.net.2",
+    "txt_mlp.net.0.proj",
+    "txt_mlp.net.2",
+)
+SD3_LORA_TARGETS = (
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+)
+
+
+def add_lora(
+    transformer: nn.Module,
+    *,
+    rank: int,
+    alpha: float,
+    target_modules: Sequence[str] = QWEN_IMAGE_LORA_TARGETS,
+    init: str | bool = "gaussian",
+    adapter_name: str = "default",
+) -> list[nn.Parameter]:
+    """Attach a peft LoRA adapter in place (diffusers' add_adapter keeps the module's class); returns its params.
+
+    Only the adapter is trainable afterwards. `init` is peft's init_lora_weights ("gaussian" and True make
+    B = 0, so the model is unchanged until the first update; False makes A and B random).
+    """
+    from peft import LoraConfig
+
+    if rank < 1:
+        raise ValueError(f"lora rank must be >= 1, got {rank}")
+    if not target_modules:
+        raise ValueError("lora target_modules is empty; name at least one Linear inside the transformer")
+    transformer.requires_grad_(False)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(target_modules), init_lora_weights=init)
+    transformer.add_adapter(config, adapter_name=adapter_name)
+    return [p for n, p in transformer.named_parameters() if "lora_" in n]
+
+
+def configure_transformer(
+    transformer: nn.Module,
+    *,
+    gradient_checkpointing: bool = False,
+    attention_backend: str = "",
+    compile_blocks: bool = False,
+) -> None:
+    """Training/inference switches on a diffusers transformer, in place.
+
+    attention_backend: a name of diffusers' attention dispatcher ("native", "flash", "_flash_3_hub",
+    "sage", ...); "" keeps the default (torch SDPA). compile_blocks: regional torch.compile of the
+    repeated transformer blocks (diffusers' compile_repeated_blocks): one compiled graph reused by all
+    60 blocks, so compile time is that of one block.
+    """
+    if gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    if attention_backend:
+        transformer.set_attention_backend(attention_backend)
+    if compile_blocks:
+        transformer.compile_repeated_blocks(fullgraph=True)
+
+
+def load_model(mcfg: ModelConfig, *, device: torch.device | str, dtype: torch.dtype) -> FlowModel:
+    """The real model named by `mcfg.kind` from `mcfg.path` (local diffusers directory or hub id), frozen.
+
+    LoRA and gradient checkpointing are the trainer's to add (they make parameters trainable); the
+    attention backend and regional compile are applied here since they do not change the numbers' meaning.
+    """
+    if mcfg.kind == "qwen_image":
+        from fgrpo.models.qwen_image import QwenImage
+
+        model = QwenImage.from_pretrained(mcfg.path, dtype=dtype, device=device)
+    elif mcfg.kind == "sd3":
+        from fgrpo.models.sd3 import SD3
+
+        model = SD3.from_pretrained(mcfg.path, dtype=dtype, device=device)
+    else:
+        raise ValueError(f"model.kind={mcfg.kind!r} is not loadable from a path; use 'qwen_image' or 'sd3'")
+    configure_transformer(
+        model.transformer,
+        attention_backend=mcfg.attention_backend,
+        compile_blocks=getattr(mcfg, "compile", False),
+    )
+    return model

@@ -1,0 +1,241 @@
+"""Qwen-Image behind the FlowModel interface, built from diffusers' and transformers' own classes.
+
+Text: Qwen2.5-VL reads the prompt inside Qwen-Image's chat template; the hidden states of the last
+layer, minus the 34 template-prefix tokens, are the conditioning (QwenImagePipeline's recipe).
+Image: AutoencoderKLQwenImage latents [C, H/8, W/8], normalised with the VAE's per-channel mean/std,
+packed 2x2 into tokens [(H/16)(W/16), 4C] for QwenImageTransformer2DModel (RoPE from `img_shapes`).
+
+Differs from QwenImagePipeline:
+- x_t lives unpacked, [C, H/8, W/8]: the image size is then readable from the tensor (the transformer
+  needs it for RoPE) and the SDE noise is drawn in the same layout the pipeline draws its initial noise.
+- True CFG is one batched forward over [positive; negative] (prompts padded to a common length with a
+  mask), not two forwards; the pipeline's two calls give the same numbers up to float rounding.
+- Each distinct prompt is encoded alone and cached, so an encoding never depends on its batch-mates.
+- The timestep fed to the transformer is sigma itself; the pipeline feeds (1000 sigma) / 1000.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+
+from fgrpo.core import guidance, schedule
+from fgrpo.models.base import Cond
+from fgrpo.models.common import (
+    PromptCache,
+    check_resolution,
+    module_device,
+    module_dtype,
+    pad_stack,
+    pad_to,
+    to_uint8,
+    trim_padding,
+)
+
+PROMPT_TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
+    "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+# Tokens of the template's system/user prefix (with Qwen's tokenizer); QwenImagePipeline drops them.
+PROMPT_DROP = 34
+MAX_SEQUENCE_LENGTH = 1024
+
+# Keys of Qwen/Qwen-Image's scheduler_config.json that the schedule uses -> qwen_image_sigmas kwargs.
+_SCHEDULE_KEYS = {
+    "base_image_seq_len": "base_seq_len",
+    "max_image_seq_len": "max_seq_len",
+    "base_shift": "base_shift",
+    "max_shift": "max_shift",
+    "shift_terminal": "shift_terminal",
+}
+
+
+def pack(x: torch.Tensor) -> torch.Tensor:
+    """[B, C, h, w] -> [B, (h/2)(w/2), 4C]: 2x2 patches as tokens, channel-major inside a token."""
+    B, C, h, w = x.shape
+    x = x.view(B, C, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(B, (h // 2) * (w // 2), C * 4)
+
+
+def unpack(x: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """Inverse of `pack`: [B, (h/2)(w/2), 4C] -> [B, C, h, w]."""
+    B, _, D = x.shape
+    x = x.view(B, h // 2, w // 2, D // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(B, D // 4, h, w)
+
+
+class QwenImage:
+    """Qwen-Image (text encoder, transformer, VAE) as a FlowModel. Weights are frozen; LoRA goes on later."""
+
+    def __init__(
+        self,
+        transformer: QwenImageTransformer2DModel,
+        vae: AutoencoderKLQwenImage,
+        text_encoder: torch.nn.Module | None,
+        tokenizer,
+        *,
+        schedule_kwargs: dict | None = None,
+        max_sequence_length: int = MAX_SEQUENCE_LENGTH,
+        prompt_cache_size: int = 1024,
+    ):
+        self.transformer = transformer
+        self.vae = vae
+        self.text_encoder = text_encoder
+        self.tokenizer = tokenizer
+        self.schedule_kwargs = dict(schedule_kwargs or {})
+        self.max_sequence_length = max_sequence_length
+        self.vae_scale = 2 ** len(vae.temperal_downsample)
+        self.patch = transformer.config.patch_size
+        self.latent_channels = vae.config.z_dim
+        if transformer.config.in_channels != self.latent_channels * self.patch**2:
+            raise ValueError(
+                f"transformer in_channels={transformer.config.in_channels} != VAE z_dim {self.latent_channels} "
+                f"x patch {self.patch}^2; the transformer and VAE do not belong together"
+            )
+        self.prompt_cache = PromptCache(self._encode_one, prompt_cache_size)
+
+    # ------------------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cuda",
+        text_encoder_dtype: torch.dtype | None = None,
+        load_text_encoder: bool = True,
+        **kwargs,
+    ) -> QwenImage:
+        """Load a diffusers-format Qwen-Image directory or hub id (subfolders transformer, vae, ...)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+        from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+
+        path = str(path)
+        transformer = QwenImageTransformer2DModel.from_pretrained(
+            path, subfolder="transformer", torch_dtype=dtype
+        )
+        vae = AutoencoderKLQwenImage.from_pretrained(path, subfolder="vae", torch_dtype=dtype)
+        text_encoder = None
+        if load_text_encoder:
+            text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+                path, subfolder="text_encoder", dtype=text_encoder_dtype or dtype
+            )
+        tokenizer = Qwen2Tokenizer.from_pretrained(path, subfolder="tokenizer")
+        sched = FlowMatchEulerDiscreteScheduler.load_config(path, subfolder="scheduler")
+        schedule_kwargs = {ours: sched[theirs] for theirs, ours in _SCHEDULE_KEYS.items() if theirs in sched}
+        return cls.from_modules(
+            transformer,
+            vae,
+            text_encoder,
+            tokenizer,
+            device=device,
+            schedule_kwargs=schedule_kwargs,
+            **kwargs,
+        )
+
+    @classmethod
+    def from_modules(cls, transformer, vae, text_encoder, tokenizer, *, device=None, **kwargs) -> QwenImage:
+        """Freeze the modules (eval mode, no grads), move them to `device`, wrap them."""
+        for m in (transformer, vae, text_encoder):
+            if m is not None:
+                m.requires_grad_(False).eval()
+                if device is not None:
+                    m.to(device)
+        return cls(transformer, vae, text_encoder, tokenizer, **kwargs)
+
+    @property
+    def device(self) -> torch.device:
+        return module_device(self.transformer)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return module_dtype(self.transformer)
+
+    # ------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _encode_one(self, prompt: str) -> tuple[torch.Tensor]:
+        """One prompt -> its conditioning tokens [L, D] in the transformer's dtype (template prefix dropped)."""
+        if self.text_encoder is None:
+            raise RuntimeError("this QwenImage was built without a text encoder; pass one to encode prompts")
+        tokens = self.tokenizer(
+            [PROMPT_TEMPLATE.format(prompt)],
+            max_length=self.max_sequence_length + PROMPT_DROP,
+            truncation=True,
+            return_tensors="pt",
+        ).to(module_device(self.text_encoder))
+        out = self.text_encoder(
+            input_ids=tokens.input_ids, attention_mask=tokens.attention_mask, output_hidden_states=True
+        )
+        hidden = out.hidden_states[-1][0, PROMPT_DROP:][: self.max_sequence_length]  # [L, D]
+        return (hidden.to(device=self.device, dtype=self.dtype),)
+
+    def encode(self, prompts: Sequence[str], *, negative_prompt: str | None = None) -> Cond:
+        if len(prompts) == 0:
+            raise ValueError("prompts is empty; pass at least one prompt")
+        embeds, mask = pad_stack([self.prompt_cache(p)[0] for p in prompts])
+        cond = {"prompt_embeds": embeds, "prompt_mask": mask}
+        if negative_prompt is not None:
+            (neg,) = self.prompt_cache(negative_prompt)
+            B = len(prompts)
+            cond["neg_prompt_embeds"] = neg[None].expand(B, -1, -1)
+            cond["neg_prompt_mask"] = torch.ones(B, neg.shape[0], dtype=torch.bool, device=neg.device)
+        return cond
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
+        check_resolution("Qwen-Image", height, width, self.vae_scale * self.patch)
+        return (self.latent_channels, height // self.vae_scale, width // self.vae_scale)
+
+    def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
+        _, h, w = self.latent_shape(height, width)
+        seq_len = (h // self.patch) * (w // self.patch)
+        return schedule.qwen_image_sigmas(num_steps, seq_len, **self.schedule_kwargs)
+
+    def velocity(
+        self, x_t: torch.Tensor, sigma: torch.Tensor, cond: Cond, *, guidance_scale: float
+    ) -> torch.Tensor:
+        """v(x_t, sigma) [B, C, h, w] fp32; true CFG (per-token norm rescale) when guidance_scale > 1."""
+        B, _, h, w = x_t.shape
+        sigma = torch.as_tensor(sigma, device=x_t.device).float().expand(B)
+        embeds, mask = cond["prompt_embeds"], cond["prompt_mask"]
+        x = pack(x_t)
+        do_cfg = guidance_scale > 1.0
+        if do_cfg:
+            if "neg_prompt_embeds" not in cond:
+                raise ValueError(f"guidance_scale={guidance_scale} > 1 needs a negative prompt in cond")
+            neg, neg_mask = cond["neg_prompt_embeds"], cond["neg_prompt_mask"]
+            length = max(embeds.shape[1], neg.shape[1])
+            embeds, mask = pad_to(embeds, mask, length)
+            neg, neg_mask = pad_to(neg, neg_mask, length)
+            embeds, mask = torch.cat([embeds, neg]), torch.cat([mask, neg_mask])
+            x, sigma = torch.cat([x, x]), torch.cat([sigma, sigma])
+        embeds, mask = trim_padding(embeds, mask)
+        dtype = self.dtype
+        out = self.transformer(
+            hidden_states=x.to(dtype),
+            timestep=sigma.to(dtype),
+            encoder_hidden_states=embeds.to(dtype),
+            # No mask when nothing is padding: SDPA then takes its fastest (flash) path, as the pipeline does.
+            encoder_hidden_states_mask=None if bool(mask.all()) else mask,
+            img_shapes=[(1, h // self.patch, w // self.patch)] * x.shape[0],
+            return_dict=False,
+        )[0].float()
+        if do_cfg:
+            v_cond, v_uncond = out.chunk(2)
+            out = guidance.true_cfg(v_cond, v_uncond, guidance_scale)  # per token of the packed latent
+        return unpack(out, h, w)
+
+    @torch.no_grad()
+    def decode(self, x0: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """Clean latents [B, C, h, w] -> uint8 [B, H, W, 3]: undo the VAE's latent normalisation, decode."""
+        cfg = self.vae.config
+        vdtype = module_dtype(self.vae)
+        z = x0.to(vdtype)[:, :, None]  # [B, C, 1, h, w]: the VAE is a video VAE with one frame
+        mean = torch.tensor(cfg.latents_mean, device=z.device, dtype=vdtype).view(1, -1, 1, 1, 1)
+        inv_std = 1.0 / torch.tensor(cfg.latents_std, device=z.device, dtype=vdtype).view(1, -1, 1, 1, 1)
+        z = z / inv_std + mean  # the pipeline's exact expression, so decoded pixels match it bit for bit
+        images = self.vae.decode(z, return_dict=False)[0][:, :, 0]  # [B, 3, H, W] in [-1, 1]
+        return to_uint8(images)

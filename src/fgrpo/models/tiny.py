@@ -1,0 +1,306 @@
+"""Tiny random-init Qwen-Image and SD3 (every component, tokenizers included), built offline in code.
+
+Same diffusers / transformers classes as the real models, shrunk until a 64x64 denoising step takes
+milliseconds on a CPU. Used by the tests (parity with diffusers' own pipelines), the experiments' tiny
+presets, and, saved as a diffusers pipeline directory, by the vLLM-Omni engine's GPU tests.
+
+The tokenizers are byte-level BPEs trained here, in code, on the prompt template, so no file is
+downloaded. Qwen-Image's tokenizer is built with Qwen's own pre-tokenizer and learns every word of
+the chat template as one token: the template's system/user prefix is then exactly 34 tokens, as with
+the real tokenizer, so the pipeline's hard-coded "drop the first 34 tokens" means the same thing here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    AutoencoderKLQwenImage,
+    FlowMatchEulerDiscreteScheduler,
+    QwenImageTransformer2DModel,
+    SD3Transformer2DModel,
+)
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModelWithProjection,
+    PreTrainedTokenizerFast,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2Tokenizer,
+    T5Config,
+    T5EncoderModel,
+)
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+from fgrpo.models.qwen_image import PROMPT_DROP, PROMPT_TEMPLATE, QwenImage
+from fgrpo.models.sd3 import CLIP_MAX_LENGTH, SD3
+
+# Qwen/Qwen-Image's scheduler_config.json (the schedule's constants live in fgrpo.core.schedule).
+QWEN_IMAGE_SCHEDULER = dict(
+    base_image_seq_len=256,
+    base_shift=0.5,
+    max_image_seq_len=8192,
+    max_shift=0.9,
+    num_train_timesteps=1000,
+    shift=1.0,
+    shift_terminal=0.02,
+    time_shift_type="exponential",
+    use_dynamic_shifting=True,
+)
+SD3_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0)
+
+# Words the tiny BPEs learn besides the template (tests' prompts tokenise into fewer, longer tokens).
+_EXTRA_TEXT = "a photo of a cat holding a sign that says hello world, a red square on a blue background"
+T5_MAX_LENGTH_TINY = 32
+
+
+def _train_bpe(text: str, specials: list[str], pre_tokenizer) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Byte-level BPE (vocab, merges) that learns every word of `text` whole; deterministic."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizer
+    tok.add_special_tokens(specials)  # split out of the text exactly as at use time
+    trainer = trainers.BpeTrainer(
+        vocab_size=4096,
+        min_frequency=1,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([text], trainer)
+    model = json.loads(tok.to_str())["model"]
+    return model["vocab"], [tuple(m) for m in model["merges"]]
+
+
+def tiny_qwen_tokenizer() -> Qwen2Tokenizer:
+    """Qwen2Tokenizer (Qwen's pre-tokenizer) with a tiny byte-level vocabulary and the chat special tokens."""
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    pre = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    vocab, merges = _train_bpe(PROMPT_TEMPLATE.format(_EXTRA_TEXT), specials, pre)
+    tok = Qwen2Tokenizer(vocab=vocab, merges=merges)
+    tok.add_special_tokens({"additional_special_tokens": specials[1:]})
+    prefix = PROMPT_TEMPLATE.split("{}")[0]
+    n = len(tok(prefix)["input_ids"])
+    if n != PROMPT_DROP:  # the whole point of training on the template; fail loudly if tokenizers changes
+        raise RuntimeError(
+            f"tiny Qwen tokenizer splits the template prefix into {n} tokens, expected {PROMPT_DROP}"
+        )
+    return tok
+
+
+def _tiny_fast_tokenizer(bos: str | None, eos: str, pad: str, max_length: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE with `[bos] text eos` post-processing (stands in for CLIP's and T5's tokenizers)."""
+    specials = [s for s in dict.fromkeys([pad, eos, bos]) if s is not None]
+    pre = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    vocab, merges = _train_bpe(_EXTRA_TEXT, specials, pre)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    single = f"{bos} $A {eos}" if bos else f"$A {eos}"
+    tok.post_processor = processors.TemplateProcessing(
+        single=single, special_tokens=[(s, vocab[s]) for s in specials if s in (bos, eos)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad, model_max_length=max_length
+    )
+
+
+def tiny_clip_tokenizer() -> PreTrainedTokenizerFast:
+    return _tiny_fast_tokenizer("<|startoftext|>", "<|endoftext|>", "<|endoftext|>", CLIP_MAX_LENGTH)
+
+
+def tiny_t5_tokenizer() -> PreTrainedTokenizerFast:
+    return _tiny_fast_tokenizer(None, "</s>", "<pad>", T5_MAX_LENGTH_TINY)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Qwen-Image
+
+
+def tiny_qwen_image_components(seed: int = 0) -> dict:
+    """Random-init tiny Qwen-Image parts, keyed like QwenImagePipeline's constructor (fp32, CPU)."""
+    tokenizer = tiny_qwen_tokenizer()
+    vocab = len(tokenizer)
+    hidden = 32
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        text_config = dict(
+            hidden_size=hidden,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            rope_scaling={"mrope_section": [2, 2, 4], "rope_type": "default", "type": "default"},
+            rope_theta=1e6,
+            vocab_size=vocab,
+            bos_token_id=None,
+            eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        vision_config = dict(
+            depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=hidden
+        )
+        config = Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config, vocab_size=vocab)
+        text_encoder = Qwen2_5_VLForConditionalGeneration(config)
+        transformer = QwenImageTransformer2DModel(
+            patch_size=2,
+            in_channels=16,
+            out_channels=4,
+            num_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=hidden,
+            axes_dims_rope=(4, 6, 6),
+        )
+        z = 4
+        # Non-trivial latent statistics, so a wrong (de)normalisation cannot pass the parity tests.
+        vae = AutoencoderKLQwenImage(
+            base_dim=16,
+            z_dim=z,
+            dim_mult=[1, 2, 2, 2],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+            latents_mean=(torch.randn(z) * 0.3).tolist(),
+            latents_std=(torch.rand(z) + 0.5).tolist(),
+        )
+    for m in (text_encoder, transformer, vae):
+        m.eval()
+    return dict(
+        transformer=transformer,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER),
+    )
+
+
+def tiny_qwen_image(
+    seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, **kwargs
+) -> QwenImage:
+    """A tiny random Qwen-Image FlowModel (64x64 images take a few ms per step on a CPU)."""
+    c = tiny_qwen_image_components(seed)
+    if dtype != torch.float32:
+        c["transformer"].to(dtype)
+    return QwenImage.from_modules(
+        c["transformer"], c["vae"], c["text_encoder"], c["tokenizer"], device=device, **kwargs
+    )
+
+
+def save_tiny_qwen_image(path: str | Path, seed: int = 0) -> Path:
+    """Write a diffusers-format pipeline directory (model_index.json, one subfolder per component).
+
+    QwenImagePipeline.from_pretrained(path) and vLLM-Omni load it like the real Qwen/Qwen-Image.
+    """
+    from diffusers import QwenImagePipeline
+
+    path = Path(path)
+    QwenImagePipeline(**tiny_qwen_image_components(seed)).save_pretrained(path)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------
+# SD3
+
+
+def tiny_sd3_components(seed: int = 0) -> dict:
+    """Random-init tiny SD3 parts, keyed like StableDiffusion3Pipeline's constructor (fp32, CPU)."""
+    clip_tok, t5_tok = tiny_clip_tokenizer(), tiny_t5_tokenizer()
+    joint = 32
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+
+        def clip(hidden: int, proj: int) -> CLIPTextModelWithProjection:
+            return CLIPTextModelWithProjection(
+                CLIPTextConfig(
+                    vocab_size=len(clip_tok),
+                    hidden_size=hidden,
+                    intermediate_size=2 * hidden,
+                    num_hidden_layers=2,
+                    num_attention_heads=2,
+                    max_position_embeddings=CLIP_MAX_LENGTH,
+                    projection_dim=proj,
+                    bos_token_id=clip_tok.bos_token_id,
+                    eos_token_id=clip_tok.eos_token_id,
+                    pad_token_id=clip_tok.pad_token_id,
+                )
+            )
+
+        # CLIP widths 8 + 16 < T5's 32, so the pipeline's zero-padding of the CLIP features is exercised.
+        clip_l, clip_g = clip(8, 8), clip(16, 16)
+        t5 = T5EncoderModel(
+            T5Config(
+                vocab_size=len(t5_tok),
+                d_model=joint,
+                d_kv=8,
+                d_ff=32,
+                num_layers=2,
+                num_heads=4,
+                pad_token_id=t5_tok.pad_token_id,
+                eos_token_id=t5_tok.eos_token_id,
+                decoder_start_token_id=t5_tok.pad_token_id,
+            )
+        )
+        transformer = SD3Transformer2DModel(
+            sample_size=8,
+            patch_size=2,
+            in_channels=4,
+            num_layers=2,
+            attention_head_dim=8,
+            num_attention_heads=2,
+            joint_attention_dim=joint,
+            caption_projection_dim=16,
+            pooled_projection_dim=8 + 16,
+            out_channels=4,
+            qk_norm="rms_norm",
+            dual_attention_layers=(0,),  # SD3.5 Medium's MMDiT-X block, in miniature
+        )
+        vae = AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4,
+            block_out_channels=(8, 8, 16, 16),
+            layers_per_block=1,
+            latent_channels=4,
+            norm_num_groups=4,
+            sample_size=64,
+            scaling_factor=1.5305,
+            shift_factor=0.0609,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+        )
+    for m in (clip_l, clip_g, t5, transformer, vae):
+        m.eval()
+    return dict(
+        transformer=transformer,
+        vae=vae,
+        text_encoder=clip_l,
+        text_encoder_2=clip_g,
+        text_encoder_3=t5,
+        tokenizer=clip_tok,
+        tokenizer_2=clip_tok,
+        tokenizer_3=t5_tok,
+        scheduler=FlowMatchEulerDiscreteScheduler(**SD3_SCHEDULER),
+    )
+
+
+def tiny_sd3(
+    seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, **kwargs
+) -> SD3:
+    """A tiny random SD3.5-style FlowModel (64x64 images take a few ms per step on a CPU)."""
+    c = tiny_sd3_components(seed)
+    if dtype != torch.float32:
+        c["transformer"].to(dtype)
+    encoders = [c["text_encoder"], c["text_encoder_2"], c["text_encoder_3"]]
+    tokenizers = [c["tokenizer"], c["tokenizer_2"], c["tokenizer_3"]]
+    kwargs.setdefault("max_sequence_length", T5_MAX_LENGTH_TINY)
+    return SD3.from_modules(c["transformer"], c["vae"], encoders, tokenizers, device=device, **kwargs)
