@@ -166,11 +166,15 @@ def policy_update(
     device = traj.x_t.device
     stats: dict[str, list[float]] = defaultdict(list)
     gap_per_step: dict[int, list[float]] = defaultdict(list)
-    old_log_prob = traj.log_prob
+    old_log_prob, old_mean = traj.log_prob, None
     first_update = True
 
+    # GRPO-Guard's ratio normalisation needs the rollout policy's means; they are recomputed with the
+    # unchanged weights rather than stored (a trajectory would double in size for one option).
+    if g.old_log_prob == "recompute" or g.ratio_norm:
+        recomputed, old_mean = recompute_log_probs(model, traj, s, mb)
     if g.old_log_prob == "recompute":
-        old_log_prob = recompute_log_probs(model, traj, s, mb)
+        old_log_prob = recomputed
         for j in range(W):
             for i, gap in zip(traj.window[:, j].tolist(), (old_log_prob[:, j] - traj.log_prob[:, j]).abs().tolist()):
                 gap_per_step[i].append(gap)
@@ -194,12 +198,13 @@ def policy_update(
                             gap_per_step[i].append(gap)
                     loss, metrics = grpo.clipped_policy_loss(
                         log_prob, old, advantages[idx], clip_range=g.clip_range, adv_clip_max=g.adv_clip_max,
-                        ratio_norm=g.ratio_norm,
+                        ratio_norm=g.ratio_norm, mean=mean, std=std,
+                        old_mean=old_mean[idx, j] if old_mean is not None else None,
                     )
                     if g.kl_coef > 0:
                         with torch.no_grad(), adapters_disabled(model.transformer):
                             ref_mean, _ = transition(model, traj.x_t[idx, j], sigma, sigma_next, cond, s)
-                        kl = grpo.gaussian_kl(mean, ref_mean, std, kind=g.kl_kind)
+                        kl = grpo.gaussian_kl(mean, ref_mean, std, kind=g.kl_kind, step_size=sigma - sigma_next)
                         loss = loss + g.kl_coef * kl.mean()
                         stats["kl"].append(kl.mean().item())
                     (loss * (len(idx) / n_elems)).backward()
@@ -228,17 +233,21 @@ def policy_update(
 
 
 @torch.no_grad()
-def recompute_log_probs(model: FlowModel, traj: Trajectory, s: SamplingConfig, micro_batch: int) -> torch.Tensor:
-    """[B, W] log-probs of the stored transitions under the current weights, in training shapes."""
-    out = torch.empty_like(traj.log_prob)
+def recompute_log_probs(
+    model: FlowModel, traj: Trajectory, s: SamplingConfig, micro_batch: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, W] log-probs, [B, W, *latent] means) of the stored transitions under the current weights,
+    computed in training shapes (micro-batches of `micro_batch` along the sample axis)."""
+    log_probs = torch.empty_like(traj.log_prob)
+    means = torch.empty_like(traj.x_next)
     for j in range(traj.window.shape[1]):
         for idx in torch.arange(len(traj), device=traj.x_t.device).split(micro_batch):
             steps = traj.window[idx, j]
-            out[idx, j], _, _ = transition_log_prob(
+            log_probs[idx, j], means[idx, j], _ = transition_log_prob(
                 model, traj.x_t[idx, j], traj.x_next[idx, j], traj.sigmas[steps], traj.sigmas[steps + 1],
                 cond_index(traj.cond, idx), s,
             )
-    return out
+    return log_probs, means
 
 
 def validation_sampling(s: SamplingConfig, num_steps: int) -> SamplingConfig:
