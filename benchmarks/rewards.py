@@ -1,0 +1,132 @@
+"""Reward latency: rapidocr OCR per image (single and batched), JPEG reward, and the per-image overhead of
+the HTTP reward service on loopback (PNG and JPEG on the wire). Prints one table.
+
+    uv run python benchmarks/rewards.py                 # 512², 8 images
+    uv run python benchmarks/rewards.py --size 1024 --n 16 --threads 2
+
+Images are 512² renderings of short text (DejaVu Sans) so OCR does its real work (detect + recognize).
+HTTP overhead = (HttpReward time - local time of the same reward) / images, the service running
+`jpeg_compressibility` in a separate process, so it includes encode, transfer, decode and JSON both ways.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFont
+
+from fgrpo.rewards import HttpReward, OcrReward, RapidOcrEngine, build_reward
+
+FONT = Path("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")
+WORDS = ["HELLO WORLD", "FLOW GRPO", "OPEN 24H", "SALE", "QWEN IMAGE", "NO PARKING", "CAFE", "EXIT"]
+
+
+def render(text: str, size: int) -> np.ndarray:
+    img = Image.new("RGB", (size, size), (250, 245, 235))
+    draw = ImageDraw.Draw(img)
+    draw.text(
+        (size // 10, size // 2 - size // 16),
+        text,
+        fill=(20, 20, 20),
+        font=ImageFont.truetype(str(FONT), size // 9),
+    )
+    return np.asarray(img)
+
+
+def best_of(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def start_service(spec: str) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fgrpo.rewards.serve", "--reward", spec, "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):  # up to 30 s
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1)
+            return proc, url
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("reward service did not start")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--size", type=int, default=512)
+    p.add_argument("--n", type=int, default=8, help="images per batch")
+    p.add_argument("--repeats", type=int, default=3, help="best of this many runs")
+    p.add_argument("--threads", type=int, default=None, help="onnxruntime threads (default: all cores)")
+    args = p.parse_args()
+
+    texts = [WORDS[i % len(WORDS)] for i in range(args.n)]
+    images = np.stack([render(t, args.size) for t in texts])
+    prompts = [f'a sign that says "{t}"' for t in texts]
+    rows: list[tuple[str, float, str]] = []
+
+    ocr = OcrReward(RapidOcrEngine(num_threads=args.threads))
+    ocr(images[:1], prompts[:1])  # load the models outside the timing
+    t1 = best_of(lambda: ocr(images[:1], prompts[:1]), args.repeats)
+    rows.append(("OCR rapidocr, batch 1", t1 * 1e3, "per image"))
+    out = None
+
+    def ocr_batch():
+        nonlocal out
+        out = ocr(images, prompts)
+
+    tb = best_of(ocr_batch, max(1, args.repeats - 1))
+    rows.append(
+        (f"OCR rapidocr, batch {args.n}", tb / args.n * 1e3, f"per image; mean score {out.scores.mean():.3f}")
+    )
+
+    jpeg = build_reward("jpeg_compressibility")
+    tj = best_of(lambda: jpeg(images, prompts), args.repeats)
+    rows.append((f"JPEG compressibility, batch {args.n}", tj / args.n * 1e3, "per image"))
+
+    proc, url = start_service("jpeg_compressibility")
+    try:
+        for fmt in ("png", "jpeg"):
+            client = HttpReward(url, image_format=fmt, batch_size=args.n)
+            client(images, prompts)  # warm the server's first request
+            th = best_of(lambda c=client: c(images, prompts), args.repeats)
+            rows.append(
+                (
+                    f"HTTP overhead, {fmt} on the wire",
+                    (th - tj) / args.n * 1e3,
+                    f"per image (total {th / args.n * 1e3:.1f} ms)",
+                )
+            )
+    finally:
+        proc.kill()
+        proc.wait()
+
+    print(
+        f"# rewards benchmark: {args.size}x{args.size}, {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}"
+    )
+    print(f"{'what':<38} {'ms':>9}  note")
+    for name, ms, note in rows:
+        print(f"{name:<38} {ms:>9.1f}  {note}")
+
+
+if __name__ == "__main__":
+    main()
