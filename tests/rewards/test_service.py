@@ -87,6 +87,15 @@ def test_rejected_input_is_not_retried():
             client(url)(IMAGES[:2], ['ok "a"', "no quotes"])
 
 
+def test_client_and_cli_fail_before_any_network_on_bad_input():
+    from fgrpo.rewards.serve import main
+
+    with pytest.raises(TypeError, match="JSON-serializable"):
+        client("http://127.0.0.1:9")(IMAGES[:1], PROMPTS[:1], [{"array": np.zeros(2)}])
+    with pytest.raises(ValueError, match="unknown reward 'nope'"):
+        main(["--reward", "nope", "--port", "9"])
+
+
 def counting_app(handler_reply, log: dict) -> web.Application:
     """A /score endpoint whose reply is chosen per attempt by handler_reply(attempt, n_images)."""
     log["requests"] = 0

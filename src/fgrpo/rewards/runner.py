@@ -53,7 +53,8 @@ class AsyncRewardRunner:
         reward: a Reward, or a spec for `build_reward` (a spec is what a process pool should get: it is built
             inside each worker, so nothing heavy is pickled).
         kind: "thread" or "process" (spawned, so the trainer's CUDA/threads state is not forked).
-        max_workers: 1 keeps batches in submission order and one copy of the reward's weights.
+        max_workers: 1 keeps batches in submission order and one copy of the reward's weights; more threads
+            call one reward concurrently, so only use them with a thread-safe reward.
     """
 
     def __init__(

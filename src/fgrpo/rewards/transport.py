@@ -67,16 +67,15 @@ def b64(data: bytes) -> str:
 def request_to_json(
     images: np.ndarray, prompts: list[str], metadata: list[dict[str, Any]] | None, fmt: str = "png"
 ) -> dict[str, Any]:
-    payload = {
-        "images": [b64(encode_image(im, fmt)) for im in images],
-        "prompts": list(prompts),
-        "metadata": metadata,
-    }
     try:
         json.dumps(metadata)
     except (TypeError, ValueError) as e:
         raise TypeError(f"reward metadata must be JSON-serializable to go over HTTP: {e}") from e
-    return payload
+    return {
+        "images": [b64(encode_image(im, fmt)) for im in images],
+        "prompts": list(prompts),
+        "metadata": metadata,
+    }
 
 
 def request_from_json(body: Any) -> tuple[np.ndarray, list[str], list[dict[str, Any]] | None]:
