@@ -1,0 +1,201 @@
+"""The in-process rollout engine: any FlowModel, sampled step by step through fgrpo.policy.transition.
+
+Each sample b gets a window of W consecutive steps (drawn from its own generator); inside it the step is
+the configured SDE and the transition (x_t, x_next, log-prob) is recorded, outside it the step is the
+deterministic Euler (ODE) step. Samples run in micro-batches of `cfg.micro_batch` consecutive rows, all
+steps of a micro-batch before the next one.
+
+Exactness contract (tested): `recompute_log_probs` - one transformer forward per (window position j,
+micro-batch of the same consecutive rows) - reproduces the rollout's log-probs bit for bit with
+unchanged weights. It holds because both sides call the same `model.velocity` on the same rows in the
+same order with the same (trimmed) prompt padding, and the same core step and log-prob on the result:
+every row's numbers depend on the shapes of the forward, not on the other rows' values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from fgrpo.core import schedule, sde
+from fgrpo.models.base import Cond, FlowModel, cond_index
+from fgrpo.models.common import module_device
+from fgrpo.policy import transition, transition_log_prob
+from fgrpo.rollout.base import SamplingConfig, Trajectory
+from fgrpo.rollout.seeds import sample_generator
+
+
+class _GivenVelocity:
+    """A stand-in model whose velocity is already computed.
+
+    A micro-batch can hold rows inside their SDE window and rows outside it at the same step; one
+    transformer forward serves both, and `transition` then turns that one velocity into the SDE step
+    (window rows) and the Euler step (the others), so the step math still exists only in policy/core.
+    """
+
+    def __init__(self, v: torch.Tensor):
+        self.v = v
+
+    def velocity(self, x_t, sigma, cond, *, guidance_scale):
+        return self.v
+
+
+def micro_batches(n: int, size: int) -> Iterator[slice]:
+    """The row slices [0, size), [size, 2 size), ... of n samples: the rollout's and recompute's grouping."""
+    if size < 1:
+        raise ValueError(f"micro_batch must be >= 1, got {size}")
+    for start in range(0, n, size):
+        yield slice(start, min(start + size, n))
+
+
+def check_request(
+    model: FlowModel, prompts: Sequence[str], seeds: Sequence[int], cfg: SamplingConfig
+) -> None:
+    """Every error a rollout request can have, raised before any model work (one line, field + fix)."""
+    if len(prompts) == 0:
+        raise ValueError(
+            "prompts is empty; pass at least one prompt (repeat each prompt G times for a group)"
+        )
+    if len(seeds) != len(prompts):
+        raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts; pass one seed per sample")
+    if cfg.num_steps < 1:
+        raise ValueError(f"num_steps={cfg.num_steps}: must be >= 1")
+    if cfg.micro_batch < 1:
+        raise ValueError(f"micro_batch={cfg.micro_batch}: must be >= 1")
+    model.latent_shape(cfg.height, cfg.width)  # raises on a resolution the VAE/patching cannot represent
+    if cfg.guidance_scale > 1.0 and cfg.negative_prompt is None:
+        raise ValueError(
+            f"guidance_scale={cfg.guidance_scale} > 1 needs negative_prompt (e.g. ' '); or set guidance_scale=1"
+        )
+    W, (lo, hi) = cfg.window_size, cfg.window_range
+    if W < 0:
+        raise ValueError(f"window_size={W}: must be >= 0 (0 = pure ODE sampling, nothing recorded)")
+    if W == 0:
+        return
+    if not (0 <= lo and lo + W <= hi <= cfg.num_steps):
+        raise ValueError(
+            f"window_range=({lo}, {hi}) with window_size={W} must satisfy 0 <= lo, lo + window_size <= hi <= "
+            f"num_steps={cfg.num_steps}"
+        )
+    # The SDE kind's own checks (kind, noise_level range) and a positive std at every step a window can
+    # cover, computed by the core step itself on a 1-element state: e.g. cps has std 0 at the last step.
+    sigmas = model.sigmas(cfg.num_steps, cfg.height, cfg.width)
+    steps = torch.arange(lo, hi)
+    zeros = torch.zeros(len(steps), 1)
+    _, std = sde.step_mean_std(
+        zeros, zeros, sigmas[steps], sigmas[steps + 1], noise_level=cfg.noise_level, kind=cfg.sde_kind
+    )
+    bad = steps[~(std.flatten() > 0)].tolist()
+    if bad:
+        raise ValueError(
+            f"sde_kind={cfg.sde_kind!r}, noise_level={cfg.noise_level} gives std 0 at steps {bad} of window_range="
+            f"({lo}, {hi}); their log-prob is undefined, so shrink window_range or raise noise_level"
+        )
+
+
+class DiffusersEngine:
+    """Rollouts in this process with the model's own (diffusers) modules: the trainer's exact kernels."""
+
+    def __init__(self, model: FlowModel):
+        self.model = model
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[str], seeds: Sequence[int], cfg: SamplingConfig) -> Trajectory:
+        model = self.model
+        check_request(model, prompts, seeds, cfg)
+        device = module_device(model.transformer)
+        prompts = list(prompts)
+        B, T, W = len(prompts), cfg.num_steps, cfg.window_size
+        shape = model.latent_shape(cfg.height, cfg.width)
+        sigmas = model.sigmas(T, cfg.height, cfg.width).to(device)
+
+        # Every random draw of sample b comes from gens[b], in this order: window, x_1, SDE noises.
+        gens = [sample_generator(s) for s in seeds]
+        lo, hi = cfg.window_range
+        window = torch.stack(
+            [
+                schedule.sample_windows(1, W, lo, hi, g)[0] if W else torch.zeros(0, dtype=torch.long)
+                for g in gens
+            ]
+        )  # [B, W]
+        in_window = schedule.window_mask(window, T)  # [B, T] bool, CPU
+        x_init = torch.stack([torch.randn(shape, generator=g) for g in gens])  # [B, *latent]
+
+        negative = cfg.negative_prompt if cfg.guidance_scale > 1.0 else None
+        cond = model.encode(prompts, negative_prompt=negative)
+
+        x_t = torch.zeros(B, W, *shape, device=device)
+        x_next = torch.zeros(B, W, *shape, device=device)
+        log_prob = torch.zeros(B, W, device=device)
+        images = []
+        for rows in micro_batches(B, cfg.micro_batch):
+            x = x_init[rows].to(device)
+            c = cond_index(cond, rows)
+            m = x.shape[0]
+            for i in range(T):
+                sigma, sigma_next = sigmas[i].expand(m), sigmas[i + 1].expand(m)
+                sde_rows = in_window[rows, i]  # [m] bool
+                if not sde_rows.any():
+                    x, _ = transition(model, x, sigma, sigma_next, c, cfg, stochastic=False)
+                    continue
+                v = model.velocity(x, sigma, c, guidance_scale=cfg.guidance_scale)
+                given = _GivenVelocity(v)
+                mean, std = transition(given, x, sigma, sigma_next, c, cfg, stochastic=True)
+                noise = torch.stack(
+                    [
+                        torch.randn(shape, generator=gens[b]) if sde_rows[k] else torch.zeros(shape)
+                        for k, b in enumerate(range(rows.start, rows.stop))
+                    ]
+                ).to(device)
+                x_sde = sde.sample(mean, std, noise)
+                lp = sde.log_prob(x_sde, mean, std)  # [m], same call and shapes as transition_log_prob
+                if sde_rows.all():
+                    x_new = x_sde
+                else:
+                    x_ode, _ = transition(given, x, sigma, sigma_next, c, cfg, stochastic=False)
+                    keep = sde_rows.to(device).view(m, *([1] * len(shape)))
+                    x_new = torch.where(keep, x_sde, x_ode)
+                for k in sde_rows.nonzero().flatten().tolist():
+                    b = rows.start + k
+                    j = i - int(window[b, 0])  # windows are consecutive steps
+                    x_t[b, j], x_next[b, j], log_prob[b, j] = x[k], x_new[k], lp[k]
+                x = x_new
+            images.append(model.decode(x, cfg.height, cfg.width))
+
+        return Trajectory(
+            prompts=prompts,
+            seeds=torch.tensor([int(s) for s in seeds], dtype=torch.long, device=device),
+            sigmas=sigmas,
+            window=window.to(device),
+            x_t=x_t,
+            x_next=x_next,
+            log_prob=log_prob,
+            cond=cond,
+            images=torch.cat(images),
+        )
+
+
+def recompute_log_prob(
+    model: FlowModel, traj: Trajectory, cfg: SamplingConfig, rows: slice | torch.Tensor, j: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log_prob [m], mean, std) of window position j of `rows` under the current weights (with grad if on).
+
+    Pass the rollout's own micro-batches (`micro_batches(len(traj), cfg.micro_batch)`) for bit-exact
+    agreement with the rollout's log-probs while the weights are unchanged.
+    """
+    steps = traj.window[rows, j]
+    cond: Cond = cond_index(traj.cond, rows)
+    return transition_log_prob(
+        model, traj.x_t[rows, j], traj.x_next[rows, j], traj.sigmas[steps], traj.sigmas[steps + 1], cond, cfg
+    )
+
+
+@torch.no_grad()
+def recompute_log_probs(model: FlowModel, traj: Trajectory, cfg: SamplingConfig) -> torch.Tensor:
+    """[B, W] log-probs of the stored transitions, in the rollout's micro-batches (window position-major)."""
+    out = torch.empty_like(traj.log_prob)
+    for j in range(traj.window.shape[1]):
+        for rows in micro_batches(len(traj), cfg.micro_batch):
+            out[rows, j] = recompute_log_prob(model, traj, cfg, rows, j)[0]
+    return out
