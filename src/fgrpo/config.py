@@ -104,11 +104,18 @@ class DataConfig:
 @dataclass(frozen=True)
 class RewardConfig:
     name: str = "ocr"
-    """Reward spec for fgrpo.rewards.build_reward (e.g. 'ocr', 'jpeg_compressibility')."""
+    """Reward spec for fgrpo.rewards.build_reward: a name ('ocr', 'jpeg_compressibility', ...) or a JSON spec
+    (options, multi-reward lists; see fgrpo/rewards/factory.py)."""
     url: str = ""
-    """If set, score through the HTTP reward service at this URL instead of in-process."""
-    asynchronous: bool = True
-    """Score in a worker thread so decoding/logging overlap with it."""
+    """If set, score through the HTTP reward service (python -m fgrpo.rewards.serve) at this URL instead."""
+
+    @property
+    def spec(self) -> str | dict:
+        return {"name": "http", "url": self.url} if self.url else self.name
+
+    @property
+    def is_ocr(self) -> bool:
+        return "ocr" in self.name and not self.url
 
 
 @dataclass(frozen=True)

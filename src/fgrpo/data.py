@@ -9,10 +9,18 @@ import torch
 
 
 def load_prompts(path: str | Path, *, require_quoted: bool = False, field: str = "data.train_prompts") -> list[str]:
-    """Prompts from a .txt (one per line) or .jsonl (a 'prompt' key per line) file.
+    """Prompts from a .txt (one per line) or .jsonl (a 'prompt' key per line) file, or the bundled
+    text-renderer words ('textbed:train' / 'textbed:heldout', each word as '"WORD"').
 
     require_quoted: every prompt must contain a "double-quoted" target (the OCR task's contract).
     """
+    if str(path).startswith("textbed:"):  # the bundled text renderer's word lists
+        from fgrpo.models.textbed import prompt_for, read_words
+
+        split = str(path).removeprefix("textbed:")
+        if split not in ("train", "heldout"):
+            raise ValueError(f"{field}: '{path}' must be 'textbed:train' or 'textbed:heldout'")
+        return [prompt_for(w) for w in read_words(split)]
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"{field}: no prompt file at '{p}'; pass --{field.replace('_', '-')} PATH")

@@ -38,8 +38,9 @@ from fgrpo.config import ModelConfig, TrainConfig
 from fgrpo.core import grpo
 from fgrpo.data import load_prompts, step_prompt_indices
 from fgrpo.models.base import FlowModel, cond_index
-from fgrpo.policy import transition, transition_log_prob
+from fgrpo.policy import transition
 from fgrpo.rollout.base import RolloutEngine, SamplingConfig, Trajectory
+from fgrpo.rollout.engine import micro_batches, recompute_log_prob
 
 # ----------------------------------------------------------------------------------------------------
 # Validation of the config: every error names the field and the fix, before anything expensive.
@@ -159,11 +160,15 @@ def policy_update(
     Gradients are scaled so that the update equals that of one big batch: each micro-batch adds
     (its elements / elements of the mini-batch on this rank) of its mean loss, and FSDP averages
     equal-sized rank shards.
+
+    Deviation from flow_grpo, which shuffles single samples: when the training micro-batch equals the
+    rollout's, we shuffle whole rollout micro-batches. Each training forward then sees exactly the rows
+    (and prompt padding) of a rollout forward, so at unchanged weights its log-probs are bit-identical
+    to the rollout's and the first update's ratio is exactly 1.
     """
     g, s = cfg.grpo, cfg.sampling
     B, W = traj.window.shape
     mb = g.train_micro_batch or s.micro_batch
-    device = traj.x_t.device
     stats: dict[str, list[float]] = defaultdict(list)
     gap_per_step: dict[int, list[float]] = defaultdict(list)
     old_log_prob, old_mean = traj.log_prob, None
@@ -172,42 +177,38 @@ def policy_update(
     # GRPO-Guard's ratio normalisation needs the rollout policy's means; they are recomputed with the
     # unchanged weights rather than stored (a trajectory would double in size for one option).
     if g.old_log_prob == "recompute" or g.ratio_norm:
-        recomputed, old_mean = recompute_log_probs(model, traj, s, mb)
-    if g.old_log_prob == "recompute":
-        old_log_prob = recomputed
-        for j in range(W):
-            for i, gap in zip(traj.window[:, j].tolist(), (old_log_prob[:, j] - traj.log_prob[:, j]).abs().tolist()):
-                gap_per_step[i].append(gap)
-        first_update = False  # the gap is measured; the ratio starts from the trainer's own numbers
+        recomputed, old_mean = recompute_log_probs_and_means(model, traj, s)
+        if g.old_log_prob == "recompute":
+            old_log_prob = recomputed
+            record_gap(gap_per_step, traj.window, recomputed, traj.log_prob)
+            first_update = False  # the gap is measured; training starts from the trainer's own numbers
 
     for _epoch in range(g.inner_epochs):
-        perm = torch.randperm(B, generator=generator).to(device)
-        for chunk in perm.chunk(g.optimizer_steps_per_step):
-            n_elems = len(chunk) * W
+        for chunk in minibatch_rows(B, mb, s.micro_batch, g.optimizer_steps_per_step, generator):
+            n_elems = sum(len(rows) for rows in chunk) * W
             for j in range(W):
-                for idx in chunk.split(mb):
-                    steps = traj.window[idx, j]
-                    sigma, sigma_next = traj.sigmas[steps], traj.sigmas[steps + 1]
-                    cond = cond_index(traj.cond, idx)
-                    log_prob, mean, std = transition_log_prob(
-                        model, traj.x_t[idx, j], traj.x_next[idx, j], sigma, sigma_next, cond, s
-                    )
-                    old = old_log_prob[idx, j]
+                for rows in chunk:
+                    rows = rows.to(traj.x_t.device)
+                    log_prob, mean, std = recompute_log_prob(model, traj, s, rows, j)
+                    old = old_log_prob[rows, j]
                     if first_update:  # weights still equal the rollout's: the gap is the numerics alone
-                        for i, gap in zip(steps.tolist(), (log_prob.detach() - old).abs().tolist()):
-                            gap_per_step[i].append(gap)
+                        record_gap(gap_per_step, traj.window[rows, j : j + 1], log_prob.detach()[:, None],
+                                   old[:, None])
                     loss, metrics = grpo.clipped_policy_loss(
-                        log_prob, old, advantages[idx], clip_range=g.clip_range, adv_clip_max=g.adv_clip_max,
+                        log_prob, old, advantages[rows], clip_range=g.clip_range, adv_clip_max=g.adv_clip_max,
                         ratio_norm=g.ratio_norm, mean=mean, std=std,
-                        old_mean=old_mean[idx, j] if old_mean is not None else None,
+                        old_mean=old_mean[rows, j] if old_mean is not None else None,
                     )
                     if g.kl_coef > 0:
+                        steps = traj.window[rows, j]
+                        sigma, sigma_next = traj.sigmas[steps], traj.sigmas[steps + 1]
                         with torch.no_grad(), adapters_disabled(model.transformer):
-                            ref_mean, _ = transition(model, traj.x_t[idx, j], sigma, sigma_next, cond, s)
+                            ref_mean, _ = transition(model, traj.x_t[rows, j], sigma, sigma_next,
+                                                     cond_index(traj.cond, rows), s)
                         kl = grpo.gaussian_kl(mean, ref_mean, std, kind=g.kl_kind, step_size=sigma - sigma_next)
                         loss = loss + g.kl_coef * kl.mean()
                         stats["kl"].append(kl.mean().item())
-                    (loss * (len(idx) / n_elems)).backward()
+                    (loss * (len(rows) * 1.0 / n_elems)).backward()
                     for k, v in metrics.items():
                         stats[k].append(float(v))
                     stats["loss"].append(loss.item())
@@ -223,7 +224,9 @@ def policy_update(
             optimizer.zero_grad(set_to_none=True)
             lr_scheduler.step()
 
-    out = {k: float(np.mean(v)) for k, v in stats.items() if k != "skipped_steps"}
+    out = {k: float(np.mean(v)) for k, v in stats.items() if k not in ("skipped_steps", "ratio_min", "ratio_max")}
+    out["ratio_min"] = float(np.min(stats["ratio_min"]))
+    out["ratio_max"] = float(np.max(stats["ratio_max"]))
     out["skipped_steps"] = float(np.sum(stats["skipped_steps"]))
     for i, gaps in sorted(gap_per_step.items()):
         out[f"logprob_gap/step{i}"] = float(np.max(gaps))
@@ -232,21 +235,41 @@ def policy_update(
     return out
 
 
+def minibatch_rows(
+    n: int, micro_batch: int, rollout_micro_batch: int, num_minibatches: int, generator: torch.Generator
+) -> list[list[torch.Tensor]]:
+    """Split n samples into `num_minibatches` mini-batches, each a list of micro-batch row index tensors.
+
+    With micro_batch == rollout_micro_batch the units shuffled are the rollout's own micro-batches
+    (consecutive rows); otherwise single samples are shuffled and cut into micro-batches.
+    """
+    if micro_batch == rollout_micro_batch:
+        units = list(torch.arange(n).split(micro_batch))
+        if len(units) % num_minibatches == 0:
+            order = torch.randperm(len(units), generator=generator).tolist()
+            per = len(units) // num_minibatches
+            return [[units[u] for u in order[k * per : (k + 1) * per]] for k in range(num_minibatches)]
+    perm = torch.randperm(n, generator=generator)
+    return [list(chunk.split(micro_batch)) for chunk in perm.chunk(num_minibatches)]
+
+
+def record_gap(gaps: dict[int, list[float]], window: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> None:
+    """Append |new - old| log-prob per denoising-step index (window: [m, W'] step ids of the [m, W'] values)."""
+    for i, gap in zip(window.flatten().tolist(), (new - old).abs().flatten().tolist()):
+        gaps[i].append(gap)
+
+
 @torch.no_grad()
-def recompute_log_probs(
-    model: FlowModel, traj: Trajectory, s: SamplingConfig, micro_batch: int
+def recompute_log_probs_and_means(
+    model: FlowModel, traj: Trajectory, s: SamplingConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """([B, W] log-probs, [B, W, *latent] means) of the stored transitions under the current weights,
-    computed in training shapes (micro-batches of `micro_batch` along the sample axis)."""
+    """([B, W] log-probs, [B, W, *latent] means) of the stored transitions under the current weights, in
+    the rollout's micro-batches."""
     log_probs = torch.empty_like(traj.log_prob)
     means = torch.empty_like(traj.x_next)
     for j in range(traj.window.shape[1]):
-        for idx in torch.arange(len(traj), device=traj.x_t.device).split(micro_batch):
-            steps = traj.window[idx, j]
-            log_probs[idx, j], means[idx, j], _ = transition_log_prob(
-                model, traj.x_t[idx, j], traj.x_next[idx, j], traj.sigmas[steps], traj.sigmas[steps + 1],
-                cond_index(traj.cond, idx), s,
-            )
+        for rows in micro_batches(len(traj), s.micro_batch):
+            log_probs[rows, j], means[rows, j], _ = recompute_log_prob(model, traj, s, rows, j)
     return log_probs, means
 
 
@@ -268,10 +291,10 @@ def train(cfg: TrainConfig, *, experiment_source: str | None = None) -> dict[str
     d = parallel.init_distributed(cfg.device)
     validate_config(cfg, d.world_size)
     run_dir = Path(cfg.run.out_dir) / cfg.exp_name
-    train_prompts = load_prompts(cfg.data.train_prompts, require_quoted=cfg.reward.name.startswith("ocr"))
-    val_prompts = load_prompts(cfg.data.val_prompts, require_quoted=cfg.reward.name.startswith("ocr"),
+    train_prompts = load_prompts(cfg.data.train_prompts, require_quoted=cfg.reward.is_ocr)
+    val_prompts = load_prompts(cfg.data.val_prompts, require_quoted=cfg.reward.is_ocr,
                                field="data.val_prompts")[: cfg.data.val_num_prompts]
-    reward = build_reward(cfg.reward.name, url=cfg.reward.url or None)
+    reward = build_reward(cfg.reward.spec)
 
     torch.manual_seed(cfg.seed)  # LoRA init is the only draw from the global RNG
     model = build_model(cfg.model, d.device, cfg.seed)
