@@ -32,9 +32,10 @@ from fgrpo.config import (
     RunConfig,
     TrainConfig,
 )
+from fgrpo.models.loading import SD3_LORA_TARGETS
 from fgrpo.rollout.base import SamplingConfig
 
-SD3_ATTN_TARGETS = "attn.to_q,attn.to_k,attn.to_v,attn.to_out.0,attn.add_q_proj,attn.add_k_proj,attn.add_v_proj,attn.to_add_out"
+SD3_ATTN_TARGETS = ",".join(SD3_LORA_TARGETS)
 
 
 @dataclass(frozen=True)

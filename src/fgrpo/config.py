@@ -9,12 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from fgrpo.models.loading import QWEN_IMAGE_LORA_TARGETS
 from fgrpo.rollout.base import SamplingConfig
-
-QWEN_IMAGE_LORA_TARGETS = (
-    "to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out,"
-    "img_mlp.net.0.proj,img_mlp.net.2,txt_mlp.net.0.proj,txt_mlp.net.2"
-)
 
 
 @dataclass(frozen=True)
@@ -31,7 +27,7 @@ class ModelConfig:
     """LoRA rank r."""
     lora_alpha: int = 128
     """LoRA alpha (the update is scaled by alpha / r)."""
-    lora_targets: str = QWEN_IMAGE_LORA_TARGETS
+    lora_targets: str = ",".join(QWEN_IMAGE_LORA_TARGETS)
     """Comma-separated module names inside the transformer that get LoRA adapters."""
     gradient_checkpointing: bool = True
     """Recompute block activations in backward (less memory, ~30 % more compute)."""

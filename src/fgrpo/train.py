@@ -82,6 +82,8 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
 
 def build_model(mcfg: ModelConfig, device: torch.device, seed: int) -> FlowModel:
     """The generator named by model.kind, on `device`, frozen; trainable parameters are set up later."""
+    from fgrpo.models import loading
+
     dtype = torch.bfloat16 if mcfg.dtype == "bf16" else torch.float32
     if mcfg.kind == "textbed":
         from fgrpo.models.textbed import load_textbed
@@ -91,30 +93,26 @@ def build_model(mcfg: ModelConfig, device: torch.device, seed: int) -> FlowModel
         from fgrpo.models import tiny
 
         build = tiny.tiny_qwen_image if mcfg.kind == "tiny_qwen_image" else tiny.tiny_sd3
-        return build(seed=seed, device=device, dtype=dtype)
-    from fgrpo.models import loading
+        model = build(seed=seed, device=device, dtype=dtype)
+        loading.configure_transformer(model.transformer, attention_backend=mcfg.attention_backend,
+                                      compile_blocks=mcfg.compile)
+        return model
 
     return loading.load_model(mcfg, device=device, dtype=dtype)
 
 
 def setup_trainable(transformer: torch.nn.Module, mcfg: ModelConfig) -> list[torch.nn.Parameter]:
-    """Attach LoRA (or unfreeze everything). Trainable parameters are fp32 masters whatever the base dtype."""
-    transformer.requires_grad_(False)
-    if mcfg.lora:
-        from peft import LoraConfig
+    """Attach LoRA (or unfreeze everything). Trainable parameters become fp32 masters whatever the base
+    dtype: FSDP2 casts them to the compute dtype for forward/backward, AdamW updates them in fp32."""
+    from fgrpo.models.loading import add_lora, configure_transformer
 
-        lora = LoraConfig(
-            r=mcfg.lora_rank, lora_alpha=mcfg.lora_alpha, init_lora_weights="gaussian",
-            target_modules=mcfg.lora_target_list,
-        )
-        transformer.add_adapter(lora)
+    if mcfg.lora:
+        params = add_lora(transformer, rank=mcfg.lora_rank, alpha=mcfg.lora_alpha, target_modules=mcfg.lora_target_list)
     else:
-        transformer.requires_grad_(True)
-    params = [p for p in transformer.parameters() if p.requires_grad]
+        params = list(transformer.requires_grad_(True).parameters())
     for p in params:
         p.data = p.data.float()
-    if mcfg.gradient_checkpointing and hasattr(transformer, "enable_gradient_checkpointing"):
-        transformer.enable_gradient_checkpointing()
+    configure_transformer(transformer, gradient_checkpointing=mcfg.gradient_checkpointing)
     return params
 
 
