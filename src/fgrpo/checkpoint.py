@@ -1,0 +1,548 @@
+"""Atomic checkpoints, exact resume and LoRA export, all in safetensors + JSON (no pickle on disk).
+
+A checkpoint is one directory `<dir>/step_000123/`:
+    model.safetensors        trainable parameters only (requires_grad), full (unsharded) tensors
+    optimizer.safetensors    optimizer state tensors, key `state/<param fqn>/<name>` (exp_avg, step, ...)
+    optimizer.json           param groups (hyper-parameters + param fqns) and non-tensor state
+    lr_scheduler.json        `lr_scheduler.state_dict()`
+    rng_rank<i>.safetensors  torch CPU (and CUDA) generator states of rank i (uint8 tensors)
+    rng_rank<i>.json         python `random` and numpy global states of rank i
+    meta.json                step, world size, the caller's `extra_state` (written last)
+
+Everything is written into a hidden temporary sibling `.tmp_step_000123_<pid>`, fsync'ed, then renamed:
+a crash leaves either the old set of checkpoints or the new one, never a half directory with a step
+name. `latest()` only sees `step_*` directories that contain `meta.json`.
+
+Distributed (FSDP2 `fully_shard`, DTensor parameters): tensors are gathered with
+`torch.distributed.checkpoint.state_dict` (full state, CPU offload, frozen parameters skipped, so a LoRA
+run never gathers the 20B base weights) and written by rank 0 only; every rank's RNG state is gathered
+to rank 0 and written as its own file, so a resume with the same world size is exact. Loading assumes
+every rank can read the directory (shared or replicated file system).
+
+Differs from flow_grpo/verl-omni: they `torch.save`/`accelerate.save_state` pickles (or DCP shards that
+need the same world size to read); we write plain safetensors a human or another tool can open, and
+export the LoRA in the layout diffusers' `load_lora_weights` reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+FORMAT_VERSION = 1
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_TMP_PREFIX = ".tmp_"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# small file-system helpers
+
+
+def _dist_on() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _dist_on() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if _dist_on() else 1
+
+
+def _barrier() -> None:
+    if _dist_on():
+        dist.barrier()
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    # The rename is only durable once the parent directory entry is on disk.
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems (and Windows) refuse fsync on directories
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True, allow_nan=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_json(path: Path) -> Any:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _write_tensors(
+    path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> None:
+    # safetensors refuses non-contiguous tensors and tensors that share storage; copies are cheap next
+    # to a checkpoint's disk write and keep this correct for views and tied weights.
+    out = {}
+    seen: set[int] = set()
+    for k, v in tensors.items():
+        v = v.detach().to("cpu").contiguous()
+        if v.numel() and v.untyped_storage().data_ptr() in seen:
+            v = v.clone()
+        if v.numel():
+            seen.add(v.untyped_storage().data_ptr())
+        out[k] = v
+    save_file(out, str(path), metadata=metadata)
+    _fsync_file(path)
+
+
+def _jsonable(obj: Any, what: str) -> Any:
+    """Tuples become lists; anything json cannot hold is a clear error naming `what`."""
+    try:
+        return json.loads(json.dumps(obj, allow_nan=True))
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"checkpoint: {what} is not JSON-serialisable ({e}); store only plain data there"
+        ) from e
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def list_checkpoints(ckpt_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete checkpoints under `ckpt_dir` as (step, path), oldest first. Temp dirs are ignored."""
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _STEP_RE.match(p.name)
+        if m and p.is_dir() and (p / "meta.json").is_file():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def latest(ckpt_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint directory under `ckpt_dir`, or None."""
+    found = list_checkpoints(ckpt_dir)
+    return found[-1][1] if found else None
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """A step directory as given, or the newest complete one when `path` is the parent directory."""
+    p = Path(path)
+    if (p / "meta.json").is_file():
+        return p
+    found = latest(p)
+    if found is None:
+        raise FileNotFoundError(
+            f"checkpoint: no complete checkpoint at {p} (want a step_* dir with meta.json, or its parent)"
+        )
+    return found
+
+
+# ---------------------------------------------------------------------------------------------------------
+# state gathering (works on plain modules and on FSDP2 DTensor modules alike)
+
+
+def _options(**kw: Any):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(**kw)
+
+
+def _trainable_names(model: nn.Module) -> set[str]:
+    return {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _gather_model(model: nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    if _dist_on():
+        # Collective: every rank must call it; only rank 0 gets tensors back (cpu_offload).
+        opts = _options(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    else:
+        opts = _options(ignore_frozen_params=True)
+    sd = get_model_state_dict(model, options=opts)
+    return {k: v for k, v in sd.items() if torch.is_tensor(v)}
+
+
+def _gather_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    if _dist_on():
+        opts = _options(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    else:
+        opts = _options(ignore_frozen_params=True)
+    return get_optimizer_state_dict(model, optimizer, options=opts)
+
+
+def _split_optimizer(osd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Nested optimizer state dict (param fqns as keys) -> (tensors, json)."""
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for fqn, state in osd.get("state", {}).items():
+        for name, value in state.items():
+            if torch.is_tensor(value):
+                tensors[f"state/{fqn}/{name}"] = value
+            else:
+                scalars.setdefault(str(fqn), {})[name] = value
+    groups = []
+    for i, g in enumerate(osd.get("param_groups", [])):
+        group = {}
+        for k, v in g.items():
+            if torch.is_tensor(v):  # e.g. a tensor learning rate
+                tensors[f"param_groups/{i}/{k}"] = v
+                group[k] = {"__tensor__": f"param_groups/{i}/{k}"}
+            else:
+                group[k] = v
+        groups.append(group)
+    js = {"param_groups": groups, "state_scalars": scalars}
+    return tensors, _jsonable(js, "optimizer param_groups/state")
+
+
+def _join_optimizer(tensors: dict[str, torch.Tensor], js: dict[str, Any]) -> dict[str, Any]:
+    state: dict[str, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        if key.startswith("state/"):
+            fqn, name = key[len("state/") :].rsplit("/", 1)
+            state.setdefault(fqn, {})[name] = value
+    for fqn, d in js.get("state_scalars", {}).items():
+        state.setdefault(fqn, {}).update(d)
+    groups = []
+    for g in js["param_groups"]:
+        group = {}
+        for k, v in g.items():
+            if isinstance(v, dict) and "__tensor__" in v:
+                v = tensors[v["__tensor__"]]
+            group[k] = v
+        groups.append(group)
+    return {"state": state, "param_groups": groups}
+
+
+def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        tensors["torch_cuda"] = torch.cuda.get_rng_state()  # the current device: one GPU per rank
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    js = {
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+    }
+    return tensors, js
+
+
+def _set_rng_state(tensors: dict[str, torch.Tensor], js: dict[str, Any]) -> None:
+    torch.set_rng_state(tensors["torch_cpu"])
+    if "torch_cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["torch_cuda"])
+    version, internal, gauss = js["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = js["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# save / load
+
+
+def save(
+    ckpt_dir: str | os.PathLike,
+    step: int,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    lr_scheduler: Any | None = None,
+    extra_state: dict[str, Any] | None = None,
+    keep_last: int | None = None,
+) -> Path:
+    """Write `<ckpt_dir>/step_<step>/` atomically; keep only the newest `keep_last` (None: keep all).
+
+    Collective when torch.distributed is initialised: every rank must call it with the same arguments.
+    `extra_state` must be JSON-able (data position, reward-tracker state, config). Returns the path.
+    """
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"checkpoint.save: step must be a non-negative int, got {step!r}")
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"checkpoint.save: keep_last must be >= 1 or None (keep all), got {keep_last}")
+    extra = _jsonable(extra_state or {}, "extra_state")  # fail before any collective or disk work
+    if not _trainable_names(model):
+        raise ValueError("checkpoint.save: model has no parameter with requires_grad=True; nothing to save")
+    root = Path(ckpt_dir)
+    rank, world = _rank(), _world()
+
+    # Collectives first, on every rank, in the same order.
+    model_sd = _gather_model(model)
+    optim_sd = _gather_optimizer(model, optimizer) if optimizer is not None else None
+    rng_t, rng_j = _rng_state()
+    if _dist_on():
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, ({k: v.cpu() for k, v in rng_t.items()}, rng_j))
+        rngs = gathered
+    else:
+        rngs = [(rng_t, rng_j)]
+
+    final = root / step_dir_name(step)
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = root / f"{_TMP_PREFIX}{final.name}_{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        try:
+            _write_tensors(tmp / "model.safetensors", model_sd, metadata={"format": "pt"})
+            if optim_sd is not None:
+                o_t, o_j = _split_optimizer(optim_sd)
+                _write_tensors(tmp / "optimizer.safetensors", o_t, metadata={"format": "pt"})
+                _write_json(tmp / "optimizer.json", o_j)
+            if lr_scheduler is not None:
+                _write_json(
+                    tmp / "lr_scheduler.json", _jsonable(lr_scheduler.state_dict(), "lr_scheduler state")
+                )
+            for r, (t, j) in enumerate(rngs):
+                _write_tensors(tmp / f"rng_rank{r}.safetensors", t)
+                _write_json(tmp / f"rng_rank{r}.json", j)
+            meta = {
+                "format_version": FORMAT_VERSION,
+                "step": step,
+                "world_size": world,
+                "time": time.time(),
+                "extra_state": extra,
+            }
+            _write_json(tmp / "meta.json", meta)  # last: a step dir without it is never trusted
+            _fsync_dir(tmp)
+            if final.exists():  # re-saving a step (e.g. after a resume): swap, then drop the old one
+                old = root / f"{_TMP_PREFIX}old_{final.name}_{os.getpid()}"
+                os.rename(final, old)
+                os.rename(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.rename(tmp, final)
+            _fsync_dir(root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _cleanup(root, keep_last)
+    _barrier()
+    return final
+
+
+def _cleanup(root: Path, keep_last: int | None) -> None:
+    # Only after the new checkpoint is complete; stale temp dirs of crashed saves go too.
+    for p in root.iterdir():
+        if p.name.startswith(_TMP_PREFIX + "step_") or p.name.startswith(_TMP_PREFIX + "old_step_"):
+            pid = p.name.rsplit("_", 1)[-1]
+            if pid != str(os.getpid()):
+                shutil.rmtree(p, ignore_errors=True)
+    if keep_last is not None:
+        for _, p in list_checkpoints(root)[:-keep_last]:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def load(
+    path: str | os.PathLike,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    lr_scheduler: Any | None = None,
+    restore_rng: bool = True,
+) -> tuple[int, dict[str, Any]]:
+    """Restore a checkpoint written by `save` into live objects; returns (step, extra_state).
+
+    `path` is a step directory or the checkpoint root (newest complete step is used). The model (and
+    optimizer) must be built exactly as when saving: same trainable parameters, sharded or not (the
+    files hold full tensors, so a different world size or no sharding loads too; only the RNG resume is
+    exact just for the same world size). Collective when torch.distributed is initialised.
+    """
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    ck = resolve(path)
+    meta = _read_json(ck / "meta.json")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"checkpoint.load: {ck} has format_version {meta.get('format_version')}, want {FORMAT_VERSION}"
+        )
+
+    model_sd = load_file(str(ck / "model.safetensors"))
+    want = _trainable_names(model)
+    if set(model_sd) != want:
+        missing, extra = sorted(want - set(model_sd)), sorted(set(model_sd) - want)
+        raise ValueError(
+            f"checkpoint.load: trainable parameters differ from {ck}: missing {missing[:5]}, unexpected "
+            f"{extra[:5]}; build the model (LoRA targets/rank, full vs LoRA) as for the saved run"
+        )
+    # strict=False: the file holds trainable weights only; the frozen base comes from the pretrained load.
+    opts = _options(full_state_dict=True, strict=False)
+    set_model_state_dict(model, model_sd, options=opts)
+
+    if optimizer is not None:
+        if not (ck / "optimizer.json").is_file():
+            raise FileNotFoundError(f"checkpoint.load: {ck} has no optimizer state; pass optimizer=None")
+        o_t = load_file(str(ck / "optimizer.safetensors"))
+        osd = _join_optimizer(o_t, _read_json(ck / "optimizer.json"))
+        tuples = [{k for k, v in g.items() if isinstance(v, tuple)} for g in optimizer.param_groups]
+        set_optimizer_state_dict(model, optimizer, osd, options=opts)
+        for g, keys in zip(optimizer.param_groups, tuples):
+            for k in keys:  # JSON (and DCP's own flattening) turn e.g. AdamW's betas into lists
+                if isinstance(g.get(k), list):
+                    g[k] = tuple(g[k])
+
+    if lr_scheduler is not None:
+        if not (ck / "lr_scheduler.json").is_file():
+            raise FileNotFoundError(
+                f"checkpoint.load: {ck} has no lr_scheduler state; pass lr_scheduler=None"
+            )
+        lr_scheduler.load_state_dict(_read_json(ck / "lr_scheduler.json"))
+
+    if restore_rng:
+        rank = _rank()
+        if (ck / f"rng_rank{rank}.safetensors").is_file():
+            _set_rng_state(
+                load_file(str(ck / f"rng_rank{rank}.safetensors")), _read_json(ck / f"rng_rank{rank}.json")
+            )
+        else:
+            warnings.warn(
+                f"checkpoint.load: no RNG state for rank {rank} in {ck} (saved with world size "
+                f"{meta.get('world_size')}); RNG not restored, the resume is not bit-exact",
+                stacklevel=2,
+            )
+    _barrier()
+    return int(meta["step"]), meta["extra_state"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# LoRA export in diffusers' layout
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+_LORA_KEY_RE = re.compile(r"\.(lora_A|lora_B)\.([^.]+)\.")
+# Wrappers that may sit in parameter names: PEFT's PeftModel, activation checkpointing, torch.compile.
+_WRAPPER_PREFIXES = ("base_model.model.",)
+_WRAPPER_INFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def _peft_config(model: nn.Module, adapter_name: str):
+    cfgs = getattr(model, "peft_config", None)
+    if not cfgs or adapter_name not in cfgs:
+        have = list(cfgs) if cfgs else []
+        raise ValueError(
+            f"export_lora: model has no LoRA adapter {adapter_name!r} (adapters: {have}); apply LoRA with "
+            "transformer.add_adapter(LoraConfig(...)) or peft.get_peft_model before exporting"
+        )
+    return cfgs[adapter_name]
+
+
+def lora_state_dict(model: nn.Module, *, adapter_name: str = "default") -> dict[str, torch.Tensor]:
+    """Full (unsharded, CPU) LoRA tensors keyed as diffusers expects: `<module>.lora_A.weight`.
+
+    Collective when torch.distributed is initialised; non-zero ranks get an empty dict.
+    """
+    cfg = _peft_config(model, adapter_name)
+    if getattr(cfg, "use_dora", False):
+        raise ValueError(
+            "export_lora: DoRA adapters are not loadable by diffusers; train with use_dora=False"
+        )
+    out = {}
+    # Filter by name, not requires_grad: the adapter may be frozen at export time. Gather the adapter
+    # DTensors one by one: get_model_state_dict would gather the whole 20B base for a few MB of LoRA.
+    for name, p in model.named_parameters():
+        m = _LORA_KEY_RE.search(name)
+        if m is None or m.group(2) != adapter_name:
+            continue
+        t = p.detach()
+        if hasattr(t, "full_tensor"):  # FSDP2 DTensor shard -> full tensor (collective)
+            t = t.full_tensor()
+        if _rank() != 0:
+            continue
+        key = name.replace(f".{m.group(1)}.{adapter_name}.", f".{m.group(1)}.")
+        for pre in _WRAPPER_PREFIXES:
+            key = key.removeprefix(pre)
+        for infix in _WRAPPER_INFIXES:
+            key = key.replace(infix, "")
+        out[key] = t.cpu()
+    if _rank() == 0 and not out:
+        raise ValueError(f"export_lora: adapter {adapter_name!r} has no lora_A/lora_B parameters")
+    return out
+
+
+def export_lora(out_dir: str | os.PathLike, model: nn.Module, *, adapter_name: str = "default") -> Path:
+    """Write a LoRA adapter that diffusers loads: `pipe.load_lora_weights(out_dir)` (Qwen-Image, SD3)
+    and `transformer.load_lora_adapter(out_dir)`.
+
+    Layout (diffusers 0.40, `QwenImageLoraLoaderMixin`/`SD3LoraLoaderMixin` read it; it is what their
+    own `save_lora_weights` writes): one safetensors file whose keys are `transformer.<module>.lora_A.weight`
+    / `lora_B.weight` (no PEFT adapter name: a `default.` in a key makes diffusers treat the file as a
+    foreign format), with the LoraConfig as JSON under the `lora_adapter_metadata` header key, every
+    field prefixed `transformer.`, so rank, alpha and targets survive exactly. `adapter_config.json` is
+    PEFT's plain config, for people and tools; diffusers reads the header. Keys are not PEFT's
+    `base_model.model.` layout, so `PeftModel.from_pretrained` needs `load_lora_adapter` instead.
+    Atomic like `save`; collective when torch.distributed is initialised.
+    """
+    cfg = _peft_config(model, adapter_name)
+    sd = lora_state_dict(model, adapter_name=adapter_name)
+    out = Path(out_dir)
+    if _rank() == 0:
+        cfg_dict = cfg.to_dict()
+        for k, v in cfg_dict.items():
+            if isinstance(v, set):
+                cfg_dict[k] = sorted(v)
+        cfg_dict = _jsonable(
+            {k: (v.value if hasattr(v, "value") else v) for k, v in cfg_dict.items()}, "LoraConfig"
+        )
+        tensors = {f"transformer.{k}": v for k, v in sd.items()}
+        header = {f"transformer.{k}": v for k, v in cfg_dict.items()}
+        metadata = {"format": "pt", "lora_adapter_metadata": json.dumps(header, indent=2, sort_keys=True)}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.parent / f"{_TMP_PREFIX}{out.name}_{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            _write_tensors(tmp / ADAPTER_WEIGHTS, tensors, metadata=metadata)
+            _write_json(tmp / ADAPTER_CONFIG, cfg_dict)
+            _fsync_dir(tmp)
+            if out.exists():
+                old = out.parent / f"{_TMP_PREFIX}old_{out.name}_{os.getpid()}"
+                os.rename(out, old)
+                os.rename(tmp, out)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.rename(tmp, out)
+            _fsync_dir(out.parent)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    _barrier()
+    return out
+
+
+def read_safetensors_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """The `__metadata__` header of a safetensors file (for inspection and tests)."""
+    with safe_open(str(path), framework="pt") as f:
+        return dict(f.metadata() or {})

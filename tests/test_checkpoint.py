@@ -1,0 +1,284 @@
+"""Checkpoint tests: atomic writes, keep-last-K, bit-exact resume, 2-rank FSDP2 (gloo), LoRA export."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from fgrpo import checkpoint as ckpt
+
+# ---------------------------------------------------------------------------------------------------------
+# a small model, optimizer and schedule; the "data" draws from every RNG the checkpoint must restore
+
+
+def _build(seed: int):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    model[0].weight.requires_grad_(False)  # a frozen "base" weight must not be saved or touched
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+    return model, opt, sched
+
+
+def _train(model, opt, sched, n: int) -> None:
+    for _ in range(n):
+        x = torch.randn(5, 6) * (1.0 + random.random()) + float(np.random.randn())
+        loss = (model(x) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+
+
+def _seed_all(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def _draws() -> tuple:
+    return torch.rand(4), random.random(), float(np.random.rand())
+
+
+def test_resume_is_bit_exact(tmp_path):
+    # Uninterrupted: 3 + 3 steps.
+    _seed_all(1)
+    model, opt, sched = _build(0)
+    _train(model, opt, sched, 3)
+    _train(model, opt, sched, 3)
+    ref_params = {k: v.clone() for k, v in model.state_dict().items()}
+    ref_lr = sched.get_last_lr()
+    ref_draws = _draws()
+
+    # Interrupted: 3 steps, save, then a fresh process-like state (other init, other RNG), load, 3 steps.
+    _seed_all(1)
+    model, opt, sched = _build(0)
+    _train(model, opt, sched, 3)
+    ckpt.save(tmp_path, 3, model=model, optimizer=opt, lr_scheduler=sched, extra_state={"data_pos": 15})
+    model2, opt2, sched2 = _build(123)
+    model2[0].weight.data.copy_(model[0].weight)  # the frozen base comes from the pretrained load
+    _seed_all(999)
+    step, extra = ckpt.load(tmp_path, model=model2, optimizer=opt2, lr_scheduler=sched2)
+    assert (step, extra) == (3, {"data_pos": 15})
+    _train(model2, opt2, sched2, 3)
+
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, ref_params[k]), k
+    assert sched2.get_last_lr() == ref_lr
+    d = _draws()
+    assert torch.equal(d[0], ref_draws[0]) and d[1:] == ref_draws[1:]
+    assert opt2.param_groups[0]["betas"] == (0.8, 0.95)
+
+
+def test_files_hold_trainable_weights_and_no_pickle(tmp_path):
+    model, opt, sched = _build(0)
+    _train(model, opt, sched, 1)
+    path = ckpt.save(tmp_path, 7, model=model, optimizer=opt, lr_scheduler=sched)
+    assert path == tmp_path / "step_000007"
+    weights = load_file(path / "model.safetensors")
+    assert set(weights) == {"0.bias", "2.weight", "2.bias"}
+    assert torch.equal(weights["2.weight"], model[2].weight)
+    o = load_file(path / "optimizer.safetensors")
+    assert torch.equal(o["state/2.weight/exp_avg"], opt.state[model[2].weight]["exp_avg"])
+    assert o["state/2.weight/step"].item() == 1.0
+    assert json.loads((path / "meta.json").read_text())["step"] == 7
+    rng = load_file(path / "rng_rank0.safetensors")
+    assert rng["torch_cpu"].dtype == torch.uint8
+    for f in path.iterdir():  # everything is safetensors or JSON
+        assert f.suffix in {".safetensors", ".json"}, f
+
+
+def test_crash_mid_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
+    model, opt, sched = _build(0)
+    ckpt.save(tmp_path, 1, model=model, optimizer=opt, lr_scheduler=sched, extra_state={"v": 1})
+    _train(model, opt, sched, 1)
+
+    real = ckpt._write_json
+
+    def crash_on_meta(path, obj):
+        if Path(path).name == "meta.json":
+            assert (Path(path).parent / "model.safetensors").is_file()  # weights already written
+            raise KeyboardInterrupt("simulated kill")
+        real(path, obj)
+
+    monkeypatch.setattr(ckpt, "_write_json", crash_on_meta)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save(tmp_path, 2, model=model, optimizer=opt, lr_scheduler=sched, extra_state={"v": 2})
+    monkeypatch.setattr(ckpt, "_write_json", real)
+
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001"]
+    # A hard kill cannot clean up: a stale temp dir and a step dir without meta.json must both be ignored.
+    stale = tmp_path / ".tmp_step_000002_999999"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"partial")
+    (tmp_path / "step_000003").mkdir()
+    assert ckpt.latest(tmp_path) == tmp_path / "step_000001"
+    model2, opt2, sched2 = _build(5)
+    assert ckpt.load(tmp_path, model=model2, optimizer=opt2, lr_scheduler=sched2) == (1, {"v": 1})
+    # The next successful save removes the stale temp dir.
+    ckpt.save(tmp_path, 4, model=model, optimizer=opt)
+    assert not stale.exists()
+
+
+def test_keep_last_k(tmp_path):
+    model, opt, _ = _build(0)
+    for step in range(5):
+        ckpt.save(tmp_path, step * 10, model=model, optimizer=opt, keep_last=2)
+        kept = [s for s, _ in ckpt.list_checkpoints(tmp_path)]
+        assert kept == [s * 10 for s in range(max(0, step - 1), step + 1)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000030", "step_000040"]
+    # Re-saving an existing step replaces it atomically.
+    ckpt.save(tmp_path, 40, model=model, extra_state={"again": True}, keep_last=2)
+    assert json.loads((tmp_path / "step_000040" / "meta.json").read_text())["extra_state"] == {"again": True}
+
+
+def test_clear_errors(tmp_path):
+    model, opt, _ = _build(0)
+    with pytest.raises(TypeError, match="extra_state"):
+        ckpt.save(tmp_path, 1, model=model, extra_state={"bad": object()})
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+    with pytest.raises(ValueError, match="keep_last"):
+        ckpt.save(tmp_path, 1, model=model, keep_last=0)
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        ckpt.load(tmp_path, model=model)
+    ckpt.save(tmp_path, 1, model=model)
+    other = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))  # base weight trainable here
+    with pytest.raises(ValueError, match="missing"):
+        ckpt.load(tmp_path, model=other)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 2 ranks, gloo, FSDP2: save a sharded model, load into a freshly built sharded model
+
+_FSDP_WORKER = textwrap.dedent(
+    """
+    import gc, os, sys, types
+    import torch, torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+    from safetensors.torch import save_file
+    from fgrpo import checkpoint as ckpt
+
+    class Lora(nn.Module):  # PEFT's layout: base layer + lora_A/lora_B ModuleDicts keyed by adapter
+        def __init__(self, d):
+            super().__init__()
+            self.base_layer = nn.Linear(d, d)
+            self.lora_A = nn.ModuleDict({"default": nn.Linear(d, 2, bias=False)})
+            self.lora_B = nn.ModuleDict({"default": nn.Linear(2, d, bias=False)})
+            self.base_layer.requires_grad_(False)
+        def forward(self, x):
+            return self.base_layer(x) + self.lora_B["default"](self.lora_A["default"](x))
+
+    def build(seed):
+        torch.manual_seed(seed)
+        m = nn.Sequential(Lora(8), nn.Tanh(), Lora(8), nn.Linear(8, 3))
+        m.peft_config = {"default": types.SimpleNamespace(use_dora=False)}
+        torch.manual_seed(0)  # identical frozen base on every rank and in every build
+        for blk in (m[0], m[2]):
+            nn.init.normal_(blk.base_layer.weight)
+            nn.init.normal_(blk.base_layer.bias)
+        return m
+
+    def shard(m):
+        for blk in (m[0], m[2]):
+            fully_shard(blk)
+        fully_shard(m)
+        return m
+
+    def full(m):
+        return {n: p.detach().full_tensor().clone() for n, p in m.named_parameters()}
+
+    def step(m, opt, k):
+        g = torch.Generator().manual_seed(100 + k)
+        x = torch.randn(4, 8, generator=g)
+        opt.zero_grad()
+        (m(x) ** 2).mean().backward()
+        opt.step()
+
+    def main():
+        out = sys.argv[1]
+        dist.init_process_group(
+            "gloo", init_method="file://" + os.path.join(out, "pg"),
+            rank=int(os.environ["RANK"]), world_size=2,
+        )
+        rank = dist.get_rank()
+        m = shard(build(0))
+        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+        for k in range(2):
+            step(m, opt, k)
+        torch.manual_seed(1000 + rank)  # per-rank RNG streams
+        ckpt.save(os.path.join(out, "ck"), 2, model=m, optimizer=opt, extra_state={"world": 2})
+        expect_draw = torch.rand(3)
+        lora = ckpt.lora_state_dict(m)
+        step(m, opt, 2)
+        after = full(m)
+
+        m2 = shard(build(7))
+        opt2 = torch.optim.AdamW([p for p in m2.parameters() if p.requires_grad], lr=1e-2)
+        assert ckpt.load(os.path.join(out, "ck"), model=m2, optimizer=opt2) == (2, {"world": 2})
+        assert torch.equal(torch.rand(3), expect_draw), "rng"
+        loaded = full(m2)
+        step(m2, opt2, 2)
+        for n, v in full(m2).items():
+            assert torch.equal(v, after[n]), n
+        if rank == 0:
+            save_file(loaded, os.path.join(out, "loaded.safetensors"))
+            save_file(lora, os.path.join(out, "lora.safetensors"))
+        else:
+            assert lora == {}
+        del m, m2, opt, opt2
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
+        print("rank", rank, "ok")
+
+    main()
+    """
+)
+
+
+def test_fsdp2_two_ranks_save_load(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(_FSDP_WORKER)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    env.pop("RANK", None)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path)],
+            env={**env, "RANK": str(r), "WORLD_SIZE": "2"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    for p, o in zip(procs, outs):
+        assert p.returncode == 0, o[-3000:]
+
+    ck = tmp_path / "ck" / "step_000002"
+    assert {p.name for p in ck.glob("rng_rank*.safetensors")} == {
+        "rng_rank0.safetensors",
+        "rng_rank1.safetensors",
+    }
+    weights = load_file(ck / "model.safetensors")
+    assert all(".lora_" in k or k.startswith("3.") for k in weights)  # frozen base layers not saved
+    loaded = load_file(tmp_path / "loaded.safetensors")
+    for k, v in weights.items():
+        assert torch.equal(loaded[k], v), k
+    # Unsharded keys without the PEFT adapter name: what diffusers' LoRA loader wants.
+    lora = load_file(tmp_path / "lora.safetensors")
+    assert sorted(lora) == sorted(f"{i}.lora_{ab}.weight" for i in (0, 2) for ab in ("A", "B"))
+    assert torch.equal(lora["2.lora_B.weight"], weights["2.lora_B.default.weight"])
