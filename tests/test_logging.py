@@ -1,0 +1,179 @@
+"""Logging tests: phase timer, progress line, image grid, reward curve, run metadata, null and wandb loggers."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from fgrpo import logging as flog
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_phase_timer_accumulates():
+    clock = FakeClock()
+    timer = flog.PhaseTimer(clock=clock)
+    with timer("rollout"):
+        clock.t += 2.0
+    with timer("train"):
+        clock.t += 3.0
+    clock.t += 0.5  # outside any phase
+    with timer("rollout"):  # a phase entered twice adds up
+        clock.t += 1.0
+    with pytest.raises(RuntimeError), timer("reward"):  # time counts even when the phase raises
+        clock.t += 0.25
+        raise RuntimeError
+    m = timer.metrics(images=34)
+    assert m["time/rollout"] == 3.0 and m["time/train"] == 3.0 and m["time/reward"] == 0.25
+    assert m["time/total"] == 6.75 and m["time/other"] == 0.5
+    assert m["perf/images_per_s"] == 34 / 6.75
+
+
+def test_progress_line_shows_split_and_rewards():
+    m = {
+        "reward/mean": 0.5,
+        "reward/std": 0.25,
+        "time/rollout": 12.0,
+        "time/train": 3.5,
+        "time/total": 16.0,
+        "perf/images_per_s": 2.0,
+        "train/clip_frac": 0.125,
+        "custom": 1.0,
+        "time/extra": 0.5,
+    }
+    line = flog.progress_line(4, 10, m, width=10)
+    assert line.startswith("[#####.....] 5/10")
+    for s in (
+        "reward 0.500±0.250",
+        "rollout 12.0s",
+        "train 3.5s",
+        "extra 0.5s",
+        "/ 16.0s",
+        "2.000 img/s",
+        "clip 0.125",
+    ):
+        assert s in line, (s, line)
+    assert line.index("rollout") < line.index("train")
+
+
+def _images(b=5, h=24, w=32, seed=0):
+    return np.random.default_rng(seed).integers(0, 256, size=(b, h, w, 3), dtype=np.uint8)
+
+
+def test_image_grid_layout_pixels_and_captions():
+    imgs = _images()
+    caps = ["a red apple on a table", "", 'a sign that says "OPEN"', "x" * 200, "five"]
+    grid = flog.image_grid(imgs, caps, ncols=3, caption_lines=2, font_size=10, pad=2)
+    cap_h = 2 * 12 + 4
+    assert grid.size == (3 * 34 - 2, 2 * (24 + cap_h + 2) - 2)
+    a = np.asarray(grid)
+    for i in range(5):
+        x, y = (i % 3) * 34, (i // 3) * (24 + cap_h + 2)
+        assert np.array_equal(a[y : y + 24, x : x + 32], imgs[i])  # images pasted untouched
+        band = a[y + 24 : y + 24 + cap_h, x : x + 32]
+        assert (band < 128).any() == (caps[i] != ""), i  # text where there is a caption, blank otherwise
+    # no captions: no band
+    assert flog.image_grid(imgs, None, ncols=5, pad=0).size == (5 * 32, 24)
+    with pytest.raises(ValueError, match="captions"):
+        flog.image_grid(imgs, caps[:2])
+    with pytest.raises(ValueError, match="uint8"):
+        flog.image_grid(imgs.astype(np.float32))
+
+
+def test_reward_curve_draws_both_series(tmp_path):
+    rows = [{"step": s, "reward/mean": 0.1 * s} for s in range(10)]
+    rows += [{"step": s, "val/reward_mean": 1.0 - 0.1 * s} for s in (0, 4, 8)]
+    rows += [{"step": 9, "reward/mean": 0.9}]  # a resumed run re-logs a step: the later row wins
+    path = flog.plot_reward_curve(tmp_path / "curve.png", rows)
+    a = np.asarray(Image.open(path).convert("RGB")).astype(int)
+    for color, rising in ((flog._COLORS[0], True), (flog._COLORS[1], False)):
+        ys, xs = np.nonzero(np.abs(a - np.array(color)).sum(-1) == 0)
+        xs, ys = xs[xs < a.shape[1] - 180], ys[xs < a.shape[1] - 180]  # leave out the legend
+        assert len(xs) > 50
+        left, right = ys[xs == xs.min()].mean(), ys[xs == xs.max()].mean()
+        assert (left > right) == rising  # image y grows downwards
+
+
+def test_save_run_metadata(tmp_path):
+    @dataclass
+    class Inner:
+        lr: float = 3e-4
+        path: object = field(default_factory=lambda: tmp_path)
+
+    @dataclass
+    class Cfg:
+        exp_name: str = "demo"
+        inner: Inner = field(default_factory=Inner)
+
+    src = tmp_path / "exp_file.py"
+    src.write_text("print('hi')\n")
+    run = flog.save_run_metadata(tmp_path / "run", Cfg(), src)
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg == {"exp_name": "demo", "inner": {"lr": 3e-4, "path": str(tmp_path)}}
+    assert (run / "exp_file.py").read_text() == "print('hi')\n"
+    assert "argv" in json.loads((run / "run_meta.json").read_text())
+    flog.save_run_metadata(tmp_path / "run2", {"a": 1}, "import os\nprint(os)\n")
+    assert (tmp_path / "run2" / "experiment.py").read_text() == "import os\nprint(os)\n"
+
+
+def _exercise(logger):
+    logger.log({"reward/mean": 0.5, "reward/std": np.float32(0.1)}, step=0)
+    logger.log_images("rollout", _images(4), ["p0", "p1", "p2", "p3"], step=0)
+    logger.log({"reward/mean": 0.7, "val/reward_mean": 0.6}, step=1)
+    logger.finish()
+
+
+def test_null_logger_accepts_the_same_calls(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _exercise(flog.NullLogger())
+    assert list(tmp_path.iterdir()) == []
+    assert isinstance(flog.make_logger(object(), tmp_path / "x", enabled=False), flog.NullLogger)
+    assert not (tmp_path / "x").exists()
+
+
+def test_disabled_wandb_still_logs_to_disk(tmp_path):
+    logger = flog.Logger(tmp_path, wandb_mode="disabled")
+    assert logger.wandb_run is None
+    _exercise(logger)
+    rows = flog.read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1] and rows[0]["reward/std"] == pytest.approx(0.1)
+    assert (tmp_path / "images" / "rollout_000000.png").is_file()
+    assert (tmp_path / "reward_curve.png").is_file()
+    assert not (tmp_path / "wandb").exists()
+
+
+def test_wandb_offline_writes_a_run_dir(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_env"))
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc login: 'online' must fall back to offline
+    assert flog.resolve_wandb_mode("online") == "offline"
+
+    @dataclass
+    class Run:
+        wandb: str = "online"
+
+    @dataclass
+    class Cfg:
+        exp_name: str = "wb"
+        run: Run = field(default_factory=Run)
+
+    logger = flog.make_logger(Cfg(), tmp_path / "run", experiment_source="x = 1\n")
+    assert logger.wandb_run is not None
+    _exercise(logger)
+    runs = list((tmp_path / "run").rglob("offline-run-*"))
+    assert runs, sorted(str(p) for p in tmp_path.rglob("*"))[:20]
+    assert list(runs[0].glob("*.wandb")), list(runs[0].iterdir())
+    assert (tmp_path / "run" / "config.json").is_file() and (tmp_path / "run" / "experiment.py").is_file()
+    with pytest.raises(ValueError, match="run.wandb"):
+        flog.resolve_wandb_mode("on")
