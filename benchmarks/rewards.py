@@ -121,8 +121,10 @@ def main() -> None:
         proc.kill()
         proc.wait()
 
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    threads = args.threads or "all"
     print(
-        f"# rewards benchmark: {args.size}x{args.size}, {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}"
+        f"# rewards: {args.size}x{args.size}, {os.cpu_count()} CPUs ({platform.machine()}), OCR threads {threads}, load {load}"
     )
     print(f"{'what':<38} {'ms':>9}  note")
     for name, ms, note in rows:
