@@ -1,9 +1,9 @@
 """The vLLM-Omni engine against fake vllm / vllm_omni modules that follow the 0.30 interfaces.
 
 The fakes mirror what fgrpo touches in the real packages (read from vllm-omni 0.30.0's sources):
-`vllm_omni.__version__`, `vllm_omni.Omni(**kwargs)` with `generate(prompts, sampling_params, *,
+`vllm_omni.__version__`, `vllm_omni.entrypoints.omni.Omni(**kwargs)` with `generate(prompts, sampling_params, *,
 use_tqdm)` and `engine.collective_rpc(method, args=, kwargs=)`, `OmniDiffusionSamplingParams`,
-`DiffusionOutput(output=, to_cpu=)`, `QwenImagePipeline` (transformer with vllm-omni's forward
+`OmniTextPrompt` (a TypedDict), `DiffusionOutput(output=, to_cpu=)`, `DiffusionRequestBatch`, `QwenImagePipeline` (transformer with vllm-omni's forward
 signature incl. `txt_seq_lens`, `encode_prompt`, `_decode_latents`, `scheduler.config`,
 `vae_scale_factor`), `CustomPipelineWorkerExtension`, and `vllm.lora.request.LoRARequest`. The fake
 Omni resolves the pipeline class by its qualified name, runs `forward` on request batches of
@@ -269,8 +269,10 @@ def fake_vllm(monkeypatch):
         "vllm_omni": _module("vllm_omni", __version__="0.30.0", Omni=FakeOmni),
         "vllm_omni.inputs": _module("vllm_omni.inputs"),
         "vllm_omni.inputs.data": _module(
-            "vllm_omni.inputs.data", OmniDiffusionSamplingParams=FakeSamplingParams
+            "vllm_omni.inputs.data", OmniDiffusionSamplingParams=FakeSamplingParams, OmniTextPrompt=dict
         ),
+        "vllm_omni.entrypoints": _module("vllm_omni.entrypoints"),
+        "vllm_omni.entrypoints.omni": _module("vllm_omni.entrypoints.omni", Omni=FakeOmni),
         "vllm_omni.diffusion": _module("vllm_omni.diffusion"),
         "vllm_omni.diffusion.data": _module("vllm_omni.diffusion.data", DiffusionOutput=FakeDiffusionOutput),
         "vllm_omni.diffusion.models": _module("vllm_omni.diffusion.models"),
@@ -283,6 +285,9 @@ def fake_vllm(monkeypatch):
         "vllm_omni.diffusion.worker.diffusion_worker": _module(
             "vllm_omni.diffusion.worker.diffusion_worker",
             CustomPipelineWorkerExtension=FakeCustomPipelineWorkerExtension,
+        ),
+        "vllm_omni.diffusion.worker.request_batch": _module(
+            "vllm_omni.diffusion.worker.request_batch", DiffusionRequestBatch=FakeRequestBatch
         ),
     }
     for name, mod in mods.items():

@@ -71,18 +71,6 @@ def import_vllm_omni() -> ModuleType:
     return vllm_omni
 
 
-def _sampling_params_cls() -> type:
-    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
-
-    return OmniDiffusionSamplingParams
-
-
-def _lora_request_cls() -> type:
-    from vllm.lora.request import LoRARequest
-
-    return LoRARequest
-
-
 def check_config(cfg: SamplingConfig, patch: int = 16) -> None:
     """Reject a SamplingConfig this engine cannot honour, before any GPU work."""
     if cfg.height % patch or cfg.width % patch:
@@ -103,7 +91,7 @@ def build_requests(
     cfg: SamplingConfig,
     lora_request: Any = None,
     lora_scale: float = 1.0,
-) -> tuple[list[dict[str, Any]], Any]:
+) -> tuple[list[Any], Any]:
     """vllm-omni prompts (one per sample, carrying seed/window/index) and the shared sampling params.
 
     `Omni.generate` takes one sampling-params object per stage for all prompts, so everything that
@@ -114,14 +102,16 @@ def build_requests(
     if len(prompts) == 0:
         raise ValueError("generate() needs at least one prompt")
     check_config(cfg)
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams, OmniTextPrompt
+
     requests = []
     for i, (prompt, seed) in enumerate(zip(prompts, seeds)):
         info = {"seed": int(seed), "window": sample_window(int(seed), cfg).tolist(), "index": i}
-        req: dict[str, Any] = {"prompt": prompt, "additional_information": {INFO_KEY: info}}
+        req = OmniTextPrompt(prompt=prompt, additional_information={INFO_KEY: info})
         if cfg.guidance_scale > 1.0:
             req["negative_prompt"] = cfg.negative_prompt or ""
         requests.append(req)
-    params = _sampling_params_cls()(
+    params = OmniDiffusionSamplingParams(
         height=cfg.height,
         width=cfg.width,
         num_inference_steps=cfg.num_steps,
@@ -244,7 +234,9 @@ class VllmOmniEngine:
     ):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        vllm_omni = import_vllm_omni()
+        import_vllm_omni()
+        from vllm_omni.entrypoints.omni import Omni
+
         self.work_dir = (
             Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="fgrpo-vllm-omni-"))
         )
@@ -261,7 +253,7 @@ class VllmOmniEngine:
         }
         kwargs.update(omni_kwargs or {})
         self.sleep_enabled = enable_sleep_mode
-        self.omni = vllm_omni.Omni(**kwargs)
+        self.omni = Omni(**kwargs)
         self.lora_request: Any = None  # the adapter every later request uses; None = base weights
         self.lora_scale = 1.0
         self.weight_version = 0
@@ -304,8 +296,9 @@ class VllmOmniEngine:
                 )
             shutil.rmtree(dst, ignore_errors=True)
             shutil.copytree(src, dst)
-        lora_cls = _lora_request_cls()
-        self.lora_request = lora_cls(lora_name=f"fgrpo_v{v}", lora_int_id=v, lora_path=str(dst))
+        from vllm.lora.request import LoRARequest
+
+        self.lora_request = LoRARequest(lora_name=f"fgrpo_v{v}", lora_int_id=v, lora_path=str(dst))
         self.lora_scale = scale
         old = self.work_dir / f"lora_v{v - 2:06d}"  # keep the previous version: a request may still load it
         shutil.rmtree(old, ignore_errors=True)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +30,11 @@ from fgrpo import policy
 from fgrpo.core import guidance, schedule, sde
 from fgrpo.models.base import Cond
 from fgrpo.rollout.base import SamplingConfig
+
+if (
+    TYPE_CHECKING
+):  # the static check runs against vllm-omni 0.30's real classes; runtime never imports them here
+    from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
 
 # Keys shared with the engine (fgrpo.rollout.vllm_omni); the engine side imports them from here.
 INFO_KEY = "fgrpo"  # prompt["additional_information"][INFO_KEY] = {"seed", "window", "index"}
@@ -180,9 +185,9 @@ class OmniQwenFlow:
     which the packed latent no longer carries, so the adapter is built per resolution.
     """
 
-    def __init__(self, pipeline: Any, height: int, width: int):
+    def __init__(self, pipeline: QwenImagePipeline, height: int, width: int):
         self.pipeline = pipeline
-        self.transformer = pipeline.transformer
+        self.transformer: Any = pipeline.transformer  # nn.Module attributes type as Tensor | Module
         self.height, self.width = height, width
         self.patch = pipeline.vae_scale_factor * 2  # 8x VAE, then 2x2 packing
 
@@ -192,7 +197,8 @@ class OmniQwenFlow:
     def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
         # The shift constants come from the checkpoint's scheduler config (a tiny test model's may differ
         # from Qwen/Qwen-Image's), exactly as diffusers' pipeline would read them.
-        c = self.pipeline.scheduler.config
+        scheduler: Any = self.pipeline.scheduler  # diffusers types from_pretrained's result loosely
+        c = scheduler.config
         return schedule.qwen_image_sigmas(
             num_steps,
             self.latent_shape(height, width)[0],
@@ -298,6 +304,7 @@ def _build_classes() -> dict[str, type]:
     from vllm_omni.diffusion.data import DiffusionOutput
     from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
     from vllm_omni.diffusion.worker.diffusion_worker import CustomPipelineWorkerExtension
+    from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 
     class FgrpoQwenImagePipeline(QwenImagePipeline):
         """vllm-omni's Qwen-Image pipeline with fgrpo's Flow-GRPO rollout loop as `forward`."""
@@ -305,7 +312,7 @@ def _build_classes() -> dict[str, type]:
         supports_request_batch = True
         supports_step_execution = False  # our loop runs whole requests; no per-step scheduling
 
-        def forward(self, req: Any) -> list[Any]:
+        def forward(self, req: DiffusionRequestBatch) -> list[DiffusionOutput]:
             cfg = config_from_dict(req.sampling_params_list[0].extra_args[CFG_KEY])
             self._guidance_scale = cfg.guidance_scale
             self._attention_kwargs = {}
@@ -322,6 +329,8 @@ def _build_classes() -> dict[str, type]:
 
     class FgrpoWorkerExtension(CustomPipelineWorkerExtension):
         """Adds full-weight sync to the diffusion worker (vllm-omni 0.30 has no weight-update RPC)."""
+
+        model_runner: Any  # provided by the DiffusionWorker this extension is mixed into
 
         def fgrpo_load_transformer_weights(self, path: str) -> int:
             """Load a safetensors file of diffusers-named transformer weights into the live transformer."""
