@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -282,3 +283,56 @@ def test_fsdp2_two_ranks_save_load(tmp_path):
     lora = load_file(tmp_path / "lora.safetensors")
     assert sorted(lora) == sorted(f"{i}.lora_{ab}.weight" for i in (0, 2) for ab in ("A", "B"))
     assert torch.equal(lora["2.lora_B.weight"], weights["2.lora_B.default.weight"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# LoRA export -> diffusers loaders
+
+
+def _qwen_inputs(b=2, h=4, w=4, txt=5, dim=32):
+    g = torch.Generator().manual_seed(3)
+    return dict(
+        hidden_states=torch.randn(b, h * w, 16, generator=g),
+        encoder_hidden_states=torch.randn(b, txt, dim, generator=g),
+        encoder_hidden_states_mask=torch.ones(b, txt, dtype=torch.long),
+        timestep=torch.tensor([0.7, 0.2]),
+        img_shapes=[(1, h, w)] * b,
+        return_dict=False,
+    )
+
+
+def test_export_lora_loads_in_diffusers(tmp_path):
+    pytest.importorskip("diffusers")
+    from diffusers import QwenImagePipeline
+
+    from fgrpo.models import tiny
+    from fgrpo.models.loading import QWEN_IMAGE_LORA_TARGETS, add_lora
+
+    comps = tiny.tiny_qwen_image_components(seed=0)
+    trained = comps["transformer"]
+    base = copy.deepcopy(trained)
+    base_out = trained(**_qwen_inputs())[0]
+    add_lora(trained, rank=4, alpha=8, target_modules=QWEN_IMAGE_LORA_TARGETS, init=False)  # A, B random
+    want = trained(**_qwen_inputs())[0]
+    assert not torch.allclose(want, base_out)  # the adapter changes the output, so the test can fail
+
+    out = ckpt.export_lora(tmp_path / "lora", trained)
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    keys = load_file(out / "adapter_model.safetensors")
+    assert keys and all(k.startswith("transformer.") and ".default." not in k for k in keys)
+    header = json.loads(
+        ckpt.read_safetensors_metadata(out / "adapter_model.safetensors")["lora_adapter_metadata"]
+    )
+    assert header["transformer.r"] == 4 and header["transformer.lora_alpha"] == 8
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
+
+    # 1) transformer.load_lora_adapter into a fresh base transformer (diffusers 0.40 only looks for
+    #    safetensors there when told: use_safetensors=True or weight_name)
+    fresh = copy.deepcopy(base)
+    fresh.load_lora_adapter(str(out), use_safetensors=True)
+    assert torch.equal(fresh(**_qwen_inputs())[0], want)
+
+    # 2) the full pipeline's load_lora_weights (what users call)
+    pipe = QwenImagePipeline(**{**comps, "transformer": base})
+    pipe.load_lora_weights(str(out))
+    assert torch.equal(pipe.transformer(**_qwen_inputs())[0], want)

@@ -494,7 +494,8 @@ def lora_state_dict(model: nn.Module, *, adapter_name: str = "default") -> dict[
 
 def export_lora(out_dir: str | os.PathLike, model: nn.Module, *, adapter_name: str = "default") -> Path:
     """Write a LoRA adapter that diffusers loads: `pipe.load_lora_weights(out_dir)` (Qwen-Image, SD3)
-    and `transformer.load_lora_adapter(out_dir)`.
+    and `transformer.load_lora_adapter(out_dir, use_safetensors=True)` (diffusers 0.40's model-level
+    loader only tries safetensors when told so, or given `weight_name="adapter_model.safetensors"`).
 
     Layout (diffusers 0.40, `QwenImageLoraLoaderMixin`/`SD3LoraLoaderMixin` read it; it is what their
     own `save_lora_weights` writes): one safetensors file whose keys are `transformer.<module>.lora_A.weight`
