@@ -1,0 +1,540 @@
+"""Pretrain textbed: a tiny text-to-image flow model that draws one upper-case word (32x128, grayscale).
+
+What it trains: diffusers' QwenImageTransformer2DModel (tiny config, 4x4 pixel patches) and a 2-layer
+byte-level BERT, jointly, from scratch, on synthetic PIL renders of English words (DejaVu Sans Bold,
+random size/position/gray levels, dark on light). Rectified flow (x_t = (1 - t) x0 + t noise,
+v = noise - x0) with logit-normal t, 10 % prompt dropout for CFG, AdamW, bf16 autocast, EMA.
+It snapshots the EMA weights during training, scores each snapshot with the fgrpo OCR reward on
+held-out words, and keeps the snapshot whose score leaves Flow-GRPO room (about 0.5-0.75) plus the best.
+
+How it deviates from a "real" pretraining: the data is an on-device bank of pre-rendered images (each
+seen a few times) rather than a stream; no torch.compile (one-shot GPU budget: compile time is
+unmeasured risk, eager bf16 already trains it in minutes).
+
+Commands:
+  words (once; writes src/fgrpo/assets/textbed/words_*.txt from flow_grpo's OCR prompts):
+      uv run python experiments/pretrain_textbed.py words --words-source ../shared/data/flow_grpo/dataset/ocr/test.txt
+  1 GPU (the committed checkpoint, ~7 minutes on one H200):
+      uv run python experiments/pretrain_textbed.py recipe --out-dir runs/pretrain_textbed
+  CPU smoke test (seconds):
+      uv run python experiments/pretrain_textbed.py tiny
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import tyro
+
+from fgrpo.models import textbed as tb
+
+FONT_CANDIDATES = (
+    "/usr/share/fonts/truetype/dejavu/DejaVuSans-Bold.ttf",  # Debian/Ubuntu fonts-dejavu-core
+    ".fonts/DejaVuSans-Bold.ttf",  # carried to machines without the package (ignored folder)
+)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Synthetic word renders."""
+
+    bank_size: int = 300_000
+    """Images pre-rendered before training (sampled with replacement each step)."""
+    workers: int = 0
+    """Render processes (0 = all cores)."""
+    font: str = ""
+    """TrueType font ('' = the first of FONT_CANDIDATES that exists)."""
+    min_size_frac: float = 0.55
+    """Font size is uniform in [frac * largest size that fits, largest size that fits]."""
+    max_font_size: int = 28
+    """Cap on the font size in pixels (short words would otherwise fill the canvas)."""
+    min_font_size: int = 10
+    """Floor on the font size in pixels (smaller is unreadable at 32x128)."""
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warmup, constant after."""
+
+    lr: float = 6e-4
+    """Peak learning rate."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """Adam betas."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay."""
+    warmup_steps: int = 200
+    """Linear warmup steps."""
+    grad_clip: float = 1.0
+    """Global grad-norm clip."""
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Snapshots and their OCR scoring."""
+
+    every_s: float = 40.0
+    """Snapshot the EMA weights every this many seconds of training (and at the end)."""
+    heldout_words: int = 128
+    """Held-out words scored per snapshot (the first N of words_heldout.txt, one seed each)."""
+    train_words: int = 64
+    """Training words scored per snapshot (seen vs unseen gap)."""
+    num_steps: int = 20
+    """ODE (Euler) steps of the eval sampler."""
+    guidance_scale: float = 3.0
+    """Plain CFG scale of the eval sampler."""
+    upscale: int = 2
+    """Images are upscaled by this factor before OCR (rapidocr reads 64x256 better than 32x128)."""
+    det_limit_side_len: int = 64
+    """rapidocr detector resize; its default 736 would blow a 64x256 crop up 11x (about 15x slower)."""
+    ocr_workers: int = 0
+    """OCR processes (0 = min(cores, 12)); each runs one 1-thread onnxruntime."""
+    target: tuple[float, float] = (0.5, 0.75)
+    """Held-out OCR score band of the checkpoint we commit (room for Flow-GRPO to improve)."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """Pretraining of the textbed text renderer."""
+
+    exp_name: str = Path(__file__).stem
+    """Run name; defaults to this file's stem."""
+    out_dir: str = "runs/pretrain_textbed"
+    """Snapshots, chosen checkpoints, metrics.json and sample grids go here."""
+    seed: int = 0
+    """Seed of the init, the data bank and the training noise."""
+    device: str = "cuda"
+    """Training device."""
+    batch_size: int = 512
+    """Images per optimizer step."""
+    max_steps: int = 100_000
+    """Upper bound on optimizer steps (the time budget usually ends training first)."""
+    time_budget_s: float = 330.0
+    """Stop training after this many seconds (measured from the first step)."""
+    p_uncond: float = 0.1
+    """Probability of replacing the prompt by the empty prompt (trains the CFG branch)."""
+    t_mean: float = 0.0
+    """Logit-normal t: t = sigmoid(t_mean + t_std * z)."""
+    t_std: float = 1.0
+    """Logit-normal t: std of the normal."""
+    ema: float = 0.999
+    """EMA decay (warmed up as min(ema, (1 + step) / (10 + step)))."""
+    log_every: int = 100
+    """Print loss and throughput every this many steps."""
+    words_dir: str = str(tb.ASSET_DIR)
+    """Folder with words_train.txt / words_heldout.txt."""
+    words_source: str = ""
+    """With the `words` command: the prompt file whose unquoted text gives the vocabulary."""
+    model: tb.TextbedConfig = tb.TextbedConfig()
+    """Architecture."""
+    data: DataConfig = DataConfig()
+    optim: OptimConfig = OptimConfig()
+    eval: EvalConfig = EvalConfig()
+
+    @property
+    def amp(self) -> bool:
+        return self.device.startswith("cuda")
+
+
+# ---------------------------------------------------------------- vocabulary
+
+
+def write_word_lists(source: str, words_dir: str) -> tuple[int, int]:
+    """Vocabulary from `source`'s unquoted text, split 7:1 by hash into train / held-out files."""
+    if not source or not Path(source).is_file():
+        raise FileNotFoundError(
+            f"--words-source {source!r} is not a file; pass flow_grpo's dataset/ocr/test.txt"
+        )
+    words = tb.extract_words(Path(source).read_text())
+    heldout = [w for w in words if tb.is_heldout(w)]
+    train = [w for w in words if not tb.is_heldout(w)]
+    Path(words_dir).mkdir(parents=True, exist_ok=True)
+    (Path(words_dir) / "words_train.txt").write_text("\n".join(train) + "\n")
+    (Path(words_dir) / "words_heldout.txt").write_text("\n".join(heldout) + "\n")
+    return len(train), len(heldout)
+
+
+# ---------------------------------------------------------------- synthetic data
+
+_FONTS: dict[int, object] = {}
+
+
+def _font(path: str, size: int):
+    from PIL import ImageFont
+
+    if size not in _FONTS:
+        _FONTS[size] = ImageFont.truetype(path, size)
+    return _FONTS[size]
+
+
+def render_word(
+    word: str, rng: np.random.Generator, font: str, height: int, width: int, dc: DataConfig
+) -> np.ndarray:
+    """One uint8 [height, width] render: random size, position and gray levels, dark on light."""
+    from PIL import Image, ImageDraw
+
+    # Glyph extents scale linearly with the size; measure at 100 px to find the largest size that fits.
+    left, top, right, bottom = _font(font, 100).getbbox(word)
+    fit = min((width - 4) * 100 / (right - left), (height - 2) * 100 / (bottom - top))
+    hi = max(dc.min_font_size, min(dc.max_font_size, int(fit)))
+    lo = max(dc.min_font_size, min(hi, int(dc.min_size_frac * hi)))
+    f = _font(font, int(rng.integers(lo, hi + 1)))
+    left, top, right, bottom = f.getbbox(word)
+    x = rng.integers(2 - left, max(2 - left, width - 2 - right) + 1)
+    y = rng.integers(1 - top, max(1 - top, height - 1 - bottom) + 1)
+    img = Image.new("L", (width, height), int(rng.integers(200, 256)))
+    ImageDraw.Draw(img).text((int(x), int(y)), word, font=f, fill=int(rng.integers(0, 61)))
+    return np.asarray(img)
+
+
+def _render_chunk(args) -> tuple[np.ndarray, np.ndarray]:
+    words, n, seed, chunk, font, height, width, dc = args
+    rng = np.random.default_rng([seed, chunk])
+    idx = rng.integers(0, len(words), n)
+    return np.stack([render_word(words[i], rng, font, height, width, dc) for i in idx]), idx
+
+
+def render_bank(words: list[str], cfg: Config, font: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(images uint8 [N, H, W], word index int64 [N]); deterministic in cfg.seed whatever the workers."""
+    from multiprocessing import get_context
+
+    chunk = 5000
+    n_chunks = math.ceil(cfg.data.bank_size / chunk)
+    jobs = [
+        (
+            words,
+            min(chunk, cfg.data.bank_size - c * chunk),
+            cfg.seed,
+            c,
+            font,
+            cfg.model.height,
+            cfg.model.width,
+            cfg.data,
+        )
+        for c in range(n_chunks)
+    ]
+    workers = cfg.data.workers or os.cpu_count() or 1
+    if workers == 1 or n_chunks == 1:
+        parts = [_render_chunk(j) for j in jobs]
+    else:
+        with get_context("fork").Pool(min(workers, n_chunks)) as pool:
+            parts = pool.map(_render_chunk, jobs)
+    return torch.from_numpy(np.concatenate([p[0] for p in parts])), torch.from_numpy(
+        np.concatenate([p[1] for p in parts])
+    )
+
+
+# ---------------------------------------------------------------- OCR eval (worker processes)
+
+_OCR = None
+
+
+def _ocr_init(det_limit_side_len: int) -> None:
+    global _OCR
+    from fgrpo.rewards.ocr import RapidOcrEngine
+
+    _OCR = RapidOcrEngine(det_limit_side_len=det_limit_side_len, num_threads=1)
+
+
+def _ocr_read(images: np.ndarray) -> list[str]:
+    return _OCR.recognize(images)
+
+
+def ocr_read_all(images: np.ndarray, cfg: Config) -> list[str]:
+    """Recognized text of every uint8 [B, H, W, 3] image, in parallel processes (onnxruntime is 1-thread each)."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    workers = cfg.eval.ocr_workers or min(os.cpu_count() or 1, 12)
+    chunks = np.array_split(images, max(1, min(len(images), workers * 4)))
+    # spawn: the parent holds a CUDA context, which must not be forked.
+    with ProcessPoolExecutor(workers, get_context("spawn"), _ocr_init, (cfg.eval.det_limit_side_len,)) as ex:
+        return [t for part in ex.map(_ocr_read, chunks) for t in part]
+
+
+# ---------------------------------------------------------------- training
+
+
+def ema_decay(cfg: Config, step: int) -> float:
+    # Warmup keeps early snapshots from being dominated by the random init.
+    return min(cfg.ema, (1 + step) / (10 + step))
+
+
+def train(cfg: Config) -> list[tuple[float, int, dict[str, torch.Tensor]]]:
+    """Train; returns the EMA snapshots [(train seconds, step, bf16 state dict)]."""
+    device = torch.device(cfg.device)
+    torch.manual_seed(cfg.seed)
+    font = cfg.data.font or next((f for f in FONT_CANDIDATES if Path(f).is_file()), "")
+    if not font:
+        raise FileNotFoundError(
+            f"no DejaVu Sans Bold among {FONT_CANDIDATES}; apt-get install fonts-dejavu-core or set --data.font"
+        )
+    words = tb.read_words("train", cfg.words_dir)
+
+    t0 = time.perf_counter()
+    bank, bank_word = render_bank(words, cfg, font)
+    print(f"bank: {len(bank)} renders of {len(words)} words in {time.perf_counter() - t0:.1f}s", flush=True)
+    bank, bank_word = bank.to(device), bank_word.to(device)
+    word_ids, word_mask = (
+        t.to(device) for t in tb.tokenize([tb.prompt_for(w) for w in words], cfg.model.max_text_len)
+    )
+    empty_ids, empty_mask = (t.to(device) for t in tb.tokenize([""], cfg.model.max_text_len))
+
+    model = tb.TextbedModel(cfg.model).to(device).train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    print(
+        f"params: transformer {sum(p.numel() for p in model.transformer.parameters()) / 1e6:.2f}M, "
+        f"text encoder {sum(p.numel() for p in model.text_encoder.parameters()) / 1e6:.2f}M",
+        flush=True,
+    )
+    # No weight decay on norms, biases and embeddings' 1-D params (standard AdamW practice).
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": cfg.optim.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=cfg.optim.lr,
+        betas=cfg.optim.betas,
+        fused=device.type == "cuda",
+    )
+    ema = [p.detach().clone().float() for p in params]
+    gen = torch.Generator(device).manual_seed(cfg.seed + 1)
+    snapshots = []
+
+    def snapshot(elapsed: float, step: int) -> None:
+        backup = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p, e in zip(params, ema):
+                p.copy_(e)
+        snapshots.append((elapsed, step, tb.state_dict_for_save(model)))
+        with torch.no_grad():
+            for p, b in zip(params, backup):
+                p.copy_(b)
+        print(f"snapshot at step {step} ({elapsed:.0f}s)", flush=True)
+
+    B = cfg.batch_size
+    t_start = time.perf_counter()
+    next_snap = cfg.eval.every_s
+    step, seen, t_log = 0, 0, t_start
+    while step < cfg.max_steps:
+        idx = torch.randint(len(bank), (B,), device=device, generator=gen)
+        x0 = tb.patchify(bank[idx].float() / 127.5 - 1.0, cfg.model.patch)  # [B, seq, p*p] in [-1, 1]
+        w = bank_word[idx]
+        drop = torch.rand(B, device=device, generator=gen) < cfg.p_uncond
+        ids = torch.where(drop[:, None], empty_ids, word_ids[w])
+        mask = torch.where(drop[:, None], empty_mask, word_mask[w])
+        t = torch.sigmoid(cfg.t_mean + cfg.t_std * torch.randn(B, device=device, generator=gen))
+        noise = torch.randn(x0.shape, device=device, generator=gen)
+        x_t = (1 - t[:, None, None]) * x0 + t[:, None, None] * noise
+        target = noise - x0
+
+        for g in opt.param_groups:
+            g["lr"] = cfg.optim.lr * min(1.0, (step + 1) / cfg.optim.warmup_steps)
+        with torch.autocast(device.type, torch.bfloat16, enabled=cfg.amp):
+            v = model.denoise(x_t, t, model.embed_ids(ids, mask), mask)
+        loss = torch.nn.functional.mse_loss(v.float(), target)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
+        opt.step()
+        with torch.no_grad():
+            torch._foreach_lerp_(ema, [p.detach().float() for p in params], 1 - ema_decay(cfg, step))
+        step += 1
+        seen += B
+
+        if step % cfg.log_every == 0 or step == cfg.max_steps:
+            loss_v, gn = loss.item(), gnorm.item()  # syncs; the timing below is then honest
+            now = time.perf_counter()
+            print(
+                f"step {step} loss {loss_v:.4f} gnorm {gn:.2f} {seen / (now - t_log):.0f} img/s "
+                f"({now - t_start:.0f}s)",
+                flush=True,
+            )
+            seen, t_log = 0, now
+        elapsed = time.perf_counter() - t_start
+        if elapsed >= next_snap:
+            snapshot(elapsed, step)
+            next_snap += cfg.eval.every_s
+        if elapsed >= cfg.time_budget_s:
+            break
+    if not snapshots or snapshots[-1][1] != step:
+        snapshot(time.perf_counter() - t_start, step)
+    return snapshots
+
+
+def evaluate(cfg: Config, snapshots) -> list[dict]:
+    """Render held-out and train words with each snapshot and score them with the fgrpo OCR reward."""
+    from fgrpo.rewards.ocr import ocr_score
+
+    device = torch.device(cfg.device)
+    heldout = tb.read_words("heldout", cfg.words_dir)[: cfg.eval.heldout_words]
+    trainw = tb.read_words("train", cfg.words_dir)[
+        :: max(1, len(tb.read_words("train", cfg.words_dir)) // max(1, cfg.eval.train_words))
+    ][: cfg.eval.train_words]
+    words = heldout + trainw
+    prompts = [tb.prompt_for(w) for w in words]
+    seeds = list(range(len(words)))  # seed i for the i-th word: same noise for every snapshot
+    model = tb.TextbedModel(cfg.model).to(device).eval()
+    dt = torch.bfloat16 if cfg.amp else torch.float32
+    images = []
+    for _, _, sd in snapshots:
+        model.load_state_dict(sd)
+        model.to(dt)
+        images.append(
+            tb.upscale(
+                tb.render_words(
+                    model,
+                    prompts,
+                    seeds,
+                    num_steps=cfg.eval.num_steps,
+                    guidance_scale=cfg.eval.guidance_scale,
+                ),
+                cfg.eval.upscale,
+            ).cpu()
+        )
+        model.float()
+    # Ground-truth renders of the held-out words: the OCR ceiling a perfect generator would reach.
+    font = cfg.data.font or next((f for f in FONT_CANDIDATES if Path(f).is_file()), "")
+    rng = np.random.default_rng([cfg.seed, 10**6])
+    real = np.stack([render_word(w, rng, font, cfg.model.height, cfg.model.width, cfg.data) for w in heldout])
+    real = tb.upscale(torch.from_numpy(real)[..., None].expand(-1, -1, -1, 3), cfg.eval.upscale)
+    flat = torch.cat([*images, real]).numpy()
+    t0 = time.perf_counter()
+    texts = ocr_read_all(flat, cfg)
+    real_ocr = float(np.mean([ocr_score(r, w) for r, w in zip(texts[-len(heldout) :], heldout)]))
+    print(f"OCR ceiling (real renders of the held-out words): {real_ocr:.3f}", flush=True)
+    print(f"OCR of {len(flat)} images in {time.perf_counter() - t0:.1f}s", flush=True)
+    results = []
+    n_h = len(heldout)
+    for k, (elapsed, step, _) in enumerate(snapshots):
+        tx = texts[k * len(words) : (k + 1) * len(words)]
+        s = np.array([ocr_score(r, w) for r, w in zip(tx, words)])
+        exact = np.array([r.replace(" ", "").upper() == w for r, w in zip(tx, words)])
+        results.append(
+            {
+                "step": step,
+                "train_seconds": round(elapsed, 1),
+                "heldout_ocr": float(s[:n_h].mean()),
+                "heldout_exact": float(exact[:n_h].mean()),
+                "train_ocr": float(s[n_h:].mean()) if len(s) > n_h else float("nan"),
+                "train_exact": float(exact[n_h:].mean()) if len(s) > n_h else float("nan"),
+                "real_renders_heldout_ocr": real_ocr,
+                "examples": [f"{w}->{r}" for w, r in list(zip(words, tx))[:12]],
+            }
+        )
+        print(
+            f"step {step} ({elapsed:.0f}s): held-out OCR {results[-1]['heldout_ocr']:.3f} "
+            f"exact {results[-1]['heldout_exact']:.2f} | train OCR {results[-1]['train_ocr']:.3f}",
+            flush=True,
+        )
+    grid_path = Path(cfg.out_dir) / "samples.png"
+    _save_grid([im[:32] for im in images], grid_path)
+    return results
+
+
+def _save_grid(rows: list[torch.Tensor], path: Path) -> None:
+    """One row band per snapshot: the first 32 held-out samples as a 4 x 8 tile."""
+    from PIL import Image
+
+    tiles = []
+    for im in rows:
+        im = im.numpy()
+        n, h, w, _ = im.shape
+        cols = 8
+        pad = np.zeros(((-n) % cols, h, w, 3), np.uint8)
+        im = (
+            np.concatenate([im, pad])
+            .reshape(-1, cols, h, w, 3)
+            .transpose(0, 2, 1, 3, 4)
+            .reshape(-1, cols * w, 3)
+        )
+        tiles.append(np.pad(im, ((0, 6), (0, 0), (0, 0)), constant_values=128))
+    Image.fromarray(np.concatenate(tiles)).save(path)
+
+
+def choose(results: list[dict], band: tuple[float, float]) -> tuple[int, int]:
+    """(index of the snapshot to commit, index of the best). Commit: the last snapshot inside the band
+    (later = better-trained text encoder and layout); if none is inside, the one closest to its middle."""
+    best = max(range(len(results)), key=lambda k: results[k]["heldout_ocr"])
+    inside = [k for k, r in enumerate(results) if band[0] <= r["heldout_ocr"] <= band[1]]
+    if inside:
+        return inside[-1], best
+    mid = sum(band) / 2
+    return min(range(len(results)), key=lambda k: abs(results[k]["heldout_ocr"] - mid)), best
+
+
+def main(cfg: Config) -> dict:
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2, default=str))
+    shutil.copy(__file__, out / "pretrain_textbed.py")
+    snapshots = train(cfg)
+    results = evaluate(cfg, snapshots)
+    pick, best = choose(results, cfg.eval.target)
+    model = tb.TextbedModel(cfg.model)
+    for name, k in (("chosen", pick), ("best", best)):
+        model.load_state_dict(snapshots[k][2])
+        meta = {
+            "pretrain": {
+                "seed": cfg.seed,
+                "step": results[k]["step"],
+                "train_seconds": results[k]["train_seconds"],
+                "batch_size": cfg.batch_size,
+                "eval": {k2: v for k2, v in results[k].items() if k2 != "examples"},
+            }
+        }
+        tb.save_textbed(model, out / name, meta)
+    summary = {"snapshots": results, "chosen": pick, "best": best}
+    (out / "metrics.json").write_text(json.dumps(summary, indent=2))
+    print(
+        f"chosen: step {results[pick]['step']} held-out OCR {results[pick]['heldout_ocr']:.3f}; "
+        f"best: step {results[best]['step']} held-out OCR {results[best]['heldout_ocr']:.3f}",
+        flush=True,
+    )
+    return summary
+
+
+def recipe() -> Config:
+    return Config()
+
+
+def tiny() -> Config:
+    """Seconds on a CPU: a few steps of a 1-layer model, a handful of OCR reads."""
+    return dataclasses.replace(
+        Config(),
+        device="cpu",
+        batch_size=8,
+        max_steps=3,
+        time_budget_s=1e9,
+        log_every=1,
+        out_dir="runs/pretrain_textbed_tiny",
+        model=dataclasses.replace(tb.TextbedConfig(), num_layers=1),
+        data=DataConfig(bank_size=64, workers=1),
+        eval=dataclasses.replace(
+            EvalConfig(), every_s=1e9, heldout_words=2, train_words=1, num_steps=2, ocr_workers=1
+        ),
+    )
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) > 1 and sys.argv[1] == "words":
+        cfg = tyro.cli(Config, args=sys.argv[2:])
+        print("train/heldout words:", write_word_lists(cfg.words_source, cfg.words_dir))
+    else:
+        presets = {
+            "recipe": ("The committed checkpoint's run (1 GPU, ~7 min).", recipe()),
+            "tiny": ("CPU smoke test (seconds).", tiny()),
+        }
+        main(tyro.extras.overridable_config_cli(presets))

@@ -1,0 +1,361 @@
+"""textbed: a tiny pretrained pixel-space text renderer behind the FlowModel interface.
+
+The testbed for Flow-GRPO on a laptop: it draws one upper-case English word, dark on light, on a
+32x128 grayscale canvas, from the prompt `"WORD"` (with the double quotes, so an OCR reward that reads
+the target between the first pair of quotes finds it). Its denoiser is diffusers'
+`QwenImageTransformer2DModel` with a tiny config, so rollout, LoRA and FSDP exercise the same class and
+forward signature as Qwen-Image:
+
+- "latents" are pixels in [-1, 1], patchified into 4x4 patches: x_t is [B, 8 * 32, 16], exactly like
+  Qwen-Image's packed [B, seq, 64] latents (the transformer's own patch_size is 1 because we pack here);
+- the text encoder is a 2-layer BERT over UTF-8 bytes (no tokenizer file to ship), pretrained jointly;
+- rectified flow x_t = (1 - sigma) * x0 + sigma * noise, v = noise - x0; plain CFG with the empty
+  prompt as the unconditional branch (10 % prompt dropout in pretraining).
+
+Differs from Qwen-Image: pixel space (no VAE; decode is un-patchify + [-1, 1] -> uint8), plain CFG
+instead of true-CFG (the model was trained for it), an unshifted linear schedule (pretraining drew
+sigma from a logit-normal, not a resolution-shifted one), whitespace-stripped prompts (so the default
+negative prompt " " is the unconditional prompt the model was trained with).
+
+The checkpoint, its config and the word lists live in src/fgrpo/assets/textbed/ (see its README.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+from diffusers import QwenImageTransformer2DModel
+from torch import nn
+from transformers import BertConfig, BertModel
+
+from fgrpo.core import guidance, schedule
+from fgrpo.models.base import Cond
+
+ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "textbed"
+
+# Byte vocabulary: 0 = pad, 1 = begin (always present, so the empty prompt is one token), b + 2 = byte b.
+PAD_ID, BOS_ID, BYTE_OFFSET = 0, 1, 2
+VOCAB_SIZE = 256 + BYTE_OFFSET
+
+
+@dataclass(frozen=True)
+class TextbedConfig:
+    """Architecture of the textbed model (stored as config.json next to the weights)."""
+
+    height: int = 32
+    """Image height in pixels (the only trained size)."""
+    width: int = 128
+    """Image width in pixels (the only trained size)."""
+    patch: int = 4
+    """Pixels per patch side; one transformer token per patch (Qwen-Image: 2x2 latent patches of 16 ch)."""
+    num_layers: int = 5
+    """Number of QwenImageTransformerBlocks (double-stream joint attention)."""
+    num_heads: int = 6
+    """Attention heads; width = num_heads * head_dim."""
+    head_dim: int = 32
+    """Per-head width; the 3-axis RoPE splits it as axes_dims_rope."""
+    axes_dims_rope: tuple[int, int, int] = (8, 12, 12)
+    """RoPE dims for (frame, row, column); must sum to head_dim."""
+    text_dim: int = 128
+    """Width of the byte-level BERT text encoder (= the transformer's joint_attention_dim)."""
+    text_layers: int = 2
+    """Layers of the text encoder."""
+    text_heads: int = 4
+    """Attention heads of the text encoder."""
+    max_text_len: int = 16
+    """Text tokens per prompt including the begin token; prompts are padded to it (fixed-shape Cond)."""
+
+    def __post_init__(self):
+        if self.height % self.patch or self.width % self.patch:
+            raise ValueError(
+                f"height/width ({self.height}x{self.width}) must be multiples of patch={self.patch}"
+            )
+        if sum(self.axes_dims_rope) != self.head_dim:
+            raise ValueError(f"axes_dims_rope {self.axes_dims_rope} must sum to head_dim={self.head_dim}")
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return self.height // self.patch, self.width // self.patch
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TextbedConfig:
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(
+                f"unknown textbed config keys {sorted(unknown)}; expected a subset of {sorted(names)}"
+            )
+        d = dict(d)
+        if "axes_dims_rope" in d:
+            d["axes_dims_rope"] = tuple(d["axes_dims_rope"])
+        return cls(**d)
+
+
+def build_transformer(cfg: TextbedConfig) -> QwenImageTransformer2DModel:
+    """Randomly initialised denoiser: Qwen-Image's transformer over 4x4 pixel patches."""
+    channels = cfg.patch * cfg.patch
+    return QwenImageTransformer2DModel(
+        patch_size=1,  # patches are packed by `patchify`, as Qwen-Image's pipeline packs 2x2 latent patches
+        in_channels=channels,
+        out_channels=channels,
+        num_layers=cfg.num_layers,
+        attention_head_dim=cfg.head_dim,
+        num_attention_heads=cfg.num_heads,
+        joint_attention_dim=cfg.text_dim,
+        axes_dims_rope=cfg.axes_dims_rope,
+    )
+
+
+def build_text_encoder(cfg: TextbedConfig) -> BertModel:
+    """Randomly initialised byte-level BERT (bidirectional, no pooler, no dropout)."""
+    bert = BertConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=cfg.text_dim,
+        num_hidden_layers=cfg.text_layers,
+        num_attention_heads=cfg.text_heads,
+        intermediate_size=4 * cfg.text_dim,
+        max_position_embeddings=cfg.max_text_len,
+        type_vocab_size=1,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        pad_token_id=PAD_ID,
+    )
+    return BertModel(bert, add_pooling_layer=False)
+
+
+def tokenize(prompts: Sequence[str], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts -> (ids [B, max_len] int64, mask [B, max_len] bool). Whitespace is stripped first."""
+    ids = torch.full((len(prompts), max_len), PAD_ID, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        b = p.strip().encode("utf-8")
+        if len(b) > max_len - 1:
+            raise ValueError(
+                f"prompt {p!r} is {len(b)} bytes; textbed takes at most {max_len - 1} (use a shorter word)"
+            )
+        ids[i, 0] = BOS_ID
+        ids[i, 1 : 1 + len(b)] = torch.tensor(list(b), dtype=torch.long) + BYTE_OFFSET
+    return ids, ids != PAD_ID
+
+
+def patchify(images: torch.Tensor, patch: int) -> torch.Tensor:
+    """[B, H, W] pixels -> [B, (H/p)(W/p), p*p] tokens, row-major over the patch grid."""
+    b, h, w = images.shape
+    x = images.reshape(b, h // patch, patch, w // patch, patch)
+    return x.permute(0, 1, 3, 2, 4).reshape(b, (h // patch) * (w // patch), patch * patch)
+
+
+def unpatchify(tokens: torch.Tensor, height: int, width: int, patch: int) -> torch.Tensor:
+    """Inverse of `patchify`: [B, seq, p*p] -> [B, H, W]."""
+    b = tokens.shape[0]
+    x = tokens.reshape(b, height // patch, width // patch, patch, patch)
+    return x.permute(0, 1, 3, 2, 4).reshape(b, height, width)
+
+
+def prompt_for(word: str) -> str:
+    """The prompt that asks for `word`: the word in double quotes (what the OCR reward reads back)."""
+    return f'"{word}"'
+
+
+def extract_words(text: str, min_len: int = 3, max_len: int = 8) -> list[str]:
+    """Sorted unique upper-case letter-only words of `text` outside double quotes, min_len..max_len long."""
+    unquoted = re.sub(r'"[^"\n]*"', " ", text)
+    return sorted({w.upper() for w in re.findall(r"[A-Za-z]+", unquoted) if min_len <= len(w) <= max_len})
+
+
+def is_heldout(word: str, modulus: int = 8) -> bool:
+    """Deterministic held-out split (1 / modulus of the words) by a hash of the word, stable across runs."""
+    return int.from_bytes(hashlib.sha256(word.encode()).digest()[:8], "big") % modulus == 0
+
+
+def read_words(name: str, asset_dir: str | Path = ASSET_DIR) -> list[str]:
+    """Word list `name` ("train" or "heldout") from the asset folder, one word per line."""
+    return (Path(asset_dir) / f"words_{name}.txt").read_text().split()
+
+
+def upscale(images: torch.Tensor, factor: int = 2) -> torch.Tensor:
+    """uint8 [B, H, W, 3] -> [B, factor*H, factor*W, 3], bilinear; rapidocr reads 64x256 more reliably."""
+    x = images.permute(0, 3, 1, 2).float()
+    x = nn.functional.interpolate(x, scale_factor=factor, mode="bilinear", align_corners=False)
+    return x.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
+
+
+class TextbedModel(nn.Module):
+    """FlowModel for the tiny text renderer. Cond keys: prompt_embeds [B, L, D], prompt_mask [B, L] bool,
+    and neg_prompt_embeds / neg_prompt_mask when a negative prompt is given.
+
+    decode returns the native 32x128 resolution (the Protocol's [B, height, width, 3]); use `upscale`
+    before OCR.
+    """
+
+    def __init__(
+        self, cfg: TextbedConfig, transformer: nn.Module | None = None, text_encoder: nn.Module | None = None
+    ):
+        super().__init__()
+        self.cfg = cfg
+        self.transformer = transformer if transformer is not None else build_transformer(cfg)
+        self.text_encoder = text_encoder if text_encoder is not None else build_text_encoder(cfg)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.transformer.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.transformer.parameters()).dtype
+
+    # -- pieces shared by pretraining and the FlowModel methods (one formula each) --
+
+    def embed_ids(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Text encoder on token ids: [B, L] -> [B, L, text_dim]."""
+        return self.text_encoder(input_ids=ids, attention_mask=mask.long()).last_hidden_state
+
+    def denoise(
+        self, x_t: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """One transformer forward, [B, seq, p*p] in the transformer's dtype -> raw velocity (same dtype)."""
+        gh, gw = self.cfg.grid
+        return self.transformer(
+            hidden_states=x_t,
+            encoder_hidden_states=embeds,
+            encoder_hidden_states_mask=mask,
+            timestep=sigma,  # Qwen-Image's time embedding takes sigma in [0, 1] (it scales by 1000 itself)
+            img_shapes=[(1, gh, gw)] * x_t.shape[0],
+            return_dict=False,
+        )[0]
+
+    # -- FlowModel --
+
+    @torch.no_grad()
+    def encode(self, prompts: Sequence[str], *, negative_prompt: str | None = None) -> Cond:
+        ids, mask = tokenize(prompts, self.cfg.max_text_len)
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        cond = {"prompt_embeds": self.embed_ids(ids, mask), "prompt_mask": mask}
+        if negative_prompt is not None:
+            nid, nmask = tokenize([negative_prompt] * len(prompts), self.cfg.max_text_len)
+            nid, nmask = nid.to(self.device), nmask.to(self.device)
+            cond |= {"neg_prompt_embeds": self.embed_ids(nid, nmask), "neg_prompt_mask": nmask}
+        return cond
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        self._check_size(height, width)
+        gh, gw = self.cfg.grid
+        return (gh * gw, self.cfg.patch**2)
+
+    def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
+        self._check_size(height, width)
+        # shift=1 is the flow-match scheduler's unshifted (linear) schedule, matching how sigma was drawn
+        # in pretraining (logit-normal, no resolution shift).
+        return schedule.sd3_sigmas(num_steps, shift=1.0)
+
+    def velocity(
+        self, x_t: torch.Tensor, sigma: torch.Tensor, cond: Cond, *, guidance_scale: float
+    ) -> torch.Tensor:
+        embeds, mask = cond["prompt_embeds"], cond["prompt_mask"]
+        use_cfg = guidance_scale != 1.0
+        if use_cfg:
+            if "neg_prompt_embeds" not in cond:
+                raise ValueError(
+                    "guidance_scale != 1 needs neg_prompt_embeds in cond: encode(..., negative_prompt=' ')"
+                )
+            # One batched forward over [cond; uncond]: half the kernel launches of two calls.
+            x_t = torch.cat([x_t, x_t])
+            sigma = torch.cat([sigma, sigma])
+            embeds = torch.cat([embeds, cond["neg_prompt_embeds"]])
+            mask = torch.cat([mask, cond["neg_prompt_mask"]])
+        dt = self.dtype
+        v = self.denoise(x_t.to(dt), sigma.to(dt), embeds.to(dt), mask).float()
+        if use_cfg:
+            v_cond, v_uncond = v.chunk(2)
+            return guidance.cfg(v_cond, v_uncond, guidance_scale)
+        return v
+
+    def decode(self, x0: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        self._check_size(height, width)
+        img = unpatchify(x0.float(), height, width, self.cfg.patch)  # [B, H, W] in [-1, 1]
+        img = ((img.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+        return img.unsqueeze(-1).expand(-1, -1, -1, 3).contiguous()
+
+    def _check_size(self, height: int, width: int) -> None:
+        if (height, width) != (self.cfg.height, self.cfg.width):
+            raise ValueError(
+                f"textbed renders only {self.cfg.height}x{self.cfg.width} (got height={height}, width={width}); "
+                f"set SamplingConfig(height={self.cfg.height}, width={self.cfg.width})"
+            )
+
+
+@torch.no_grad()
+def render_words(
+    model: TextbedModel,
+    prompts: Sequence[str],
+    seeds: Sequence[int],
+    *,
+    num_steps: int = 20,
+    guidance_scale: float = 3.0,
+    negative_prompt: str = "",
+) -> torch.Tensor:
+    """Deterministic ODE sampling (Euler through fgrpo.policy.transition) -> uint8 [B, H, W, 3].
+
+    The measuring stick of the pretrained checkpoint (pretraining eval, tests, README). Each sample's
+    initial noise comes from its own seed, so a result does not depend on the batch it was drawn in.
+    """
+    from fgrpo.policy import transition
+    from fgrpo.rollout.base import SamplingConfig
+
+    if len(prompts) != len(seeds):
+        raise ValueError(
+            f"render_words got {len(prompts)} prompts but {len(seeds)} seeds; pass one seed per prompt"
+        )
+    h, w = model.cfg.height, model.cfg.width
+    scfg = SamplingConfig(height=h, width=w, num_steps=num_steps, guidance_scale=guidance_scale)
+    shape = model.latent_shape(h, w)
+    x = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(int(s))) for s in seeds])
+    x = x.to(model.device)
+    cond = model.encode(prompts, negative_prompt=negative_prompt if guidance_scale != 1.0 else None)
+    sigmas = model.sigmas(num_steps, h, w).to(model.device)
+    for i in range(num_steps):
+        sigma, sigma_next = sigmas[i].expand(len(x)), sigmas[i + 1].expand(len(x))
+        x, _ = transition(model, x, sigma, sigma_next, cond, scfg, stochastic=False)
+    return model.decode(x, h, w)
+
+
+def state_dict_for_save(model: TextbedModel, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """Flat {transformer.*, text_encoder.*} state dict in `dtype`, contiguous (safetensors-ready)."""
+    return {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
+
+
+def save_textbed(model: TextbedModel, path: str | Path, meta: dict | None = None) -> None:
+    """Write model.safetensors (bf16) and config.json ({"model": TextbedConfig, **meta}) into `path`."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(state_dict_for_save(model), str(path / "model.safetensors"))
+    cfg = asdict(model.cfg) | {"axes_dims_rope": list(model.cfg.axes_dims_rope)}
+    (path / "config.json").write_text(json.dumps({"model": cfg} | (meta or {}), indent=2) + "\n")
+
+
+def load_textbed(
+    path: str | Path | None = None, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> TextbedModel:
+    """The pretrained textbed model (path None = the bundled checkpoint), eval mode, frozen.
+
+    fp32 is the right dtype on CPU (bf16 matmuls are slower there); bf16 on GPU.
+    """
+    from safetensors.torch import load_file
+
+    path = Path(path) if path is not None else ASSET_DIR
+    weights = path / "model.safetensors"
+    if not weights.exists():
+        raise FileNotFoundError(
+            f"no textbed checkpoint at {weights}; pass path= the folder with model.safetensors"
+        )
+    cfg = TextbedConfig.from_dict(json.loads((path / "config.json").read_text())["model"])
+    model = TextbedModel(cfg)
+    model.load_state_dict(load_file(str(weights)), strict=True)
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
