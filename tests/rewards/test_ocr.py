@@ -144,3 +144,27 @@ def test_rapidocr_engine_feeds_bgr_and_joins_lines():
     rgb = np.random.default_rng(0).integers(0, 256, (2, 4, 5, 3), dtype=np.uint8)
     assert engine.recognize(rgb) == ["NEW YORK", ""]
     np.testing.assert_array_equal(seen[0], rgb[0][..., ::-1])
+
+
+def test_rapidocr_detector_sizing_options():
+    from fgrpo.rewards.ocr import RapidOcrEngine
+
+    def det(engine):
+        return engine._engine.cfg.Det.limit_type, engine._engine.cfg.Det.limit_side_len
+
+    assert det(RapidOcrEngine()) == ("max", 960)  # PaddleOCR's default, as flow_grpo ran it
+    assert det(RapidOcrEngine(det_min_side_len=64)) == ("min", 64)
+    assert det(RapidOcrEngine(det_limit_side_len=64)) == ("min", 64)  # the first version's name still works
+    with pytest.raises(ValueError, match="not both"):
+        RapidOcrEngine(det_min_side_len=64, det_limit_side_len=64)
+
+
+def test_rapidocr_reads_tiny_images_at_native_size(font_path, rapid_engine):
+    """The tiny training preset renders 32x128 images: the default sizing must read them without upscaling."""
+    words = ["CAFE", "EXIT"]
+    images = np.stack(
+        [render_text(w, font_path, size=128, font_size=20)[48:80] for w in words]
+    )  # [2, 32, 128, 3]
+    assert images.shape == (2, 32, 128, 3)
+    out = OcrReward(rapid_engine)(images, [f'"{w}"' for w in words])
+    np.testing.assert_array_equal(out.scores, [1.0, 1.0])

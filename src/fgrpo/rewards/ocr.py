@@ -86,11 +86,12 @@ class RapidOcrEngine:
             flow_grpo's PaddleOCR call uses at its default 0.5).
         num_threads: onnxruntime intra-op threads; None = all cores. Set it when scoring overlaps a rollout
             so OCR does not starve the data loader.
-        det_limit_side_len, det_limit_type: detector input size. "max": shrink only images whose long side
-            exceeds the limit; "min": enlarge until the short side reaches it. We default to PaddleOCR's
-            max/960 (what flow_grpo's PaddleOCR call uses), which leaves 512-1024² images at native size;
-            rapidocr's own min/736 upsamples a 512² image 2x in pixels and cost ~1.6x the CPU here for the
-            same text on our rendered test images.
+        det_max_side_len: the detector shrinks an image whose long side exceeds this and leaves smaller
+            ones at native size: PaddleOCR's default (max/960), so flow_grpo's detector saw 512² images as is.
+            rapidocr's own default (enlarge until the short side is 736) made a 512² image cost ~1.6x the CPU
+            and a 32x128 one ~37x, for the same recognized text on our renderings (benchmarks/RESULTS.md).
+        det_min_side_len: if set, use rapidocr's other mode instead: enlarge an image whose short side is below
+            this. `det_limit_side_len` is its old name (this class's first version), kept so callers work.
         params: extra rapidocr config overrides, e.g. {"Det.box_thresh": 0.4}.
 
     Differs from flow_grpo: PP-OCRv6 small via onnxruntime instead of PaddleOCR's PP-OCR (en); like flow_grpo
@@ -102,21 +103,24 @@ class RapidOcrEngine:
         *,
         text_score: float = 0.5,
         num_threads: int | None = None,
-        det_limit_side_len: int = 960,
-        det_limit_type: str = "max",
+        det_max_side_len: int = 960,
+        det_min_side_len: int | None = None,
+        det_limit_side_len: int | None = None,
         params: dict[str, Any] | None = None,
     ):
         import rapidocr
 
         model_dir = Path(rapidocr.__file__).parent / "models"
-        if det_limit_type not in ("max", "min"):
-            raise ValueError(f"det_limit_type must be 'max' or 'min', got {det_limit_type!r}")
+        if det_limit_side_len is not None:
+            if det_min_side_len is not None:
+                raise ValueError("pass det_min_side_len or its old name det_limit_side_len, not both")
+            det_min_side_len = det_limit_side_len
         cfg: dict[str, Any] = {
             "Global.use_cls": False,
             "Global.text_score": float(text_score),
             "Global.log_level": "error",  # "info" logs every model load, "warning" every blank image
-            "Det.limit_side_len": int(det_limit_side_len),
-            "Det.limit_type": det_limit_type,
+            "Det.limit_type": "max" if det_min_side_len is None else "min",
+            "Det.limit_side_len": int(det_max_side_len if det_min_side_len is None else det_min_side_len),
         }
         for task, fname in _RAPIDOCR_MODELS.items():
             path = model_dir / fname
