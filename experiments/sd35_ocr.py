@@ -92,7 +92,7 @@ def tiny() -> Config:
 def main(cfg: Config) -> dict[str, float]:
     from fgrpo.train import train
 
-    return train(cfg, experiment_source=Path(__file__).read_text())
+    return train(cfg, experiment_source=Path(__file__))
 
 
 if __name__ == "__main__":

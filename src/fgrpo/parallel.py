@@ -1,7 +1,7 @@
 """Process group and FSDP2 sharding: the only place that knows about ranks and devices.
 
-torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; a plain `python` run is a world of one, without a
-process group, so the same loop runs unchanged on a laptop.
+torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; a plain `python` run is a world of one with its own
+in-memory process group, so the same loop (FSDP2 included) runs unchanged on a laptop.
 """
 
 from __future__ import annotations
@@ -43,9 +43,15 @@ def init_distributed(device: str = "auto") -> Dist:
         dev = torch.device("cuda", local_rank)
     else:
         dev = torch.device(device)
-    if world_size > 1 and not dist.is_initialized():
+    if not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, device_id=dev if dev.type == "cuda" else None)
+        device_id = dev if dev.type == "cuda" else None
+        if world_size > 1:
+            dist.init_process_group(backend=backend, device_id=device_id)
+        else:
+            # A world of one still gets a process group, so FSDP2 (and its mixed precision) runs the same
+            # code on a laptop as on 8 GPUs; an in-memory store needs no free port.
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
     return Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
 
 

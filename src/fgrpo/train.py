@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
@@ -286,6 +287,9 @@ def train(cfg: TrainConfig, *, experiment_source: str | None = None) -> dict[str
     from fgrpo import logging as flog
     from fgrpo.rewards import build_reward
 
+    # FSDP2 warns that the transformer returns a view; nothing in fgrpo writes into it in place
+    # (CFG and the SDE step are out-of-place), so the warning is noise in every run's console.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     d = parallel.init_distributed(cfg.device)
     validate_config(cfg, d.world_size)
     run_dir = Path(cfg.run.out_dir) / cfg.exp_name
