@@ -226,8 +226,8 @@ def reward_stats_update(state: RewardStats, prompt_ids: torch.Tensor, rewards: t
     safe_n = n.clamp_min(1)
     new_mean = state.mean + delta * n_b / safe_n
     new_m2 = state.m2 + m2_b + delta**2 * state.count * n_b / safe_n
-    new_min = state.min.index_reduce(0, ids, r, "amin")
-    new_max = state.max.index_reduce(0, ids, r, "amax")
+    new_min = state.min.scatter_reduce(0, ids, r, "amin")
+    new_max = state.max.scatter_reduce(0, ids, r, "amax")
     return RewardStats(n, new_mean, new_m2, new_min, new_max)
 
 

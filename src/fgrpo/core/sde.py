@@ -61,6 +61,7 @@ def step_mean_std(
     by sigma_next at that step only: s_t = eta * sqrt(1 / (1 - sigma_next)). For a schedule starting at 1
     this is exactly flow_grpo's rule (it uses sigmas[1], which is sigma_next of the first step); the drift's
     1 / (2 sigma) keeps sigma = 1. A schedule must not reach sigma_next = 1 (that step would be empty).
+    cps's std is 0 on the last step (sigma_next = 0): that step is deterministic and cannot be trained.
     noise_level = 0 reduces every kind to the Euler step (bit-exactly for flow_sde, dance_sde and ode).
 
     Args:

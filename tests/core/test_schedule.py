@@ -1,0 +1,122 @@
+"""fgrpo.core.schedule: bit-equality with diffusers' scheduler + pipeline, and the SDE window."""
+
+import numpy as np
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
+
+from fgrpo.core import schedule
+
+# Qwen/Qwen-Image scheduler/scheduler_config.json
+QWEN_IMAGE_SCHEDULER = {
+    "base_image_seq_len": 256,
+    "base_shift": 0.5,
+    "invert_sigmas": False,
+    "max_image_seq_len": 8192,
+    "max_shift": 0.9,
+    "num_train_timesteps": 1000,
+    "shift": 1.0,
+    "shift_terminal": 0.02,
+    "stochastic_sampling": False,
+    "time_shift_type": "exponential",
+    "use_beta_sigmas": False,
+    "use_dynamic_shifting": True,
+    "use_exponential_sigmas": False,
+    "use_karras_sigmas": False,
+}
+# stabilityai/stable-diffusion-3.5-{medium,large} scheduler/scheduler_config.json
+SD35_SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0}
+
+
+def _diffusers_qwen(num_steps, image_seq_len):
+    """What QwenImagePipeline.__call__ does (diffusers 0.40, step 5 "Prepare timesteps")."""
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(QWEN_IMAGE_SCHEDULER)
+    sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
+    c = scheduler.config
+    mu = calculate_shift(image_seq_len, c.base_image_seq_len, c.max_image_seq_len, c.base_shift, c.max_shift)
+    retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=sigmas, mu=mu)
+    return scheduler.sigmas
+
+
+def _diffusers_sd3(num_steps, config=SD35_SCHEDULER):
+    """What StableDiffusion3Pipeline.__call__ does: no custom sigmas, no dynamic shifting."""
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
+    retrieve_timesteps(scheduler, num_steps, "cpu")
+    return scheduler.sigmas
+
+
+# image_seq_len = (H / 16) * (W / 16): 256 px -> 256, 512 -> 1024, 1024 -> 4096, 1328 -> 6889, and off-range.
+@pytest.mark.parametrize("num_steps", [2, 3, 10, 28, 50])
+@pytest.mark.parametrize("image_seq_len", [64, 256, 1024, 4096, 6889, 8192, 10000])
+def test_qwen_image_sigmas_equal_diffusers_bit_for_bit(num_steps, image_seq_len):
+    ours = schedule.qwen_image_sigmas(num_steps, image_seq_len)
+    ref = _diffusers_qwen(num_steps, image_seq_len)
+    assert ours.dtype == torch.float32 and ours.shape == (num_steps + 1,)
+    assert torch.equal(ours, ref)
+    assert ours[0] == 1 and ours[-1] == 0 and ours[-2] == pytest.approx(0.02, abs=1e-6)
+
+
+@pytest.mark.parametrize("num_steps", [1, 2, 10, 28, 40, 50])
+def test_sd3_sigmas_equal_diffusers_bit_for_bit(num_steps):
+    ours = schedule.sd3_sigmas(num_steps)
+    assert ours.dtype == torch.float32 and ours.shape == (num_steps + 1,)
+    assert torch.equal(ours, _diffusers_sd3(num_steps))
+
+
+@pytest.mark.parametrize("shift", [1.0, 2.5, 5.0])
+def test_sd3_sigmas_other_shifts_equal_diffusers(shift):
+    assert torch.equal(
+        schedule.sd3_sigmas(12, shift), _diffusers_sd3(12, {"num_train_timesteps": 1000, "shift": shift})
+    )
+
+
+def test_schedules_decrease_strictly():
+    for s in (schedule.qwen_image_sigmas(20, 4096), schedule.sd3_sigmas(20)):
+        assert (s[1:] < s[:-1]).all()
+
+
+def test_schedule_bad_inputs():
+    with pytest.raises(ValueError, match="num_steps"):
+        schedule.sd3_sigmas(0)
+    with pytest.raises(ValueError, match="num_steps"):
+        schedule.qwen_image_sigmas(1, 1024)  # diffusers gives NaN here
+    with pytest.raises(ValueError, match="image_seq_len"):
+        schedule.qwen_image_sigmas(10, 0)
+
+
+def test_sample_windows_are_contiguous_and_inside_the_range():
+    g = torch.Generator().manual_seed(0)
+    w = schedule.sample_windows(4000, 3, 2, 9, g)
+    assert w.shape == (4000, 3) and w.dtype == torch.int64
+    assert torch.equal(w - w[:, :1], torch.arange(3).expand(4000, 3))
+    assert int(w.min()) == 2 and int(w.max()) == 8
+    # start uniform on {2, ..., 6}: each of 5 values has 800 expected hits, sd ~ 25.
+    counts = torch.bincount(w[:, 0] - 2, minlength=5)
+    assert counts.shape == (5,) and ((counts - 800).abs() < 150).all()
+
+
+def test_sample_windows_depend_only_on_the_generator():
+    a = schedule.sample_windows(16, 2, 0, 5, torch.Generator().manual_seed(7))
+    torch.manual_seed(123)
+    b = schedule.sample_windows(16, 2, 0, 5, torch.Generator().manual_seed(7))
+    assert torch.equal(a, b)
+
+
+def test_sample_windows_full_range_has_one_choice():
+    w = schedule.sample_windows(3, 4, 1, 5, torch.Generator().manual_seed(0))
+    assert torch.equal(w, torch.tensor([[1, 2, 3, 4]] * 3))
+
+
+@pytest.mark.parametrize("size,lo,hi", [(0, 0, 5), (3, 2, 4), (2, -1, 5)])
+def test_sample_windows_bad_range(size, lo, hi):
+    with pytest.raises(ValueError):
+        schedule.sample_windows(2, size, lo, hi, torch.Generator())
+
+
+def test_window_mask():
+    w = torch.tensor([[0, 1], [3, 4]])
+    ref = torch.tensor([[1, 1, 0, 0, 0], [0, 0, 0, 1, 1]], dtype=torch.bool)
+    assert torch.equal(schedule.window_mask(w, 5), ref)
+    with pytest.raises(ValueError, match="outside"):
+        schedule.window_mask(w, 4)
