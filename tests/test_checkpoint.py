@@ -83,6 +83,29 @@ def test_resume_is_bit_exact(tmp_path):
     assert opt2.param_groups[0]["betas"] == (0.8, 0.95)
 
 
+def test_save_before_first_step_changes_nothing(tmp_path):
+    # torch's optimizer-state gathering would take a zero-grad AdamW step on an empty optimizer.
+    _seed_all(2)
+    model, opt, sched = _build(0)
+    _train(model, opt, sched, 2)
+    ref = {k: v.clone() for k, v in model.state_dict().items()}
+
+    _seed_all(2)
+    model, opt, sched = _build(0)
+    ckpt.save(tmp_path, 0, model=model, optimizer=opt, lr_scheduler=sched)
+    assert not opt.state
+    _train(model, opt, sched, 2)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, ref[k]), k
+
+    model2, opt2, sched2 = _build(0)  # resume from the step-0 checkpoint: also exact
+    ckpt.load(tmp_path, model=model2, optimizer=opt2, lr_scheduler=sched2)
+    assert not opt2.state and opt2.param_groups[0]["betas"] == (0.8, 0.95)
+    _train(model2, opt2, sched2, 2)
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, ref[k]), k
+
+
 def test_files_hold_trainable_weights_and_no_pickle(tmp_path):
     model, opt, sched = _build(0)
     _train(model, opt, sched, 1)
@@ -336,3 +359,31 @@ def test_export_lora_loads_in_diffusers(tmp_path):
     pipe = QwenImagePipeline(**{**comps, "transformer": base})
     pipe.load_lora_weights(str(out))
     assert torch.equal(pipe.transformer(**_qwen_inputs())[0], want)
+
+
+def test_export_lora_loads_in_sd3_pipeline(tmp_path):
+    pytest.importorskip("diffusers")
+    from diffusers import StableDiffusion3Pipeline
+
+    from fgrpo.models import tiny
+    from fgrpo.models.loading import SD3_LORA_TARGETS, add_lora
+
+    comps = tiny.tiny_sd3_components(seed=0)
+    trained = comps["transformer"]
+    base = copy.deepcopy(trained)
+    g = torch.Generator().manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(2, 4, 8, 8, generator=g),
+        encoder_hidden_states=torch.randn(2, 5, trained.config.joint_attention_dim, generator=g),
+        pooled_projections=torch.randn(2, trained.config.pooled_projection_dim, generator=g),
+        timestep=torch.tensor([500.0, 100.0]),
+        return_dict=False,
+    )
+    base_out = trained(**inputs)[0]
+    add_lora(trained, rank=4, alpha=8, target_modules=SD3_LORA_TARGETS, init=False)
+    want = trained(**inputs)[0]
+    assert not torch.allclose(want, base_out)
+    out = ckpt.export_lora(tmp_path / "lora", trained)
+    pipe = StableDiffusion3Pipeline(**{**comps, "transformer": base})
+    pipe.load_lora_weights(str(out))
+    assert torch.equal(pipe.transformer(**inputs)[0], want)

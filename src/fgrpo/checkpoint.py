@@ -178,7 +178,15 @@ def _options(**kw: Any):
 
 
 def _trainable_names(model: nn.Module) -> set[str]:
-    return {n for n, p in model.named_parameters() if p.requires_grad}
+    """State-dict keys of the requires_grad parameters (wrapper prefixes such as torch.compile's
+    `_orig_mod.` removed the way torch.distributed.checkpoint names them)."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    names: set[str] = set()
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            names |= set(_get_fqns(model, n))
+    return names
 
 
 def _gather_model(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -190,7 +198,9 @@ def _gather_model(model: nn.Module) -> dict[str, torch.Tensor]:
     else:
         opts = _options(ignore_frozen_params=True)
     sd = get_model_state_dict(model, options=opts)
-    return {k: v for k, v in sd.items() if torch.is_tensor(v)}
+    # Persistent buffers (rope tables...) come from the pretrained load, like the frozen weights.
+    keep = _trainable_names(model)
+    return {k: v for k, v in sd.items() if k in keep and torch.is_tensor(v)}
 
 
 def _gather_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -201,6 +211,11 @@ def _gather_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
     else:
         opts = _options(ignore_frozen_params=True)
     return get_optimizer_state_dict(model, optimizer, options=opts)
+
+
+def _fresh_optimizer(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return {"state": {}, "param_groups": groups, "fresh": True}
 
 
 def _split_optimizer(osd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -223,7 +238,7 @@ def _split_optimizer(osd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict
             else:
                 group[k] = v
         groups.append(group)
-    js = {"param_groups": groups, "state_scalars": scalars}
+    js = {"param_groups": groups, "state_scalars": scalars, "fresh": bool(osd.get("fresh", False))}
     return tensors, _jsonable(js, "optimizer param_groups/state")
 
 
@@ -300,7 +315,11 @@ def save(
 
     # Collectives first, on every rank, in the same order.
     model_sd = _gather_model(model)
-    optim_sd = _gather_optimizer(model, optimizer) if optimizer is not None else None
+    # torch's get_optimizer_state_dict "initialises" an empty optimizer with a zero-grad step, which bumps
+    # AdamW's step counter and so changes every later update; a fresh optimizer is saved by hand instead.
+    optim_sd = None
+    if optimizer is not None:
+        optim_sd = _gather_optimizer(model, optimizer) if optimizer.state else _fresh_optimizer(optimizer)
     rng_t, rng_j = _rng_state()
     if _dist_on():
         gathered: list[Any] = [None] * world
@@ -406,9 +425,20 @@ def load(
         if not (ck / "optimizer.json").is_file():
             raise FileNotFoundError(f"checkpoint.load: {ck} has no optimizer state; pass optimizer=None")
         o_t = load_file(str(ck / "optimizer.safetensors"))
-        osd = _join_optimizer(o_t, _read_json(ck / "optimizer.json"))
+        o_j = _read_json(ck / "optimizer.json")
+        osd = _join_optimizer(o_t, o_j)
         tuples = [{k for k, v in g.items() if isinstance(v, tuple)} for g in optimizer.param_groups]
-        set_optimizer_state_dict(model, optimizer, osd, options=opts)
+        if o_j.get("fresh"):  # saved before the first step: hyper-parameters only, state stays empty
+            if len(osd["param_groups"]) != len(optimizer.param_groups):
+                raise ValueError(
+                    f"checkpoint.load: {ck} has {len(osd['param_groups'])} param groups, "
+                    f"the optimizer {len(optimizer.param_groups)}; build it as for the saved run"
+                )
+            optimizer.state.clear()
+            for g, saved in zip(optimizer.param_groups, osd["param_groups"]):
+                g.update(saved)
+        else:
+            set_optimizer_state_dict(model, optimizer, osd, options=opts)
         for g, keys in zip(optimizer.param_groups, tuples):
             for k in keys:  # JSON (and DCP's own flattening) turn e.g. AdamW's betas into lists
                 if isinstance(g.get(k), list):
