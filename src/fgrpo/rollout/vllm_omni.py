@@ -36,17 +36,20 @@ from typing import Any
 import numpy as np
 import torch
 
+from fgrpo.models.qwen_image import QwenImage
 from fgrpo.rollout.base import SamplingConfig, Trajectory
+from fgrpo.rollout.engine import check_request
+from fgrpo.rollout.seeds import sample_generator
 from fgrpo.rollout.vllm_omni_pipeline import (
     CFG_KEY,
-    COND_KEYS,
+    COND_PAIRS,
     INFO_KEY,
     PIPELINE_QUALNAME,
     TRAJ_KEY,
     WORKER_EXTENSION_QUALNAME,
     config_to_dict,
-    pad_cond,
-    sample_window,
+    merge_cond,
+    spec_from_dir,
 )
 
 SUPPORTED_SERIES = "0.30"
@@ -71,42 +74,34 @@ def import_vllm_omni() -> ModuleType:
     return vllm_omni
 
 
-def check_config(cfg: SamplingConfig, patch: int = 16) -> None:
-    """Reject a SamplingConfig this engine cannot honour, before any GPU work."""
-    if cfg.height % patch or cfg.width % patch:
-        raise ValueError(
-            f"SamplingConfig.height/width = {cfg.height}x{cfg.width} must be multiples of {patch} for Qwen-Image"
-        )
-    lo, hi = cfg.window_range
-    if not 0 <= lo <= hi - cfg.window_size or hi > cfg.num_steps:
-        raise ValueError(
-            f"SamplingConfig.window_range={cfg.window_range} with window_size={cfg.window_size} must satisfy "
-            f"0 <= lo <= hi - window_size and hi <= num_steps={cfg.num_steps}"
-        )
-
-
 def build_requests(
     prompts: Sequence[str],
     seeds: Sequence[int],
     cfg: SamplingConfig,
     lora_request: Any = None,
     lora_scale: float = 1.0,
+    spec: QwenImage | None = None,
 ) -> tuple[list[Any], Any]:
-    """vllm-omni prompts (one per sample, carrying seed/window/index) and the shared sampling params.
+    """vllm-omni prompts (one per sample, carrying its seed and index) and the shared sampling params.
 
     `Omni.generate` takes one sampling-params object per stage for all prompts, so everything that
-    differs per sample rides in the prompt's `additional_information`.
+    differs per sample rides in the prompt's `additional_information`. The worker draws the sample's
+    window and noise from `fgrpo.rollout.seeds.sample_generator(seed)`, as the in-process engine does.
+    With `spec` (the checkpoint's configs), every check of the in-process engine runs here first.
     """
-    if len(prompts) != len(seeds):
-        raise ValueError(f"got {len(prompts)} prompts but {len(seeds)} seeds; pass one seed per prompt")
-    if len(prompts) == 0:
-        raise ValueError("generate() needs at least one prompt")
-    check_config(cfg)
+    if spec is not None:
+        check_request(spec, prompts, seeds, cfg)
+    elif len(prompts) == 0 or len(prompts) != len(seeds):
+        raise ValueError(
+            f"got {len(prompts)} prompts and {len(seeds)} seeds; pass one seed per prompt (at least one)"
+        )
+    for seed in seeds:
+        sample_generator(int(seed))  # the seed range check, before any engine work
     from vllm_omni.inputs.data import OmniDiffusionSamplingParams, OmniTextPrompt
 
     requests = []
     for i, (prompt, seed) in enumerate(zip(prompts, seeds)):
-        info = {"seed": int(seed), "window": sample_window(int(seed), cfg).tolist(), "index": i}
+        info = {"seed": int(seed), "index": i}
         req = OmniTextPrompt(prompt=prompt, additional_information={INFO_KEY: info})
         if cfg.guidance_scale > 1.0:
             req["negative_prompt"] = cfg.negative_prompt or ""
@@ -156,7 +151,8 @@ def unpack_outputs(outputs: Sequence[Any], prompts: Sequence[str], seeds: Sequen
     for i, (t, seed) in enumerate(zip(trajs, seeds)):
         if int(t["seed"]) != int(seed):
             raise RuntimeError(f"sample {i}: engine used seed {t['seed']}, expected {seed}")
-    conds = [{k: t[k][None] for k in COND_KEYS if k in t} for t in trajs]
+    cond_keys = [k for pair in COND_PAIRS for k in pair]
+    conds = [{k: t[k] for k in cond_keys if k in t} for t in trajs]
     return Trajectory(
         prompts=list(prompts),
         seeds=torch.tensor([int(s) for s in seeds], dtype=torch.int64),
@@ -165,7 +161,7 @@ def unpack_outputs(outputs: Sequence[Any], prompts: Sequence[str], seeds: Sequen
         x_t=torch.stack([t["x_t"] for t in trajs]).float(),
         x_next=torch.stack([t["x_next"] for t in trajs]).float(),
         log_prob=torch.stack([t["log_probs"] for t in trajs]).float(),
-        cond=pad_cond(conds),
+        cond=merge_cond(conds),
         images=torch.stack([_image_u8(by_index[i][1]) for i in range(len(prompts))]),
     )
 
@@ -254,6 +250,8 @@ class VllmOmniEngine:
         kwargs.update(omni_kwargs or {})
         self.sleep_enabled = enable_sleep_mode
         self.omni = Omni(**kwargs)
+        # Configs of the resolved local directory (Omni downloads hub ids) for host-side request checks.
+        self.spec = spec_from_dir(getattr(self.omni, "model", model))
         self.lora_request: Any = None  # the adapter every later request uses; None = base weights
         self.lora_scale = 1.0
         self.weight_version = 0
@@ -263,7 +261,7 @@ class VllmOmniEngine:
     def generate(self, prompts: Sequence[str], seeds: Sequence[int], cfg: SamplingConfig) -> Trajectory:
         if self.asleep:
             raise RuntimeError("VllmOmniEngine.generate() while asleep: call wake() after the training step")
-        requests, params = build_requests(prompts, seeds, cfg, self.lora_request, self.lora_scale)
+        requests, params = build_requests(prompts, seeds, cfg, self.lora_request, self.lora_scale, self.spec)
         outputs = self.omni.generate(requests, params, use_tqdm=False)
         return unpack_outputs(list(outputs), prompts, seeds)
 
