@@ -164,7 +164,7 @@ def tiny_qwen_image_components(seed: int = 0) -> dict:
         z = 4
         # Non-trivial latent statistics, so a wrong (de)normalisation cannot pass the parity tests.
         vae = AutoencoderKLQwenImage(
-            base_dim=16,
+            base_dim=8,
             z_dim=z,
             dim_mult=[1, 2, 2, 2],
             num_res_blocks=1,

@@ -1,0 +1,318 @@
+"""The in-process rollout engine on tiny random Qwen-Image and SD3.
+
+- Parity: with no SDE window (every step the Euler step) the engine reproduces diffusers' own
+  QwenImagePipeline / StableDiffusion3Pipeline images from the same initial latents and prompts.
+- Exactness: recomputing the stored transitions' log-probs with unchanged weights gives the rollout's
+  log-probs bit for bit (CPU), with and without CFG, with LoRA attached, with grad on.
+- Determinism: same seeds -> identical trajectories; other micro-batch sizes and batch layouts agree to
+  a measured float tolerance (see MICRO_BATCH_* below).
+- Errors are raised before any model work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from diffusers import QwenImagePipeline, StableDiffusion3Pipeline
+
+from fgrpo.core import schedule
+from fgrpo.models import tiny
+from fgrpo.models.loading import QWEN_IMAGE_LORA_TARGETS, SD3_LORA_TARGETS, add_lora
+from fgrpo.models.qwen_image import QwenImage, pack
+from fgrpo.models.sd3 import SD3
+from fgrpo.policy import transition
+from fgrpo.rollout.base import SamplingConfig
+from fgrpo.rollout.engine import DiffusersEngine, micro_batches, recompute_log_prob, recompute_log_probs
+from fgrpo.rollout.seeds import sample_generator
+
+PROMPTS = ["a cat", "a cat", "a photo of a dog on a red square", "hello", "x"]
+SEEDS = [11, 12, 13, 14, 15]
+BASE = SamplingConfig(
+    height=64, width=64, num_steps=6, guidance_scale=4.0, negative_prompt=" ", window_size=2, window_range=(0, 5),
+    micro_batch=2,
+)  # fmt: skip
+
+# Regrouping rows into other micro-batches changes the GEMM/attention shapes (and Qwen-Image's prompt padding),
+# which moves fp32 results by a few ulps. Measured on this CPU (torch 2.13, 8 prompts, 2 seed sets,
+# micro-batches 1/3/8 vs 2, 6 steps): max |dx| 1.7e-6, max |dlog_prob| 2.4e-7, pixels 1 level. Bounds ~3x that.
+MICRO_BATCH_LATENT_ATOL = 5e-6
+MICRO_BATCH_LOGPROB_ATOL = 1e-6
+MICRO_BATCH_PIXEL_ATOL = 1  # uint8 levels: a value at a .5 boundary may round the other way
+
+
+def _qwen(parts):
+    return QwenImage.from_modules(
+        parts["transformer"], parts["vae"], parts["text_encoder"], parts["tokenizer"]
+    )
+
+
+def _sd3(parts):
+    return SD3.from_modules(
+        parts["transformer"],
+        parts["vae"],
+        [parts["text_encoder"], parts["text_encoder_2"], parts["text_encoder_3"]],
+        [parts["tokenizer"], parts["tokenizer_2"], parts["tokenizer_3"]],
+        max_sequence_length=tiny.T5_MAX_LENGTH_TINY,
+    )
+
+
+@pytest.fixture(scope="module")
+def qwen_parts():
+    return tiny.tiny_qwen_image_components(seed=0)
+
+
+@pytest.fixture(scope="module")
+def sd3_parts():
+    return tiny.tiny_sd3_components(seed=0)
+
+
+@pytest.fixture(scope="module")
+def models(qwen_parts, sd3_parts):
+    return {"qwen": _qwen(qwen_parts), "sd3": _sd3(sd3_parts)}
+
+
+def _initial_latents(seeds, shape, cfg):
+    """The engine's documented draw order per sample generator: window (if any), then x_1."""
+    out = []
+    for s in seeds:
+        g = sample_generator(s)
+        if cfg.window_size:
+            schedule.sample_windows(1, cfg.window_size, *cfg.window_range, g)
+        out.append(torch.randn(shape, generator=g))
+    return torch.stack(out)
+
+
+def _assert_images_match(ours: torch.Tensor, ref: torch.Tensor):
+    """ours uint8 vs the pipeline's float [0, 1] images: each pixel is the pipeline's value, rounded."""
+    ref = torch.from_numpy(ref) * 255
+    assert ours.shape == ref.shape and ours.dtype == torch.uint8
+    assert (ours.float() - ref).abs().max() <= 0.5 + 1e-3
+    assert ref.std() > 1.0  # not a saturated/constant image that any latents would give
+
+
+# ------------------------------------------------------------------------------------------------------
+# Parity with diffusers' pipelines
+
+
+@pytest.mark.parametrize("guidance_scale", [1.0, 4.0])
+def test_ode_rollout_reproduces_qwen_image_pipeline(models, qwen_parts, guidance_scale):
+    model = models["qwen"]
+    cfg = dataclasses.replace(BASE, window_size=0, guidance_scale=guidance_scale, num_steps=5, micro_batch=5)
+    traj = DiffusersEngine(model).generate(PROMPTS, SEEDS, cfg)
+    latents = _initial_latents(SEEDS, model.latent_shape(64, 64), cfg)
+    pipe = QwenImagePipeline(**qwen_parts)
+    pipe.set_progress_bar_config(disable=True)
+    ref = pipe(
+        PROMPTS,
+        negative_prompt=" " if guidance_scale > 1 else None,
+        true_cfg_scale=guidance_scale,
+        height=64,
+        width=64,
+        num_inference_steps=5,
+        latents=pack(latents),
+        output_type="np",
+    ).images
+    _assert_images_match(traj.images, ref)
+    assert traj.x_t.shape == (5, 0, 4, 8, 8) and traj.log_prob.shape == (5, 0)
+
+
+@pytest.mark.parametrize("guidance_scale", [1.0, 4.0])
+def test_ode_rollout_reproduces_sd3_pipeline(models, sd3_parts, guidance_scale):
+    model = models["sd3"]
+    cfg = dataclasses.replace(
+        BASE, window_size=0, guidance_scale=guidance_scale, negative_prompt="", micro_batch=5
+    )
+    traj = DiffusersEngine(model).generate(PROMPTS, SEEDS, cfg)
+    latents = _initial_latents(SEEDS, model.latent_shape(64, 64), cfg)
+    pipe = StableDiffusion3Pipeline(**sd3_parts)
+    pipe.set_progress_bar_config(disable=True)
+    ref = pipe(
+        PROMPTS,
+        negative_prompt="",
+        guidance_scale=guidance_scale,
+        height=64,
+        width=64,
+        num_inference_steps=cfg.num_steps,
+        latents=latents,
+        output_type="np",
+        max_sequence_length=tiny.T5_MAX_LENGTH_TINY,
+    ).images
+    _assert_images_match(traj.images, ref)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Rollout log-prob == recomputed log-prob, bit for bit
+
+
+@pytest.mark.parametrize("kind", ["qwen", "sd3"])
+@pytest.mark.parametrize("guidance_scale", [1.0, 4.0])
+def test_recomputed_log_probs_equal_the_rollouts_bit_exactly(models, kind, guidance_scale):
+    model = models[kind]
+    cfg = dataclasses.replace(
+        BASE, guidance_scale=guidance_scale, negative_prompt="" if kind == "sd3" else " "
+    )
+    traj = DiffusersEngine(model).generate(PROMPTS, SEEDS, cfg)
+    assert torch.isfinite(traj.log_prob).all()
+    assert torch.equal(recompute_log_probs(model, traj, cfg), traj.log_prob)
+
+
+@pytest.mark.parametrize("kind", ["qwen", "sd3"])
+def test_recompute_is_bit_exact_with_lora_and_grad(kind):
+    model = tiny.tiny_qwen_image(seed=2) if kind == "qwen" else tiny.tiny_sd3(seed=2)
+    targets = QWEN_IMAGE_LORA_TARGETS if kind == "qwen" else SD3_LORA_TARGETS
+    add_lora(model.transformer, rank=2, alpha=4, target_modules=targets)
+    with torch.no_grad():  # a trained-looking adapter: B != 0, so LoRA really changes the velocity
+        for n, p in model.transformer.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.3, generator=torch.Generator().manual_seed(len(n)))
+    cfg = dataclasses.replace(BASE, sde_kind="cps", noise_level=0.7, window_range=(1, 5), micro_batch=3)
+    traj = DiffusersEngine(model).generate(PROMPTS, SEEDS, cfg)
+    assert torch.equal(recompute_log_probs(model, traj, cfg), traj.log_prob)
+    # The trainer's call: with autograd on, the same numbers, and a gradient reaches the adapter.
+    rows = next(micro_batches(len(traj), cfg.micro_batch))
+    log_prob, _, _ = recompute_log_prob(model, traj, cfg, rows, 1)
+    assert torch.equal(log_prob.detach(), traj.log_prob[rows, 1])
+    log_prob.sum().backward()
+    # (The last block's text-stream adapters get no gradient: that stream's output is discarded.)
+    grads = [p.grad for n, p in model.transformer.named_parameters() if "lora_" in n and p.grad is not None]
+    assert (
+        len(grads) > 0
+        and all(torch.isfinite(g).all() for g in grads)
+        and any(g.abs().max() > 0 for g in grads)
+    )
+
+
+# ------------------------------------------------------------------------------------------------------
+# Trajectory structure, seeds and determinism
+
+
+def test_trajectory_layout_windows_and_noise_provenance(models):
+    model = models["qwen"]
+    cfg = BASE
+    traj = DiffusersEngine(model).generate(PROMPTS, SEEDS, cfg)
+    B, W = len(PROMPTS), cfg.window_size
+    assert traj.x_t.shape == traj.x_next.shape == (B, W, 4, 8, 8)
+    assert traj.x_t.dtype == traj.x_next.dtype == traj.log_prob.dtype == torch.float32
+    assert traj.images.shape == (B, 64, 64, 3) and traj.images.dtype == torch.uint8
+    assert traj.seeds.tolist() == SEEDS and traj.prompts == PROMPTS
+    assert torch.equal(traj.sigmas, model.sigmas(cfg.num_steps, 64, 64))
+    # Each window is W consecutive steps inside window_range, drawn from the sample's own generator.
+    lo, hi = cfg.window_range
+    for b, s in enumerate(SEEDS):
+        assert torch.equal(traj.window[b], schedule.sample_windows(1, W, lo, hi, sample_generator(s))[0])
+    assert traj.window.min() >= lo and traj.window.max() < hi
+    # Consecutive transitions chain: the state after step j is the state before step j + 1.
+    assert torch.equal(traj.x_next[:, 0], traj.x_t[:, 1])
+    # The SDE noise is the sample generator's next draws after (window, x_1): x_next = mean + std * noise.
+    b = 2
+    g = sample_generator(SEEDS[b])
+    schedule.sample_windows(1, W, lo, hi, g)
+    torch.randn(4, 8, 8, generator=g)
+    cond = model.encode([PROMPTS[b]], negative_prompt=" ")
+    for j in range(W):
+        i = int(traj.window[b, j])
+        mean, std = transition(
+            model, traj.x_t[b : b + 1, j], traj.sigmas[i : i + 1], traj.sigmas[i + 1 : i + 2], cond, cfg
+        )
+        noise = torch.randn(4, 8, 8, generator=g)
+        torch.testing.assert_close(traj.x_next[b, j], (mean + std * noise)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["qwen", "sd3"])
+def test_same_seeds_same_trajectory_across_runs_micro_batches_and_layouts(models, kind):
+    model = models[kind]
+    cfg = dataclasses.replace(BASE, negative_prompt="" if kind == "sd3" else " ")
+    engine = DiffusersEngine(model)
+    a = engine.generate(PROMPTS, SEEDS, cfg)
+    b = engine.generate(PROMPTS, SEEDS, cfg)
+    for f in ("window", "x_t", "x_next", "log_prob", "images"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    # Another grouping into micro-batches, and the samples in reverse order (another batch layout).
+    perm = list(reversed(range(len(PROMPTS))))
+    others = [
+        (engine.generate(PROMPTS, SEEDS, dataclasses.replace(cfg, micro_batch=mb)), list(range(len(PROMPTS))))
+        for mb in (1, 5)
+    ]
+    others.append(
+        (
+            engine.generate(
+                [PROMPTS[i] for i in perm], [SEEDS[i] for i in perm], dataclasses.replace(cfg, micro_batch=3)
+            ),
+            perm,
+        )
+    )
+    for other, order in others:
+        assert torch.equal(other.window, a.window[order])
+        torch.testing.assert_close(other.x_t, a.x_t[order], rtol=0, atol=MICRO_BATCH_LATENT_ATOL)
+        torch.testing.assert_close(other.x_next, a.x_next[order], rtol=0, atol=MICRO_BATCH_LATENT_ATOL)
+        torch.testing.assert_close(other.log_prob, a.log_prob[order], rtol=0, atol=MICRO_BATCH_LOGPROB_ATOL)
+        assert (other.images.int() - a.images[order].int()).abs().max() <= MICRO_BATCH_PIXEL_ATOL
+    # And different seeds give different samples.
+    c = engine.generate(PROMPTS, [s + 100 for s in SEEDS], cfg)
+    assert not torch.equal(c.x_next, a.x_next)
+
+
+def test_micro_batch_size_one_is_exactly_layout_independent(models):
+    """With one sample per forward, shapes never depend on batch-mates: bit-identical in any order."""
+    model = models["sd3"]
+    cfg = dataclasses.replace(BASE, negative_prompt="", micro_batch=1)
+    engine = DiffusersEngine(model)
+    a = engine.generate(PROMPTS[:3], SEEDS[:3], cfg)
+    b = engine.generate(PROMPTS[2::-1], SEEDS[2::-1], cfg)
+    for f in ("x_t", "x_next", "log_prob", "images"):
+        assert torch.equal(getattr(b, f), getattr(a, f)[[2, 1, 0]]), f
+
+
+# ------------------------------------------------------------------------------------------------------
+# Errors before model work
+
+
+class _NoWork:
+    """Wraps a model; any encode/velocity/decode call fails the test (errors must come first)."""
+
+    def __init__(self, model):
+        self._m = model
+        self.transformer = model.transformer
+
+    def latent_shape(self, h, w):
+        return self._m.latent_shape(h, w)
+
+    def sigmas(self, n, h, w):
+        return self._m.sigmas(n, h, w)
+
+    def encode(self, *a, **k):
+        raise AssertionError("model work before validation")
+
+    velocity = decode = encode
+
+
+@pytest.mark.parametrize(
+    ("prompts", "seeds", "changes", "match"),
+    [
+        ([], [], {}, "prompts is empty"),
+        (["a"], [1, 2], {}, "one seed per sample"),
+        (["a"], [1], {"height": 60}, "height=60 is not a positive multiple of 16"),
+        (["a"], [1], {"width": 72}, "width=72"),
+        (["a"], [1], {"window_range": (0, 7)}, r"window_range=\(0, 7\).*num_steps=6"),
+        (["a"], [1], {"window_range": (3, 4)}, "lo \\+ window_size <= hi"),
+        (["a"], [1], {"window_size": -1}, "window_size=-1"),
+        (["a"], [1], {"negative_prompt": None}, "needs negative_prompt"),
+        (["a"], [1], {"micro_batch": 0}, "micro_batch=0"),
+        (["a"], [1], {"num_steps": 0}, "num_steps=0"),
+        (
+            ["a"],
+            [1],
+            {"sde_kind": "cps", "noise_level": 0.7, "window_range": (4, 6)},
+            "std 0 at steps \\[5\\]",
+        ),
+        (["a"], [1], {"noise_level": 0.0}, "std 0"),
+        (["a"], [1], {"sde_kind": "nope"}, "kind must be one of"),
+        (["a"], [-1], {}, "seed -1 must be in"),
+    ],
+)
+def test_bad_requests_fail_before_model_work(models, prompts, seeds, changes, match):
+    engine = DiffusersEngine(_NoWork(models["qwen"]))
+    with pytest.raises(ValueError, match=match):
+        engine.generate(prompts, seeds, dataclasses.replace(BASE, **changes))
