@@ -133,6 +133,22 @@ def test_loss_gradient_through_a_model(seed):
     torch.testing.assert_close(grad, ref)
 
 
+@FAST
+@given(
+    st.lists(st.tuples(st.floats(-30, 30), st.floats(-8, 8)), min_size=1, max_size=8),
+    st.floats(0.01, 0.5),
+)
+def test_loss_is_bounded_by_the_clip(pairs, eps):
+    # However far the ratio moves, a sample gains at most A (1 + eps) (A > 0) or loses at least |A| (1 - eps).
+    log_ratio = torch.tensor([p[0] for p in pairs])
+    adv = torch.tensor([p[1] for p in pairs])
+    loss, m = grpo.clipped_policy_loss(log_ratio, torch.zeros_like(log_ratio), adv, clip_range=eps)
+    a = adv.clamp(-5, 5)
+    floor = torch.where(a > 0, -a * (1 + eps), -a * (1 - eps)).mean()
+    assert torch.isfinite(loss) and loss >= floor - 1e-5
+    assert 0 <= m["clip_frac"] <= 1
+
+
 def test_loss_vmap_over_single_samples_equals_batched():
     g = torch.Generator().manual_seed(3)
     lp, old, adv = (

@@ -25,8 +25,8 @@ def group_advantages(
     Args:
         rewards: [B] rewards, B = num_groups * G.
         group_size: G >= 1.
-        std: the normaliser, see above. "global" is flow_grpo's choice when per-prompt tracking is off
-            (the group mean still centres each group; flow_grpo then centres on the batch mean instead).
+        std: the normaliser, see above. "global" (group mean, batch std) is what flow_grpo's per-prompt
+            tracker computes with global_std=True when each prompt's samples form one group.
         eps: added to s.
 
     Returns:
