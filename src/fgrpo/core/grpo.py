@@ -19,7 +19,7 @@ def group_advantages(
     """Group-relative advantages A = (r - mean of r's group) / (s + eps).
 
     The G samples of one prompt are adjacent: rewards.view(-1, G) is one group per row. s is the
-    population std (ddof 0) of the group ("group"), of the whole batch ("global"), or 1 ("none").
+    population std (ddof 0) of the group ("group"), of the whole batch ("global"), or 1 without eps ("none").
     A group whose rewards are all equal gets exactly 0 (not a rounding residue of r - mean).
 
     Args:

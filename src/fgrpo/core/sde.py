@@ -78,8 +78,8 @@ def step_mean_std(
             SDE kinds); broadcasts against mean.
 
     Differs from flow_grpo: std is the full transition std; flow_grpo returns s_t and multiplies by
-    sqrt(-dt) separately. Its cps log-prob drops all constants; ours (log_prob below) keeps them, which
-    changes no ratio or gradient.
+    sqrt(-dt) separately. For cps, flow_grpo's log-prob is -(x_next - mean)^2 (no 1 / (2 std^2), no
+    constants), so its log-ratios are ours times 2 std^2: a clip range tuned there is not the same here.
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
