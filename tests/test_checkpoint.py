@@ -186,14 +186,12 @@ def test_clear_errors(tmp_path):
 # ---------------------------------------------------------------------------------------------------------
 # 2 ranks, gloo, FSDP2: save a sharded model, load into a freshly built sharded model
 
-_FSDP_WORKER = textwrap.dedent(
+# The toy model, shared by the worker processes and the 1-process check (exec'd in both).
+_TOY = textwrap.dedent(
     """
-    import gc, os, sys, types
-    import torch, torch.distributed as dist
+    import types
+    import torch
     from torch import nn
-    from torch.distributed.fsdp import fully_shard
-    from safetensors.torch import save_file
-    from fgrpo import checkpoint as ckpt
 
     class Lora(nn.Module):  # PEFT's layout: base layer + lora_A/lora_B ModuleDicts keyed by adapter
         def __init__(self, d):
@@ -215,6 +213,23 @@ _FSDP_WORKER = textwrap.dedent(
             nn.init.normal_(blk.base_layer.bias)
         return m
 
+    def step(m, opt, k):
+        g = torch.Generator().manual_seed(100 + k)
+        x = torch.randn(4, 8, generator=g)
+        opt.zero_grad()
+        (m(x) ** 2).mean().backward()
+        opt.step()
+    """
+)
+
+_FSDP_WORKER = _TOY + textwrap.dedent(
+    """
+    import gc, os, sys
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from safetensors.torch import save_file
+    from fgrpo import checkpoint as ckpt
+
     def shard(m):
         for blk in (m[0], m[2]):
             fully_shard(blk)
@@ -223,13 +238,6 @@ _FSDP_WORKER = textwrap.dedent(
 
     def full(m):
         return {n: p.detach().full_tensor().clone() for n, p in m.named_parameters()}
-
-    def step(m, opt, k):
-        g = torch.Generator().manual_seed(100 + k)
-        x = torch.randn(4, 8, generator=g)
-        opt.zero_grad()
-        (m(x) ** 2).mean().backward()
-        opt.step()
 
     def main():
         out = sys.argv[1]
@@ -260,6 +268,7 @@ _FSDP_WORKER = textwrap.dedent(
         if rank == 0:
             save_file(loaded, os.path.join(out, "loaded.safetensors"))
             save_file(lora, os.path.join(out, "lora.safetensors"))
+            save_file(after, os.path.join(out, "after.safetensors"))
         else:
             assert lora == {}
         del m, m2, opt, opt2
@@ -387,3 +396,15 @@ def test_export_lora_loads_in_sd3_pipeline(tmp_path):
     pipe = StableDiffusion3Pipeline(**{**comps, "transformer": base})
     pipe.load_lora_weights(str(out))
     assert torch.equal(pipe.transformer(**inputs)[0], want)
+
+    # Another world size: the 2-rank checkpoint loads into a plain 1-process model, and one more step
+    # matches the sharded run bit for bit (both ranks saw the same batch, so the mean gradient is exact).
+    ns: dict = {}
+    exec(_TOY, ns)
+    m = ns["build"](11)
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+    assert ckpt.load(tmp_path / "ck", model=m, optimizer=opt, restore_rng=False) == (2, {"world": 2})
+    ns["step"](m, opt, 2)
+    after = load_file(tmp_path / "after.safetensors")
+    for n, p in m.named_parameters():
+        assert torch.equal(p, after[n]), n
