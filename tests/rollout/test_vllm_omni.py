@@ -334,11 +334,25 @@ def test_bad_input_fails_before_any_engine_work(engine):
     assert not [e for e in FakeOmni.instances[-1].log if e[0] == "generate"]
 
 
-def test_pipeline_rejects_a_request_without_fgrpo_info(fake_vllm):
+def test_pipeline_rejects_an_fgrpo_request_without_its_info(fake_vllm):
     cls = vop.FgrpoQwenImagePipeline
     sp = FakeSamplingParams(extra_args={vop.CFG_KEY: vop.config_to_dict(CFG)})
     with pytest.raises(ValueError, match="additional_information"):
         cls().forward(FakeRequestBatch([FakeRequest({"prompt": "a"}, sp)]))
+
+
+def test_pipeline_serves_vllm_omnis_warmup_request(fake_vllm):
+    """vllm-omni runs a dummy request through forward() at start-up: a plain prompt, no fgrpo fields."""
+    sp = FakeSamplingParams(height=32, width=48, num_inference_steps=2, extra_args={"cfg_text_scale": 1.0})
+    with torch.inference_mode():
+        (out,) = vop.FgrpoQwenImagePipeline().forward(
+            FakeRequestBatch([FakeRequest({"prompt": "dummy run"}, sp)])
+        )
+    assert set(out.output["payload"]) == {"image"} and out.output["payload"]["image"].shape == (1, 3, 32, 48)
+    want = _reference(SamplingConfig(height=32, width=48, num_steps=2, guidance_scale=1.0, window_size=0,
+                                      window_range=(0, 0)), ["dummy run"], [0])  # fmt: skip
+    got = ((out.output["payload"]["image"] / 2 + 0.5) * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
+    assert torch.equal(got, want.images)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ from fgrpo.rollout.vllm_omni_pipeline import (
     PIPELINE_QUALNAME,
     TRAJ_KEY,
     WORKER_EXTENSION_QUALNAME,
+    as_flow_model,
     config_to_dict,
     merge_cond,
     spec_from_dir,
@@ -90,7 +91,7 @@ def build_requests(
     With `spec` (the checkpoint's configs), every check of the in-process engine runs here first.
     """
     if spec is not None:
-        check_request(spec, prompts, seeds, cfg)
+        check_request(as_flow_model(spec), prompts, seeds, cfg)
     elif len(prompts) == 0 or len(prompts) != len(seeds):
         raise ValueError(
             f"got {len(prompts)} prompts and {len(seeds)} seeds; pass one seed per prompt (at least one)"
@@ -134,6 +135,8 @@ def unpack_outputs(outputs: Sequence[Any], prompts: Sequence[str], seeds: Sequen
     """OmniRequestOutputs (any order) -> one Trajectory in the caller's sample order."""
     by_index: dict[int, tuple[dict[str, Any], Any]] = {}
     for out in outputs:
+        if getattr(out, "finished", True) is False:  # lifecycle/streaming notices carry no result
+            continue
         if getattr(out, "error", None):
             raise RuntimeError(f"vllm-omni request {getattr(out, 'request_id', '?')} failed: {out.error}")
         traj = (out.multimodal_output or {}).get(TRAJ_KEY)

@@ -26,12 +26,12 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
-from fgrpo.models.base import Cond
+from fgrpo.models.base import Cond, FlowModel
 from fgrpo.models.common import pad_to
 from fgrpo.models.qwen_image import _SCHEDULE_KEYS, QwenImage
 from fgrpo.rollout.base import SamplingConfig, Trajectory
@@ -109,7 +109,7 @@ class OmniTransformer(nn.Module):
     is what diffusers derives from the embeddings' shape) and per-sample lists of frame shapes.
     """
 
-    def __init__(self, transformer: nn.Module):
+    def __init__(self, transformer: Any):
         super().__init__()
         self.inner = transformer
         self.config = SimpleNamespace(patch_size=QWEN_IMAGE_PATCH, in_channels=int(transformer.in_channels))
@@ -149,6 +149,12 @@ def flow_model(pipeline: QwenImagePipeline) -> QwenImage:
         pipeline.tokenizer,
         schedule_kwargs=schedule_kwargs(scheduler.config),
     )
+
+
+def as_flow_model(model: QwenImage) -> FlowModel:
+    """QwenImage is a FlowModel (tests check it at runtime); pyright cannot tell, because it does not
+    see diffusers' QwenImageTransformer2DModel (QwenImage.transformer's annotation) as an nn.Module."""
+    return cast(FlowModel, model)
 
 
 def request_info(prompt: Any) -> dict[str, Any]:
@@ -197,6 +203,29 @@ def merge_cond(per_sample: Sequence[Cond]) -> Cond:
     return out
 
 
+def plain_request(params: Any, prompts: Sequence[Any]) -> tuple[SamplingConfig, list[str], list[int]]:
+    """A request that is not fgrpo's (vllm-omni's start-up warm-up, or a plain image request): ODE sampling.
+
+    vllm-omni's own meaning of the fields: true_cfg_scale > 1 with a negative prompt turns CFG on.
+    """
+    texts = [p if isinstance(p, str) else (p.get("prompt") or "") for p in prompts]
+    negative = next(
+        (p.get("negative_prompt") for p in prompts if isinstance(p, dict) and p.get("negative_prompt")), None
+    )
+    scale = float(params.true_cfg_scale or 1.0)
+    cfg = SamplingConfig(
+        height=int(params.height or 512),
+        width=int(params.width or 512),
+        num_steps=int(params.num_inference_steps or 50),
+        guidance_scale=scale if scale > 1.0 and negative is not None else 1.0,
+        negative_prompt=negative,
+        window_size=0,
+        window_range=(0, 0),
+        micro_batch=len(prompts),
+    )
+    return cfg, texts, [int(params.seed or 0)] * len(prompts)
+
+
 def run_batch(
     flow: QwenImage, prompts: Sequence[Any], cfg: SamplingConfig
 ) -> tuple[torch.Tensor, list[dict[str, Any]]]:
@@ -207,7 +236,7 @@ def run_batch(
     """
     infos = [request_info(p) for p in prompts]
     texts = [p["prompt"] for p in prompts]
-    traj = DiffusersEngine(flow).generate(texts, [int(i["seed"]) for i in infos], cfg)
+    traj = DiffusersEngine(as_flow_model(flow)).generate(texts, [int(i["seed"]) for i in infos], cfg)
     images = (
         traj.images.permute(0, 3, 1, 2).float() / 255 * 2 - 1
     )  # uint8 -> [-1, 1], inverted by postprocess
@@ -231,20 +260,23 @@ def _build_classes() -> dict[str, type]:
 
         supports_request_batch = True
         supports_step_execution = False  # fgrpo's loop runs whole requests; no per-step scheduling
+        _fgrpo_flow: QwenImage | None = None
 
         def forward(self, req: DiffusionRequestBatch) -> list[DiffusionOutput]:
-            cfg = config_from_dict(req.sampling_params_list[0].extra_args[CFG_KEY])
-            flow = self.__dict__.get("_fgrpo_flow")
-            if flow is None:  # built once: its prompt cache then lives as long as the engine
-                flow = self.__dict__["_fgrpo_flow"] = flow_model(self)
-            images, trajs = run_batch(flow, req.prompts, cfg)
-            return [
-                DiffusionOutput(
-                    output={"payload": {"image": images[b : b + 1], TRAJ_KEY: traj}, "metadata": {}},
-                    to_cpu=True,
+            if self._fgrpo_flow is None:  # built once: its prompt cache then lives as long as the engine
+                self._fgrpo_flow = flow_model(self)
+            params = req.sampling_params_list[0]
+            if CFG_KEY in (params.extra_args or {}):
+                images, trajs = run_batch(
+                    self._fgrpo_flow, req.prompts, config_from_dict(params.extra_args[CFG_KEY])
                 )
-                for b, traj in enumerate(trajs)
-            ]
+                payloads = [{"image": images[b : b + 1], TRAJ_KEY: t} for b, t in enumerate(trajs)]
+            else:  # vllm-omni's start-up warm-up request (and any plain request): same model path, ODE
+                cfg, texts, seeds = plain_request(params, req.prompts)
+                u8 = DiffusersEngine(as_flow_model(self._fgrpo_flow)).generate(texts, seeds, cfg).images
+                images = u8.permute(0, 3, 1, 2).float() / 255 * 2 - 1
+                payloads = [{"image": images[b : b + 1]} for b in range(len(texts))]
+            return [DiffusionOutput(output={"payload": p, "metadata": {}}, to_cpu=True) for p in payloads]
 
     class FgrpoWorkerExtension(CustomPipelineWorkerExtension):
         """Adds full-weight sync to the diffusion worker (vllm-omni 0.30 has no weight-update RPC)."""
