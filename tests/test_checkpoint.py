@@ -316,6 +316,18 @@ def test_fsdp2_two_ranks_save_load(tmp_path):
     assert sorted(lora) == sorted(f"{i}.lora_{ab}.weight" for i in (0, 2) for ab in ("A", "B"))
     assert torch.equal(lora["2.lora_B.weight"], weights["2.lora_B.default.weight"])
 
+    # Another world size: the 2-rank checkpoint loads into a plain 1-process model, and one more step
+    # matches the sharded run bit for bit (both ranks saw the same batch, so the mean gradient is exact).
+    ns: dict = {}
+    exec(_TOY, ns)
+    m = ns["build"](11)
+    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+    assert ckpt.load(tmp_path / "ck", model=m, optimizer=opt, restore_rng=False) == (2, {"world": 2})
+    ns["step"](m, opt, 2)
+    after = load_file(tmp_path / "after.safetensors")
+    for n, p in m.named_parameters():
+        assert torch.equal(p, after[n]), n
+
 
 # ---------------------------------------------------------------------------------------------------------
 # LoRA export -> diffusers loaders
@@ -396,15 +408,3 @@ def test_export_lora_loads_in_sd3_pipeline(tmp_path):
     pipe = StableDiffusion3Pipeline(**{**comps, "transformer": base})
     pipe.load_lora_weights(str(out))
     assert torch.equal(pipe.transformer(**inputs)[0], want)
-
-    # Another world size: the 2-rank checkpoint loads into a plain 1-process model, and one more step
-    # matches the sharded run bit for bit (both ranks saw the same batch, so the mean gradient is exact).
-    ns: dict = {}
-    exec(_TOY, ns)
-    m = ns["build"](11)
-    opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
-    assert ckpt.load(tmp_path / "ck", model=m, optimizer=opt, restore_rng=False) == (2, {"world": 2})
-    ns["step"](m, opt, 2)
-    after = load_file(tmp_path / "after.safetensors")
-    for n, p in m.named_parameters():
-        assert torch.equal(p, after[n]), n
