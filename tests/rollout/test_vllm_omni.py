@@ -471,6 +471,11 @@ def test_lora_update_errors(engine, tmp_path):
         engine.update_lora(_lora_state(1.0))
     with pytest.raises(ValueError, match="not a PEFT adapter directory"):
         engine.update_lora(tmp_path)
+    raw = {
+        "transformer_blocks.0.attn.to_q.lora_A.default.weight": torch.zeros(2, 8)
+    }  # module.state_dict() naming
+    with pytest.raises(ValueError, match="get_peft_model_state_dict"):
+        engine.update_lora(raw, {"r": 2})
 
 
 def test_full_weight_update_reaches_the_worker_transformer(engine):

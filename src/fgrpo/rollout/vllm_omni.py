@@ -177,6 +177,12 @@ def write_peft_dir(path: str | os.PathLike[str], state_dict: Mapping[str, torch.
     """
     from safetensors.torch import save_file
 
+    bad = [k for k in state_dict if not k.endswith((".lora_A.weight", ".lora_B.weight"))]
+    if bad:
+        raise ValueError(
+            f"LoRA state dict key {bad[0]!r} is not PEFT-named (*.lora_A.weight / *.lora_B.weight); "
+            "pass peft.get_peft_model_state_dict(transformer)"
+        )
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
