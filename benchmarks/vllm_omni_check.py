@@ -269,6 +269,10 @@ def section_parity(ctx: Ctx) -> None:
             ok=worst < ctx.args.lp_tol,
         )
         ctx.note("parity", "images (SDE) " + str(image_gap(got.images, want.images)), "", None)
+        for k, v in want.cond.items():  # the two text encoders' outputs (vllm-omni loads its own copy)
+            L = v.shape[1]
+            d = (got.cond[k][:, :L].float() - v.cpu().float()).abs().max().item()
+            ctx.note("parity", f"cond {k} max |engine - in-process|", f"{d:.3e}")
         torch.save({"engine": got, "in_process": want, "recomputed": recomputed}, ctx.out / "parity.pt")
 
         ode = tiny_cfg(ctx.args, window_size=0, window_range=(0, 0))

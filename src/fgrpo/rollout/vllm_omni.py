@@ -216,7 +216,9 @@ class VllmOmniEngine:
 
     Args:
         model: local diffusers directory of a Qwen-Image pipeline (or a hub id vllm-omni can fetch).
-        max_batch: requests per worker forward (vllm-omni's max_num_seqs); plays SamplingConfig.micro_batch's role.
+        max_batch: requests per worker forward call (vllm-omni's max_num_seqs); inside one call the rows
+            run in micro-batches of SamplingConfig.micro_batch, as in-process. A multiple of micro_batch
+            keeps the forward shapes (and so the rounding) of the in-process engine.
         batch_wait_ms: how long the scheduler waits to fill a batch (request_batch_max_wait_ms).
         enforce_eager: False lets vllm-omni torch.compile the transformer.
         enable_sleep_mode: required for sleep()/wake() (vllm-omni's CuMem pool).
