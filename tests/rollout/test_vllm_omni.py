@@ -244,7 +244,7 @@ def _module(name: str, **attrs) -> types.ModuleType:
 @pytest.fixture
 def fake_vllm(monkeypatch):
     mods = {
-        "vllm": _module("vllm"),
+        "vllm": _module("vllm", __version__="0.30.0"),
         "vllm.lora": _module("vllm.lora"),
         "vllm.lora.request": _module("vllm.lora.request", LoRARequest=FakeLoRARequest),
         "vllm_omni": _module("vllm_omni", __version__="0.30.0", Omni=FakeOmni),
@@ -312,6 +312,12 @@ def test_wrong_version_is_a_clear_error(fake_vllm, monkeypatch, tmp_path):
         fake_vllm.VllmOmniEngine("/models/tiny", work_dir=tmp_path)
     monkeypatch.setattr(sys.modules["vllm_omni"], "__version__", "0.30.2")
     fake_vllm.VllmOmniEngine("/models/tiny", work_dir=tmp_path)  # any 0.30.x patch release is accepted
+    monkeypatch.setattr(sys.modules["vllm"], "__version__", "0.31.0")
+    with pytest.raises(fake_vllm.VllmOmniUnavailable, match=r"vllm 0\.31\.0 is installed"):
+        fake_vllm.VllmOmniEngine("/models/tiny", work_dir=tmp_path)
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(fake_vllm.VllmOmniUnavailable, match="vllm is not"):
+        fake_vllm.VllmOmniEngine("/models/tiny", work_dir=tmp_path)
 
 
 def test_importing_fgrpo_rollout_does_not_import_vllm():

@@ -67,11 +67,16 @@ def import_vllm_omni() -> ModuleType:
         import vllm_omni
     except ImportError as e:
         raise VllmOmniUnavailable(f"the vLLM-Omni rollout engine needs vllm-omni: {INSTALL_HINT}") from e
-    version = str(getattr(vllm_omni, "__version__", "unknown"))
-    if version.split(".")[:2] != SUPPORTED_SERIES.split("."):
-        raise VllmOmniUnavailable(
-            f"vllm-omni {version} is installed but fgrpo's engine supports {SUPPORTED_SERIES}.x only: {INSTALL_HINT}"
-        )
+    try:
+        import vllm  # vllm_omni imports without it (documentation builds) but cannot run
+    except ImportError as e:
+        raise VllmOmniUnavailable(f"vllm-omni is installed but vllm is not: {INSTALL_HINT}") from e
+    for name, module in (("vllm-omni", vllm_omni), ("vllm", vllm)):
+        version = str(getattr(module, "__version__", "unknown"))
+        if version.split(".")[:2] != SUPPORTED_SERIES.split("."):
+            raise VllmOmniUnavailable(
+                f"{name} {version} is installed but fgrpo's engine supports {SUPPORTED_SERIES}.x only: {INSTALL_HINT}"
+            )
     return vllm_omni
 
 
