@@ -18,6 +18,7 @@ and the gap is logged.
 1 GPU:   uv run python experiments/qwen_image_ocr.py recipe --data.train-prompts data/ocr/train.txt
 N GPUs:  uv run torchrun --nproc-per-node N experiments/qwen_image_ocr.py recipe --data.train-prompts ...
 CPU:     uv run python experiments/qwen_image_ocr.py tiny
+1 GPU, the text renderer: uv run python experiments/qwen_image_ocr.py tiny-gpu
 """
 
 from __future__ import annotations
@@ -88,7 +89,24 @@ def tiny() -> Config:
         optim=OptimConfig(lr=1e-3, weight_decay=1e-4),
         data=DataConfig(train_prompts="textbed:train", val_prompts="textbed:heldout", val_num_prompts=32),
         reward=RewardConfig(name="ocr"),
-        run=RunConfig(wandb="disabled", val_every=6, val_num_steps=10, ckpt_every=6, log_images_every=6),
+        run=RunConfig(wandb="disabled", val_every=5, val_num_steps=10, ckpt_every=5, log_images_every=5),
+    )
+
+
+def tiny_gpu() -> Config:
+    """The text renderer on one GPU: big groups, OCR in worker processes; minutes to a legible renderer."""
+    t = tiny()
+    return dataclasses.replace(
+        t,
+        num_steps=80,
+        device="cuda",
+        model=dataclasses.replace(t.model, dtype="bf16", lora_rank=32, lora_alpha=64),
+        sampling=dataclasses.replace(t.sampling, micro_batch=256),
+        grpo=dataclasses.replace(t.grpo, group_size=16, prompts_per_step=32),
+        optim=OptimConfig(lr=5e-4, weight_decay=1e-4),
+        data=dataclasses.replace(t.data, val_num_prompts=256),
+        reward=RewardConfig(name="ocr", workers=12),
+        run=RunConfig(wandb="disabled", val_every=10, val_num_steps=10, ckpt_every=40, log_images_every=20),
     )
 
 
@@ -102,5 +120,6 @@ if __name__ == "__main__":
     presets = {
         "recipe": ("The published Qwen-Image OCR LoRA recipe (GPUs, real weights).", Config()),
         "tiny": ("Minutes on a CPU: the tiny text renderer, offline OCR reward.", tiny()),
+        "tiny-gpu": ("The tiny text renderer on one GPU: 32 words x 16 images per step.", tiny_gpu()),
     }
     main(tyro.extras.overridable_config_cli(presets))

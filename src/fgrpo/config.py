@@ -104,6 +104,9 @@ class RewardConfig:
     (options, multi-reward lists; see fgrpo/rewards/factory.py)."""
     url: str = ""
     """If set, score through the HTTP reward service (python -m fgrpo.rewards.serve) at this URL instead."""
+    workers: int = 0
+    """Score in this many worker processes, each a slice of the batch (CPU OCR is the step's bottleneck on
+    a fast GPU); 0 scores in the training process."""
 
     @property
     def spec(self) -> str | dict:

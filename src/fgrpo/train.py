@@ -277,6 +277,23 @@ def validation_sampling(s: SamplingConfig, num_steps: int) -> SamplingConfig:
     return dataclasses.replace(s, sde_kind="ode", noise_level=0.0, num_steps=num_steps, window_size=0, window_range=(0, 0))
 
 
+class ParallelReward:
+    """A reward scored by N worker processes, each taking a contiguous slice of the batch."""
+
+    def __init__(self, spec, workers: int):
+        from fgrpo.rewards import AsyncRewardRunner
+
+        self.workers = workers
+        self.runner = AsyncRewardRunner(spec, kind="process", max_workers=workers)
+
+    def __call__(self, images: np.ndarray, prompts, metadata=None):
+        from fgrpo.rewards.base import concat_outputs
+
+        bounds = np.linspace(0, len(prompts), self.workers + 1).astype(int)
+        futures = [self.runner.submit(images[a:b], prompts[a:b]) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        return concat_outputs([f.result() for f in futures])
+
+
 # ----------------------------------------------------------------------------------------------------
 # The loop.
 
@@ -296,7 +313,7 @@ def train(cfg: TrainConfig, *, experiment_source: str | None = None) -> dict[str
     train_prompts = load_prompts(cfg.data.train_prompts, require_quoted=cfg.reward.is_ocr)
     val_prompts = load_prompts(cfg.data.val_prompts, require_quoted=cfg.reward.is_ocr,
                                field="data.val_prompts")[: cfg.data.val_num_prompts]
-    reward = build_reward(cfg.reward.spec)
+    reward = build_reward(cfg.reward.spec) if cfg.reward.workers == 0 else ParallelReward(cfg.reward.spec, cfg.reward.workers)
 
     torch.manual_seed(cfg.seed)  # LoRA init is the only draw from the global RNG
     model = build_model(cfg.model, d.device, cfg.seed)
