@@ -167,7 +167,9 @@ def test_recompute_is_bit_exact_with_lora_and_grad(kind):
         for n, p in model.transformer.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.3, generator=torch.Generator().manual_seed(len(n)))
-    cfg = dataclasses.replace(BASE, sde_kind="cps", noise_level=0.7, window_range=(1, 5), micro_batch=3)
+    cfg = dataclasses.replace(
+        BASE, num_steps=4, sde_kind="cps", noise_level=0.7, window_range=(1, 3), micro_batch=3
+    )
     traj = DiffusersEngine(model).generate(PROMPTS, SEEDS, cfg)
     assert torch.equal(recompute_log_probs(model, traj, cfg), traj.log_prob)
     # The trainer's call: with autograd on, the same numbers, and a gradient reaches the adapter.
@@ -233,7 +235,7 @@ def test_same_seeds_same_trajectory_across_runs_micro_batches_and_layouts(models
     perm = list(reversed(range(len(PROMPTS))))
     others = [
         (engine.generate(PROMPTS, SEEDS, dataclasses.replace(cfg, micro_batch=mb)), list(range(len(PROMPTS))))
-        for mb in (1, 5)
+        for mb in (5,)
     ]
     others.append(
         (
