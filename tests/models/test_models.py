@@ -279,3 +279,13 @@ def test_saved_tiny_qwen_image_loads_with_diffusers_and_our_loader(tmp_path, qwe
     a, b = loaded.encode(PROMPTS), ours.encode(PROMPTS)
     assert torch.equal(a["prompt_mask"], b["prompt_mask"])
     torch.testing.assert_close(a["prompt_embeds"], b["prompt_embeds"], rtol=0, atol=0)
+
+
+def test_saved_tiny_sd3_loads_with_our_loader(tmp_path, sd3, sd3_parts):
+    StableDiffusion3Pipeline(**sd3_parts).save_pretrained(tmp_path / "tiny-sd3")
+    loaded = SD3.from_pretrained(
+        tmp_path / "tiny-sd3", dtype=torch.float32, device="cpu", max_sequence_length=tiny.T5_MAX_LENGTH_TINY
+    )
+    assert loaded.shift == 3.0
+    a, b = loaded.encode(PROMPTS, negative_prompt=""), sd3.encode(PROMPTS, negative_prompt="")
+    assert all(torch.equal(a[k], b[k]) for k in b)

@@ -68,7 +68,7 @@ class SD3:
     ) -> SD3:
         """Load a diffusers-format SD3.x directory or hub id (e.g. stabilityai/stable-diffusion-3.5-medium)."""
         from diffusers import FlowMatchEulerDiscreteScheduler
-        from transformers import CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
+        from transformers import AutoTokenizer, CLIPTextModelWithProjection, T5EncoderModel
 
         path, tdtype = str(path), text_encoder_dtype or dtype
         transformer = SD3Transformer2DModel.from_pretrained(path, subfolder="transformer", torch_dtype=dtype)
@@ -80,10 +80,10 @@ class SD3:
             if load_t5
             else None,
         ]
+        # AutoTokenizer: CLIP/T5 for the real checkpoints, whatever class a saved tiny pipeline recorded.
         tokenizers = [
-            CLIPTokenizer.from_pretrained(path, subfolder="tokenizer"),
-            CLIPTokenizer.from_pretrained(path, subfolder="tokenizer_2"),
-            T5TokenizerFast.from_pretrained(path, subfolder="tokenizer_3"),
+            AutoTokenizer.from_pretrained(path, subfolder=s)
+            for s in ("tokenizer", "tokenizer_2", "tokenizer_3")
         ]
         shift = FlowMatchEulerDiscreteScheduler.load_config(path, subfolder="scheduler").get("shift", 3.0)
         return cls.from_modules(transformer, vae, encoders, tokenizers, device=device, shift=shift, **kwargs)
