@@ -74,38 +74,37 @@ class Config(TrainConfig):
 
 
 def tiny() -> Config:
-    """The README's main job: minutes on a CPU, the reward measurably rises."""
+    """The README's main job: the text renderer on a CPU in under 10 minutes."""
     return dataclasses.replace(
         Config(),
-        num_steps=12,
+        num_steps=10,
         device="cpu",
-        model=ModelConfig(kind="textbed", path="", dtype="fp32", lora_rank=16, lora_alpha=32,
-                          gradient_checkpointing=False, lora_targets=ModelConfig().lora_targets),
+        model=ModelConfig(kind="textbed", path="", dtype="fp32", lora_rank=32, lora_alpha=64,
+                          gradient_checkpointing=False),
         sampling=SamplingConfig(height=32, width=128, num_steps=10, guidance_scale=3.0, negative_prompt="",
                                 sde_kind="flow_sde", noise_level=0.8, window_size=2, window_range=(0, 5),
                                 micro_batch=16),
-        grpo=GRPOConfig(group_size=8, prompts_per_step=4, clip_range=2e-3, adv_std="global",
-                        optimizer_steps_per_step=2),
-        optim=OptimConfig(lr=1e-3, weight_decay=1e-4),
+        grpo=GRPOConfig(group_size=8, prompts_per_step=2, clip_range=2e-3, adv_std="global",
+                        optimizer_steps_per_step=1),
+        optim=OptimConfig(lr=5e-4, weight_decay=1e-4),
         data=DataConfig(train_prompts="textbed:train", val_prompts="textbed:heldout", val_num_prompts=32),
         reward=RewardConfig(name="ocr"),
-        run=RunConfig(wandb="disabled", val_every=5, val_num_steps=10, ckpt_every=5, log_images_every=5),
+        run=RunConfig(wandb="disabled", val_every=10, val_num_steps=10, ckpt_every=5, log_images_every=5),
     )
 
 
 def tiny_gpu() -> Config:
-    """The text renderer on one GPU: big groups, OCR in worker processes; minutes to a legible renderer."""
+    """The text renderer on one GPU: 32 words x 16 images a step, OCR in 15 single-threaded processes."""
     t = tiny()
     return dataclasses.replace(
         t,
         num_steps=80,
         device="cuda",
-        model=dataclasses.replace(t.model, dtype="bf16", lora_rank=32, lora_alpha=64),
+        model=dataclasses.replace(t.model, dtype="bf16"),
         sampling=dataclasses.replace(t.sampling, micro_batch=256),
-        grpo=dataclasses.replace(t.grpo, group_size=16, prompts_per_step=32),
-        optim=OptimConfig(lr=5e-4, weight_decay=1e-4),
+        grpo=dataclasses.replace(t.grpo, group_size=16, prompts_per_step=32, optimizer_steps_per_step=2),
         data=dataclasses.replace(t.data, val_num_prompts=256),
-        reward=RewardConfig(name="ocr", workers=12),
+        reward=RewardConfig(name='{"name": "ocr", "num_threads": 1}', workers=15),
         run=RunConfig(wandb="disabled", val_every=10, val_num_steps=10, ckpt_every=40, log_images_every=20),
     )
 

@@ -126,7 +126,7 @@ class RunConfig:
     log_images_every: int = 10
     """Save an image grid of the rollout every N steps (0 = never)."""
     val_every: int = 10
-    """Validate (ODE sampling, fixed seeds) every N steps and at the end (0 = never)."""
+    """Validate (ODE sampling, fixed seeds) before every N-th step and after the last (0 = never)."""
     val_num_steps: int = 50
     """Denoising steps of validation sampling."""
     ckpt_every: int = 50

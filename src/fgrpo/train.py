@@ -344,6 +344,12 @@ def train(cfg: TrainConfig, *, experiment_source: str | None = None) -> dict[str
     metrics: dict[str, float] = {}
     for step in range(start_step, cfg.num_steps):
         timer = flog.PhaseTimer()
+        # 0. validation of the weights that enter this step (step 0: the starting model)
+        val_metrics = {}
+        if cfg.run.val_every and step % cfg.run.val_every == 0:
+            with timer("val"):
+                val_metrics = validate(engine, reward, val_prompts, cfg, logger, step)
+
         # 1. prompts and seeds: pure functions of (seed, step)
         prompt_ids = step_prompt_indices(len(train_prompts), step, P, cfg.seed)
         prompts = [train_prompts[int(prompt_ids[int(i) // G])] for i in sample_ids]
@@ -376,13 +382,11 @@ def train(cfg: TrainConfig, *, experiment_source: str | None = None) -> dict[str
             **{f"reward/{k}": float(v) for k, v in out.metrics.items()},
             **{f"train/{k}": v for k, v in train_metrics.items()},
             "lr": lr_scheduler.get_last_lr()[0],
+            **val_metrics,
         }
         if cfg.run.log_images_every and step % cfg.run.log_images_every == 0:
             logger.log_images("rollout", traj.images[:16].cpu().numpy(), prompts[:16], step=step)
         last = step + 1 == cfg.num_steps
-        if cfg.run.val_every and (step % cfg.run.val_every == 0 or last):
-            with timer("val"):
-                metrics.update(validate(engine, reward, val_prompts, cfg, logger, step))
         if last or (cfg.run.ckpt_every and (step + 1) % cfg.run.ckpt_every == 0):
             with timer("checkpoint"):
                 checkpoint.save(run_dir / "checkpoints", step + 1, model=model.transformer, optimizer=optimizer,
@@ -392,6 +396,11 @@ def train(cfg: TrainConfig, *, experiment_source: str | None = None) -> dict[str
         logger.log(metrics, step=step)
         flog.print0(flog.progress_line(step, cfg.num_steps, metrics))
 
+    if cfg.run.val_every and start_step < cfg.num_steps:  # the trained model, logged as step num_steps
+        final = validate(engine, reward, val_prompts, cfg, logger, cfg.num_steps)
+        logger.log(final, step=cfg.num_steps)
+        metrics.update(final)
+        flog.print0(f"final validation: {final}")
     if cfg.run.export_lora and cfg.model.lora:
         checkpoint.export_lora(run_dir / "lora", model.transformer)
     logger.finish()
