@@ -151,20 +151,6 @@ def fmt_table(rows: Sequence[Mapping[str, Any]], cols: Sequence[str]) -> str:
     return "\n".join("  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in table)
 
 
-def to_device(traj: Trajectory, device: torch.device) -> Trajectory:
-    """The engine returns CPU tensors; the trainer recomputes on its own device."""
-    moved = {
-        f.name: (
-            getattr(traj, f.name).to(device)
-            if isinstance(getattr(traj, f.name), torch.Tensor)
-            else getattr(traj, f.name)
-        )
-        for f in dataclasses.fields(traj)
-    }
-    moved["cond"] = {k: v.to(device) for k, v in traj.cond.items()}
-    return Trajectory(**moved)
-
-
 def seeds_for(n: int, run: int = 0) -> list[int]:
     return [sample_seed(2026, run, i) for i in range(n)]
 
@@ -239,7 +225,7 @@ def section_parity(ctx: Ctx) -> None:
         cfg = tiny_cfg(ctx.args)
         got = engine.generate(PROMPTS, seeds, cfg)
         want = DiffusersEngine(model).generate(PROMPTS, seeds, cfg)
-        recomputed = recompute_log_probs(model, to_device(got, ctx.device), cfg)
+        recomputed = recompute_log_probs(model, got.to(ctx.device), cfg)
         rows = step_gaps(got, want, recomputed)
         print(
             f"\n## parity, noise_level {cfg.noise_level}, {cfg.sde_kind}, every step stochastic (tiny, bf16)"

@@ -51,6 +51,8 @@ def test_load_prompts_formats_and_errors(tmp_path):
         ({"grpo": GRPOConfig(group_size=4, prompts_per_step=3, optimizer_steps_per_step=4)}, "does not divide"),
         ({"sampling": SamplingConfig(window_range=(0, 12))}, "window_range"),
         ({"sampling": SamplingConfig(sde_kind="ode")}, "nothing to train"),
+        ({"rollout_engine": "vllm_omni"}, "old-log-prob recompute"),
+        ({"rollout_engine": "vllm_omni", "grpo": GRPOConfig(old_log_prob="recompute")}, "one trainer process"),
     ],
 )
 def test_validate_config_names_the_field(change, match):

@@ -151,6 +151,9 @@ class TrainConfig:
     """Training steps (one step = rollout of P*G images + optimizer_steps_per_step updates)."""
     device: str = "auto"
     """'auto' (cuda if available), 'cuda' or 'cpu'."""
+    rollout_engine: Literal["diffusers", "vllm_omni"] = "diffusers"
+    """Rollout engine: in-process diffusers (the trainer's own kernels) or vLLM-Omni (extra `vllm`; Qwen-Image
+    + LoRA only; needs grpo.old_log_prob='recompute' because its kernels differ from the trainer's)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)

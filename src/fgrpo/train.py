@@ -75,6 +75,13 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
         raise ValueError("grpo.kl_coef>0 needs model.lora=True (the reference is the model with adapters off)")
     if cfg.num_steps < 1:
         raise ValueError(f"num_steps={cfg.num_steps}: must be >= 1")
+    if cfg.rollout_engine == "vllm_omni":
+        if cfg.model.kind != "qwen_image" or not cfg.model.lora:
+            raise ValueError("rollout_engine='vllm_omni' supports model.kind='qwen_image' with model.lora=True only")
+        if g.old_log_prob != "recompute":
+            raise ValueError("rollout_engine='vllm_omni' needs --grpo.old-log-prob recompute (its kernels differ)")
+        if world_size > 1:
+            raise ValueError("rollout_engine='vllm_omni' is wired for one trainer process; use diffusers on N ranks")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -128,9 +135,36 @@ def adapters_disabled(transformer: torch.nn.Module):
 
 
 def build_engine(model: FlowModel, cfg: TrainConfig) -> RolloutEngine:
+    if cfg.rollout_engine == "vllm_omni":
+        from fgrpo.rollout.vllm_omni import VllmOmniEngine
+
+        return VllmOmniEngine(cfg.model.path, enable_sleep_mode=True)
     from fgrpo.rollout.engine import DiffusersEngine
 
     return DiffusersEngine(model)
+
+
+@torch.no_grad()
+def rollout(engine, prompts: list[str], seeds: list[int], s: SamplingConfig, device: torch.device) -> Trajectory:
+    """engine.generate, with an engine that shares the GPU (vLLM-Omni) woken for it and put back to sleep."""
+    if hasattr(engine, "wake"):
+        engine.wake()
+    traj = engine.generate(prompts, seeds, s).to(device)
+    if hasattr(engine, "sleep"):
+        engine.sleep()
+    return traj
+
+
+def sync_engine_weights(engine, transformer: torch.nn.Module, sync_dir: Path) -> None:
+    """Hand the updated LoRA to an engine that holds its own copy of the weights (vLLM-Omni).
+
+    The in-process engine shares the trainer's module, so it needs nothing. Untested on a GPU so far.
+    """
+    if not hasattr(engine, "update_lora"):
+        return
+    from fgrpo import checkpoint
+
+    engine.update_lora(checkpoint.export_lora(sync_dir, transformer))
 
 
 def sample_seeds(seed: int, step: int, sample_ids: torch.Tensor) -> list[int]:
@@ -348,7 +382,7 @@ def train(cfg: TrainConfig, *, experiment_source: str | None = None) -> dict[str
         val_metrics = {}
         if cfg.run.val_every and step % cfg.run.val_every == 0:
             with timer("val"):
-                val_metrics = validate(engine, reward, val_prompts, cfg, logger, step)
+                val_metrics = validate(engine, reward, val_prompts, cfg, logger, step, d.device)
 
         # 1. prompts and seeds: pure functions of (seed, step)
         prompt_ids = step_prompt_indices(len(train_prompts), step, P, cfg.seed)
@@ -356,8 +390,8 @@ def train(cfg: TrainConfig, *, experiment_source: str | None = None) -> dict[str
         seeds = sample_seeds(cfg.seed, step, sample_ids)
 
         # 2. rollout
-        with timer("rollout"), torch.no_grad():
-            traj = engine.generate(prompts, seeds, cfg.sampling)
+        with timer("rollout"):
+            traj = rollout(engine, prompts, seeds, cfg.sampling, d.device)
 
         # 3. rewards -> all ranks -> group advantages
         with timer("reward"):
@@ -372,6 +406,8 @@ def train(cfg: TrainConfig, *, experiment_source: str | None = None) -> dict[str
         with timer("train"):
             gen = torch.Generator().manual_seed(cfg.seed * 7919 + step)  # mini-batch order, same on resume
             train_metrics = policy_update(model, params, optimizer, lr_scheduler, traj, local_adv, cfg, gen)
+        with timer("sync"):
+            sync_engine_weights(engine, model.transformer, run_dir / "engine_lora")
 
         # 5. logging, validation, checkpoint
         grouped = rewards.view(P, G)
@@ -397,7 +433,7 @@ def train(cfg: TrainConfig, *, experiment_source: str | None = None) -> dict[str
         flog.print0(flog.progress_line(step, cfg.num_steps, metrics))
 
     if cfg.run.val_every and start_step < cfg.num_steps:  # the trained model, logged as step num_steps
-        final = validate(engine, reward, val_prompts, cfg, logger, cfg.num_steps)
+        final = validate(engine, reward, val_prompts, cfg, logger, cfg.num_steps, d.device)
         logger.log(final, step=cfg.num_steps)
         metrics.update(final)
         flog.print0(f"final validation: {final}")
@@ -410,7 +446,9 @@ def train(cfg: TrainConfig, *, experiment_source: str | None = None) -> dict[str
 
 
 @torch.no_grad()
-def validate(engine, reward, prompts: list[str], cfg: TrainConfig, logger, step: int) -> dict[str, float]:
+def validate(
+    engine, reward, prompts: list[str], cfg: TrainConfig, logger, step: int, device: torch.device
+) -> dict[str, float]:
     """ODE samples of fixed prompts and seeds (the same every validation), scored by the reward."""
     d_rank, d_world = (0, 1)
     if torch.distributed.is_initialized():
@@ -420,7 +458,7 @@ def validate(engine, reward, prompts: list[str], cfg: TrainConfig, logger, step:
     local_prompts = [prompts[int(i) % len(prompts)] for i in ids]  # pad by wrapping so shapes match
     seeds = [10_000 + int(i) for i in ids]
     s = validation_sampling(cfg.sampling, cfg.run.val_num_steps)
-    traj = engine.generate(local_prompts, seeds, s)
+    traj = rollout(engine, local_prompts, seeds, s, device)
     out = reward(traj.images.cpu().numpy(), local_prompts)
     scores = parallel.all_gather_cat(torch.as_tensor(out.scores, dtype=torch.float32, device=traj.images.device))
     scores = scores[: len(prompts)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -53,6 +54,16 @@ class Trajectory:
 
     def __len__(self) -> int:
         return len(self.prompts)
+
+    def to(self, device: torch.device | str) -> Trajectory:
+        """The same trajectory with every tensor on `device` (engines in another process return CPU tensors)."""
+        moved = {
+            f.name: getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), torch.Tensor)
+            else getattr(self, f.name)
+            for f in dataclasses.fields(self)
+        }
+        moved["cond"] = {k: v.to(device) for k, v in self.cond.items()}
+        return Trajectory(**moved)
 
 
 class RolloutEngine(Protocol):
