@@ -1,8 +1,8 @@
 """One full Flow-GRPO step of the Qwen-Image OCR LoRA recipe at real size, phase by phase.
 
 Real-size QwenImageTransformer2DModel (20 B) and AutoencoderKLQwenImage with random weights built on
-the GPU; the 7 B text encoder is replaced by fixed random prompt embeddings of realistic lengths (its
-cost is one forward per distinct prompt, cached over the group). The reward is a stub (random scores);
+the GPU by benchmarks/rollout.py's `build_real`; the 7 B text encoder is replaced by fixed random prompt
+embeddings of realistic lengths (its cost is one forward per distinct prompt, cached over the group). The reward is a stub (random scores);
 the OCR reward's cost is measured separately in benchmarks/rewards.py. Everything else is the
 trainer's own code: DiffusersEngine.generate, train.policy_update (LoRA r64, FSDP2 world of one, bf16
 compute, fp32 masters, gradient checkpointing), recompute of old log-probs.
@@ -20,52 +20,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import time
 
 import torch
+from rollout import build_real, build_tiny  # benchmarks/rollout.py: the same random real-size model
 
 TFLOP_PER_FORWARD_512 = 16.65
 MATMUL_TFLOPS_H200 = 755.0  # bf16, measured on this machine kind (see RESULTS.md)
 VERL_OMNI_IMAGES_PER_GPU_S = 0.305  # published, 4xH800, LoRA + CFG, same recipe
-
-QWEN_IMAGE_TRANSFORMER = dict(
-    patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128, num_attention_heads=24,
-    joint_attention_dim=3584, guidance_embeds=False, axes_dims_rope=(16, 56, 56),
-)
-
-
-def random_qwen_image(device: torch.device, *, tiny: bool):
-    """A QwenImage FlowModel with random weights and a stub text encoder (fixed random embeddings)."""
-    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
-
-    from fgrpo.models.qwen_image import QwenImage
-
-    if tiny:
-        from fgrpo.models.tiny import tiny_qwen_image_components
-
-        c = tiny_qwen_image_components(0)
-        transformer, vae = c["transformer"], c["vae"]
-    else:
-        torch.manual_seed(0)
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)  # 20 B params: build in bf16 directly on the GPU
-        with torch.device(device):
-            transformer = QwenImageTransformer2DModel(**QWEN_IMAGE_TRANSFORMER)
-            vae = AutoencoderKLQwenImage()
-        torch.set_default_dtype(prev)
-    dim = transformer.config.joint_attention_dim
-
-    class StubTextQwenImage(QwenImage):
-        def _encode_one(self, prompt: str):
-            # Realistic prompt lengths (OCR prompts are 15-60 tokens after the template is dropped).
-            h = int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:4], "little")
-            g = torch.Generator().manual_seed(h)
-            length = 15 + h % 45
-            return (torch.randn(length, dim, generator=g).to(self.device, self.dtype),)
-
-    return StubTextQwenImage.from_modules(transformer, vae, None, None, device=device)
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -86,7 +48,7 @@ def main() -> None:
     from fgrpo.train import policy_update, recompute_log_probs_and_means, setup_trainable
 
     d = parallel.init_distributed("cpu" if args.tiny else "cuda")
-    model = random_qwen_image(d.device, tiny=args.tiny)
+    model = build_tiny() if args.tiny else build_real(d.device, text_encoder=False)
     res = 64 if args.tiny else 512
     sampling = SamplingConfig(height=res, width=res, num_steps=10, guidance_scale=4.0, negative_prompt=" ",
                               sde_kind="flow_sde", noise_level=1.2, window_size=2, window_range=(0, 5),
