@@ -1,0 +1,58 @@
+"""The loop's contract with an engine that keeps its own weights (vLLM-Omni's shape): wake before every
+rollout, sleep after it, a fresh LoRA after every training step, CPU trajectories moved to the device."""
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from train_entry import Config  # noqa: E402
+
+import fgrpo.train as train_mod  # noqa: E402
+from fgrpo.rollout.engine import DiffusersEngine  # noqa: E402
+
+
+class RecordingEngine:
+    """The in-process engine behind the interface of an out-of-process one."""
+
+    def __init__(self, model):
+        self.inner = DiffusersEngine(model)
+        self.calls: list[str] = []
+        self.adapters: list[dict] = []
+
+    def wake(self):
+        self.calls.append("wake")
+
+    def sleep(self):
+        self.calls.append("sleep")
+
+    def generate(self, prompts, seeds, cfg):
+        self.calls.append("generate")
+        traj = self.inner.generate(prompts, seeds, cfg)
+        return traj.to("cpu")  # what a remote engine hands back
+
+    def update_lora(self, peft_dir):
+        self.calls.append("update_lora")
+        self.adapters.append(json.loads((Path(peft_dir) / "adapter_config.json").read_text()))
+
+
+def test_out_of_process_engine_is_woken_synced_and_slept(tmp_path, monkeypatch):
+    engines = []
+
+    def build(model, cfg):
+        engines.append(RecordingEngine(model))
+        return engines[0]
+
+    monkeypatch.setattr(train_mod, "build_engine", build)
+    cfg = dataclasses.replace(Config(), num_steps=2, run=dataclasses.replace(Config().run, out_dir=str(tmp_path),
+                                                                               val_every=2, ckpt_every=0))
+    train_mod.train(cfg)
+    calls = engines[0].calls
+    rollout = ["wake", "generate", "sleep"]
+    # step 0: validation rollout, training rollout, LoRA sync; step 1: rollout, sync; then final validation
+    assert calls == rollout * 2 + ["update_lora"] + rollout + ["update_lora"] + rollout
+    assert all(a["r"] == cfg.model.lora_rank for a in engines[0].adapters)
+    assert torch.distributed.is_initialized() is False  # the loop left the process group cleanly
