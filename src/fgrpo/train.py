@@ -1,6 +1,7 @@
 """The Flow-GRPO training loop: thin, top to bottom, owning all state.
 
     for step in steps:
+        (every N-th step) validate the current weights: ODE samples of held-out prompts, fixed seeds
         prompts  <- deterministic slice of the prompt order (each rank a shard of the P*G samples)
         traj     <- engine.generate(prompts, seeds)        # SDE inside each sample's window, ODE outside
         rewards  <- reward(traj.images)  -> all-gather -> group advantages (core)
@@ -8,14 +9,15 @@
             log_prob <- policy.transition_log_prob(...)    # the same kernel the rollout used
             loss     <- clipped_policy_loss (+ KL to the LoRA-disabled reference)
             backward (scaled so the gradient does not depend on the split)
-        optimizer step per mini-batch, validation, checkpoint
+        optimizer step per mini-batch; LoRA sync to an out-of-process engine; logging; checkpoint
 
 Deviations from flow_grpo, and why:
 - Every rank samples an arbitrary slice of the P*G samples (the G samples of a prompt may live on
   different ranks); rewards are all-gathered before the advantages, so the result does not depend on
   the number of ranks.
 - The noise of every sample comes from a generator seeded by (seed, step, sample index), so a
-  resumed run and a run with another world size or micro-batch draw the same images.
+  resumed run draws exactly the same images, and a run with another world size or micro-batch the
+  same images up to the float rounding that batch shapes cause (measured <= 2e-6 in latents on CPU).
 - Old log-probs are the rollout's own (the in-process engine computes them with `policy.transition`,
   the function training calls), and the |rollout - trainer| gap is measured on the first mini-batch,
   whose weights are still the rollout's. `grpo.old_log_prob="recompute"` recomputes them in training
