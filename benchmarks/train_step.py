@@ -10,6 +10,10 @@ compute, fp32 masters, gradient checkpointing), recompute of old log-probs.
     python benchmarks/train_step.py                      # H200: 2 prompts x 16 images, eager
     python benchmarks/train_step.py --compile            # regional torch.compile of the blocks
     python benchmarks/train_step.py --tiny               # CPU wiring check with a tiny model
+    torchrun --nproc-per-node 2 benchmarks/train_step.py --prompts 4   # 2 GPUs, 32 images per GPU
+    python benchmarks/train_step.py --opt-steps 1 --iters 0 --save-update /tmp/u.safetensors
+    torchrun --nproc-per-node 2 benchmarks/train_step.py --opt-steps 1 --iters 0 --compare-update /tmp/u.safetensors
+                                                         # the 2-GPU update equals the 1-GPU one (same batch)
 
 Ceilings: 16.65 TFLOP per 512² transformer forward (one sequence); per image the recipe does
 10 steps x 2 (true-CFG) forwards in rollout and W=2 x 2 x (forward + input-grad backward + checkpoint
@@ -32,11 +36,19 @@ VERL_OMNI_IMAGES_PER_GPU_S = 0.305  # published, 4xH800, LoRA + CFG, same recipe
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="tiny random model on CPU (wiring check)")
-    ap.add_argument("--prompts", type=int, default=2, help="prompts per step on this GPU")
+    ap.add_argument("--prompts", type=int, default=2, help="prompts per step over all ranks")
     ap.add_argument("--group", type=int, default=16, help="images per prompt")
     ap.add_argument("--micro-batch", type=int, default=8, help="samples per forward (x2 sequences with CFG)")
+    ap.add_argument("--opt-steps", type=int, default=2, help="optimizer steps per training step")
+    ap.add_argument("--cfg", type=float, default=4.0, help="true-CFG scale (1 = the no-CFG full-weight recipe)")
+    ap.add_argument("--full", action="store_true", help="train all transformer weights instead of LoRA")
+    ap.add_argument("--layers", type=int, default=60, help="transformer blocks of the real-size model")
     ap.add_argument("--compile", action="store_true", help="regional torch.compile of the transformer blocks")
     ap.add_argument("--iters", type=int, default=2, help="timed steps (after one warm-up step)")
+    ap.add_argument("--profile", action="store_true", help="profile the last timed step: time in NCCL kernels")
+    ap.add_argument("--save-update", default="", help="after the warm-up step: save the trained weights and "
+                    "AdamW's first moment (= (1 - beta1) x the gradient) to this .safetensors (rank 0)")
+    ap.add_argument("--compare-update", default="", help="after the warm-up step: compare them with this file")
     args = ap.parse_args()
 
     from fgrpo import parallel
@@ -48,75 +60,153 @@ def main() -> None:
     from fgrpo.train import policy_update, recompute_log_probs_and_means, setup_trainable
 
     d = parallel.init_distributed("cpu" if args.tiny else "cuda")
-    model = build_tiny() if args.tiny else build_real(d.device, text_encoder=False)
+    n = args.prompts * args.group
+    if n % d.world_size:
+        raise SystemExit(f"--prompts x --group = {n} is not divisible by the {d.world_size} ranks")
+    n_local = n // d.world_size
+    torch.manual_seed(0)  # the same random weights and LoRA init on every rank and in every run
+    model = build_tiny() if args.tiny else build_real(d.device, text_encoder=False, layers=args.layers)
     res = 64 if args.tiny else 512
-    sampling = SamplingConfig(height=res, width=res, num_steps=10, guidance_scale=4.0, negative_prompt=" ",
+    sampling = SamplingConfig(height=res, width=res, num_steps=10, guidance_scale=args.cfg, negative_prompt=" ",
                               sde_kind="flow_sde", noise_level=1.2, window_size=2, window_range=(0, 5),
                               micro_batch=args.micro_batch)
-    mcfg = ModelConfig(kind="qwen_image", dtype="bf16", lora_rank=64, lora_alpha=128, gradient_checkpointing=True)
+    mcfg = ModelConfig(kind="qwen_image", dtype="bf16", lora=not args.full, lora_rank=64, lora_alpha=128,
+                       gradient_checkpointing=True)
+    lr = 3e-5 if args.full else 3e-4
     cfg = dataclasses.replace(
         TrainConfig(), model=mcfg, sampling=sampling,
-        grpo=GRPOConfig(group_size=args.group, prompts_per_step=args.prompts, optimizer_steps_per_step=2),
-        optim=OptimConfig(lr=3e-4, weight_decay=1e-4),
+        grpo=GRPOConfig(group_size=args.group, prompts_per_step=args.prompts, optimizer_steps_per_step=args.opt_steps),
+        optim=OptimConfig(lr=lr, weight_decay=1e-4),
     )
     params = setup_trainable(model.transformer, mcfg)
     if args.compile:
         configure_transformer(model.transformer, compile_blocks=True)
     parallel.shard_transformer(model.transformer, param_dtype=None if args.tiny else torch.bfloat16)
     params = [p for p in model.transformer.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=3e-4, weight_decay=1e-4)
+    names = [k for k, p in model.transformer.named_parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=1e-4)
     sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1.0)
     engine = DiffusersEngine(model)
-    n = args.prompts * args.group
-    prompts = [f'A storefront sign that says "WORD{p}"' for p in range(args.prompts) for _ in range(args.group)]
+    ids = range(d.rank * n_local, (d.rank + 1) * n_local)  # this rank's slice of the global batch
+    prompts = [f'A storefront sign that says "WORD{i // args.group}"' for i in ids]
+    n_trainable = sum(p.numel() for p in params) * d.world_size  # sharded evenly (up to padding)
+    print0 = (lambda *a, **k: print(*a, **k, flush=True)) if d.is_main else (lambda *a, **k: None)
+    print0(f"# {d.world_size} rank(s), {n} images per step ({n_local} per rank), "
+           f"{'full weights' if args.full else 'LoRA r64'} ~{n_trainable / 1e9:.2f} B trainable, "
+           f"{args.layers} blocks, CFG {args.cfg}, {args.opt_steps} optimizer steps")
 
     def sync():
         if d.device.type == "cuda":
             torch.cuda.synchronize()
+        if d.world_size > 1:
+            torch.distributed.barrier()
 
     rows = []
+    nccl_s = float("nan")
     for it in range(args.iters + 1):
+        profile = args.profile and it == args.iters and d.device.type == "cuda"
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if profile else None
+        if prof is not None:
+            prof.__enter__()
         if d.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
+        sync()
         t0 = time.perf_counter()
         with torch.no_grad():
-            traj = engine.generate(prompts, [it * 1000 + i for i in range(n)], sampling)
+            traj = engine.generate(prompts, [it * 1000 + i for i in ids], sampling)
         sync()
         t1 = time.perf_counter()
         rewards = torch.randn(n, generator=torch.Generator().manual_seed(it)).to(d.device)
-        adv = grpo.group_advantages(rewards, args.group, std="global")
+        adv = grpo.group_advantages(rewards, args.group, std="global")[ids.start : ids.stop]
         recompute_log_probs_and_means(model, traj, sampling)  # the 'recompute' variant's extra pass
         sync()
         t2 = time.perf_counter()
         m = policy_update(model, params, optimizer, sched, traj, adv, cfg, torch.Generator().manual_seed(it))
         sync()
         t3 = time.perf_counter()
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            events = [e for e in prof.key_averages() if "nccl" in e.key.lower()]
+            nccl_s = sum(getattr(e, "device_time_total", 0.0) or getattr(e, "cuda_time_total", 0.0)
+                         for e in events) / 1e6
+            for e in sorted(events, key=lambda e: -e.device_time_total)[:4]:
+                print0(f"#   {e.key[:70]}: {e.device_time_total / 1e6:.2f}s x{e.count}")
         peak = torch.cuda.max_memory_allocated() / 2**30 if d.device.type == "cuda" else 0.0
-        if it > 0:  # the first step warms up kernels (and compiles)
+        if it > 0 or args.iters == 0:  # the first step warms up kernels (and compiles)
             rows.append((t1 - t0, t2 - t1, t3 - t2, peak, m["logprob_gap/max"]))
-        print(f"step {it}: rollout {t1 - t0:.2f}s old-logprob {t2 - t1:.2f}s train {t3 - t2:.2f}s "
-              f"peak {peak:.1f} GiB gap {m['logprob_gap/max']:.2e}", flush=True)
+        print0(f"step {it}: rollout {t1 - t0:.2f}s old-logprob {t2 - t1:.2f}s train {t3 - t2:.2f}s "
+               f"peak {peak:.1f} GiB gap {m['logprob_gap/max']:.2e}" + (f" nccl {nccl_s:.2f}s" if profile else ""))
+        if it == 0 and m.get("skipped_steps", 0):
+            print0(f"# warning: {m['skipped_steps']:.0f} optimizer step(s) skipped (non-finite gradient norm)")
+        if it == 0 and (args.save_update or args.compare_update):
+            save_or_compare_update(names, params, optimizer, args.save_update, args.compare_update, d.is_main)
 
     roll, old, train, peak, gap = (sum(r[k] for r in rows) / len(rows) for k in range(5))
     W, steps = sampling.window_size, sampling.num_steps
-    fwd_roll = n * steps * 2
-    fwd_train = n * W * 2 * 3
-    floor_s = (fwd_roll + fwd_train) * TFLOP_PER_FORWARD_512 / MATMUL_TFLOPS_H200
+    forwards = 2 if args.cfg > 1 else 1
+    fwd_roll = n_local * steps * forwards
+    fwd_train = n_local * W * forwards * 3
+    depth = args.layers / 60
+    floor_s = (fwd_roll + fwd_train) * TFLOP_PER_FORWARD_512 * depth / MATMUL_TFLOPS_H200
     total = roll + train
-    print()
-    print(f"| phase | s | images/s | effective TFLOP/s | ({'compiled' if args.compile else 'eager'}, {n} images,"
-          f" micro-batch {args.micro_batch}, peak {peak:.1f} GiB, first-update log-prob gap {gap:.1e}) |")
-    print("|---|---:|---:|---:|")
-    for name, t, fwd in [("rollout", roll, fwd_roll), ("old log-prob (recompute only)", old, n * W * 2),
+    print0()
+    print0(f"| phase | s | images/GPU/s | effective TFLOP/s per GPU | ({'compiled' if args.compile else 'eager'}, "
+           f"{d.world_size} GPU(s), {n_local} images per GPU, micro-batch {args.micro_batch}, peak {peak:.1f} GiB, "
+           f"first-update log-prob gap {gap:.1e}) |")
+    print0("|---|---:|---:|---:|")
+    for name, t, fwd in [("rollout", roll, fwd_roll), ("old log-prob (recompute only)", old, n_local * W * forwards),
                          ("train", train, fwd_train), ("total (rollout + train)", total, fwd_roll + fwd_train),
-                         ("total with recompute", total + old, fwd_roll + fwd_train + n * W * 2)]:
-        print(f"| {name} | {t:.2f} | {n / t:.3f} | {fwd * TFLOP_PER_FORWARD_512 / t:.0f} |")
+                         ("total with recompute", total + old, fwd_roll + fwd_train + n_local * W * forwards)]:
+        print0(f"| {name} | {t:.2f} | {n_local / t:.3f} | {fwd * TFLOP_PER_FORWARD_512 * depth / t:.0f} |")
+    if args.profile:
+        print0(f"\ntime in NCCL kernels during the profiled step: {nccl_s:.2f} s "
+               f"({nccl_s / (total + old):.1%} of the step; overlapped with compute where FSDP2 prefetches)")
     if not args.tiny:
-        print(f"\nimages/GPU/s {n / total:.3f} = {n / total / VERL_OMNI_IMAGES_PER_GPU_S:.2f}x verl-omni's "
-              f"published {VERL_OMNI_IMAGES_PER_GPU_S}; FLOP floor {floor_s:.1f} s -> ceiling {n / floor_s:.2f} images/s "
-              f"({floor_s / total:.0%} of it)")
+        print0(f"\nimages/GPU/s {n_local / total:.3f} = {n_local / total / VERL_OMNI_IMAGES_PER_GPU_S:.2f}x verl-omni's "
+               f"published {VERL_OMNI_IMAGES_PER_GPU_S}; FLOP floor {floor_s:.1f} s -> ceiling {n_local / floor_s:.2f} "
+               f"images/GPU/s ({floor_s / total:.0%} of it)")
     del engine, optimizer, params, model
     parallel.shutdown()
+
+
+def save_or_compare_update(names, params, optimizer, save: str, compare: str, is_main: bool) -> None:
+    """Gather the trained weights and AdamW's first moment after one step; save them or compare with a file.
+
+    AdamW's first step moves every weight by about lr x sign(gradient), which turns rounding noise in a
+    near-zero gradient into a full-size difference; the first moment (1 - beta1) x gradient is linear in the
+    gradient, so it is the quantity to compare across world sizes.
+    """
+    from safetensors.torch import load_file, save_file
+
+    def full(t):
+        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float().cpu()
+
+    tensors = {}
+    for name, p in zip(names, params):
+        tensors[f"param/{name}"] = full(p)
+        state = optimizer.state.get(p, {})  # no state: the parameter got no gradient (or the step was skipped)
+        tensors[f"m/{name}"] = full(state["exp_avg"]) if "exp_avg" in state else torch.zeros(p.shape)
+    if not is_main:
+        return
+    if save:
+        save_file(tensors, save)
+        print(f"# saved {len(tensors)} tensors to {save}", flush=True)
+    if compare:
+        ref = load_file(compare)
+        for kind in ("m", "param"):
+            keys = [k for k in tensors if k.startswith(kind + "/")]
+            a = torch.cat([tensors[k].flatten() for k in keys])
+            b = torch.cat([ref[k].flatten() for k in keys])
+            rel = ((a - b).norm() / b.norm()).item()
+            print(f"# {'first moment (gradient)' if kind == 'm' else 'weights after the step'}: "
+                  f"relative L2 difference {rel:.2e}, max |diff| {(a - b).abs().max().item():.2e}, "
+                  f"max |ref| {b.abs().max().item():.2e}", flush=True)
+        ka = [k for k in tensors if k.startswith("m/")]
+        a = torch.cat([tensors[k].flatten() for k in ka])
+        b = torch.cat([ref[k].flatten() for k in ka])
+        nz = b != 0
+        print(f"# gradient sign agreement on nonzero entries: {(a[nz].sign() == b[nz].sign()).float().mean().item():.4%}; "
+              f"cosine similarity {torch.nn.functional.cosine_similarity(a, b, dim=0).item():.6f}", flush=True)
 
 
 if __name__ == "__main__":

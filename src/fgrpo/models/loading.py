@@ -85,6 +85,13 @@ def configure_transformer(
     if attention_backend:
         transformer.set_attention_backend(attention_backend)
     if compile_blocks:
+        # One block's code is traced in several variants: no-grad rollout vs training forward, the first
+        # block (input without grad) vs the rest, a padding mask or none, the checkpoint recompute, each
+        # prompt length until dynamo marks the text length dynamic. That is more than dynamo's default
+        # limit of 8, which fullgraph=True turns into a hard error; the variants are bounded, so we raise it.
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
         transformer.compile_repeated_blocks(fullgraph=True)
 
 
