@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="regional torch.compile of the transformer blocks")
     ap.add_argument("--iters", type=int, default=2, help="timed steps (after one warm-up step)")
     ap.add_argument("--profile", action="store_true", help="profile the last timed step: time in NCCL kernels")
+    ap.add_argument("--comm-probe", action="store_true", help="time a full-model all-gather of the blocks' weights")
     ap.add_argument("--save-update", default="", help="after the warm-up step: save the trained weights and "
                     "AdamW's first moment (= (1 - beta1) x the gradient) to this .safetensors (rank 0)")
     ap.add_argument("--compare-update", default="", help="after the warm-up step: compare them with this file")
@@ -141,6 +142,11 @@ def main() -> None:
         if it == 0 and (args.save_update or args.compare_update):
             save_or_compare_update(names, params, optimizer, args.save_update, args.compare_update, d.is_main)
 
+    if args.comm_probe and d.device.type == "cuda":
+        ag = comm_probe(model.transformer)
+        weights_gib = sum(p.numel() * 2 for p in model.transformer.transformer_blocks.parameters()) * d.world_size / 2**30
+        print0(f"# all-gather of the {args.layers} blocks' bf16 weights ({weights_gib:.1f} GiB, each rank receives "
+               f"{weights_gib * (d.world_size - 1) / d.world_size:.1f} GiB): {ag * 1e3:.0f} ms per full pass")
     roll, old, train, peak, gap = (sum(r[k] for r in rows) / len(rows) for k in range(5))
     W, steps = sampling.window_size, sampling.num_steps
     forwards = 2 if args.cfg > 1 else 1
@@ -192,21 +198,44 @@ def save_or_compare_update(names, params, optimizer, save: str, compare: str, is
         save_file(tensors, save)
         print(f"# saved {len(tensors)} tensors to {save}", flush=True)
     if compare:
-        ref = load_file(compare)
-        for kind in ("m", "param"):
-            keys = [k for k in tensors if k.startswith(kind + "/")]
-            a = torch.cat([tensors[k].flatten() for k in keys])
-            b = torch.cat([ref[k].flatten() for k in keys])
-            rel = ((a - b).norm() / b.norm()).item()
-            print(f"# {'first moment (gradient)' if kind == 'm' else 'weights after the step'}: "
-                  f"relative L2 difference {rel:.2e}, max |diff| {(a - b).abs().max().item():.2e}, "
-                  f"max |ref| {b.abs().max().item():.2e}", flush=True)
-        ka = [k for k in tensors if k.startswith("m/")]
-        a = torch.cat([tensors[k].flatten() for k in ka])
-        b = torch.cat([ref[k].flatten() for k in ka])
-        nz = b != 0
-        print(f"# gradient sign agreement on nonzero entries: {(a[nz].sign() == b[nz].sign()).float().mean().item():.4%}; "
-              f"cosine similarity {torch.nn.functional.cosine_similarity(a, b, dim=0).item():.6f}", flush=True)
+        compare_updates(tensors, load_file(compare))
+
+
+def compare_updates(got, ref) -> None:
+    """Print how far one run's step is from another's: first moments (gradients) and weights (fp64 sums)."""
+    for kind in ("m", "param"):
+        keys = [k for k in ref if k.startswith(kind + "/")]
+        a = torch.cat([got[k].flatten() for k in keys]).double()
+        b = torch.cat([ref[k].flatten() for k in keys]).double()
+        rel = ((a - b).norm() / b.norm()).item()
+        line = (f"# {'first moment (gradient)' if kind == 'm' else 'weights after the step'}: relative L2 "
+                f"difference {rel:.2e}, max |diff| {(a - b).abs().max().item():.2e}, max |ref| {b.abs().max().item():.2e}")
+        if kind == "m":
+            nz = b != 0
+            cos = (a @ b / (a.norm() * b.norm())).item()
+            line += (f", sign agreement on nonzero entries {(a[nz].sign() == b[nz].sign()).double().mean().item():.4%}, "
+                     f"cosine {cos:.6f}")
+        print(line, flush=True)
+
+
+def compare_files(a: str, b: str) -> None:
+    from safetensors.torch import load_file
+
+    print(f"# {a} vs {b}", flush=True)
+    compare_updates(load_file(a), load_file(b))
+
+
+def comm_probe(transformer, passes: int = 3) -> float:
+    """Seconds per full-model FSDP2 all-gather (every block unsharded then resharded, synchronously)."""
+    blocks = list(transformer.transformer_blocks)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(passes):
+        for block in blocks:
+            block.unshard()
+            block.reshard()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / passes
 
 
 if __name__ == "__main__":

@@ -472,6 +472,42 @@ def test_lora_updates_get_new_adapter_ids_and_directories(engine, tmp_path):
     assert fresh.lora_int_id == 4 and fresh.lora_path != newest
 
 
+def test_lora_names_follow_vllm_omni_modules(engine, tmp_path):
+    """vllm-omni names diffusers' attn.to_out.0 `attn.to_out`; its LoRA loader rejected `to_out.0` on the GPU."""
+    from safetensors.torch import load_file
+
+    from fgrpo.rollout.vllm_omni import vllm_omni_lora_names
+
+    a, b = torch.randn(2, 8), torch.randn(8, 2)
+    state = {
+        "transformer.transformer_blocks.0.attn.to_out.0.lora_A.weight": a,
+        "transformer.transformer_blocks.0.attn.to_out.0.lora_B.weight": b,
+        "transformer.transformer_blocks.0.img_mlp.net.0.proj.lora_A.weight": a.clone(),
+    }
+    cfg = {"r": 2, "lora_alpha": 4, "target_modules": ["to_out.0", "to_q", "img_mlp.net.0.proj"], "peft_type": "LORA"}
+    renamed, new_cfg = vllm_omni_lora_names(state, cfg)
+    assert sorted(renamed) == [
+        "transformer.transformer_blocks.0.attn.to_out.lora_A.weight",
+        "transformer.transformer_blocks.0.attn.to_out.lora_B.weight",
+        "transformer.transformer_blocks.0.img_mlp.net.0.proj.lora_A.weight",  # net.0 of the MLP is unchanged
+    ]
+    assert renamed["transformer.transformer_blocks.0.attn.to_out.lora_B.weight"] is b
+    assert new_cfg["target_modules"] == ["img_mlp.net.0.proj", "to_out", "to_q"] and cfg["target_modules"][0] == "to_out.0"
+    # both update paths (state dict, and the trainer's exported directory) hand the engine the renamed adapter
+    req = engine.update_lora(state, cfg)
+    assert "transformer.transformer_blocks.0.attn.to_out.lora_A.weight" in load_file(f"{req.lora_path}/adapter_model.safetensors")
+    exported = tmp_path / "export"
+    exported.mkdir()
+    from safetensors.torch import save_file
+
+    save_file(state, str(exported / "adapter_model.safetensors"))
+    (exported / "adapter_config.json").write_text(json.dumps(cfg))
+    req = engine.update_lora(exported)
+    assert json.loads(open(f"{req.lora_path}/adapter_config.json").read())["target_modules"] == new_cfg["target_modules"]
+    assert torch.equal(load_file(f"{req.lora_path}/adapter_model.safetensors")[
+        "transformer.transformer_blocks.0.attn.to_out.lora_B.weight"], b)
+
+
 def test_lora_update_errors(engine, tmp_path):
     with pytest.raises(ValueError, match="needs config="):
         engine.update_lora(_lora_state(1.0))

@@ -202,6 +202,27 @@ def write_peft_dir(path: str | os.PathLike[str], state_dict: Mapping[str, torch.
     return path
 
 
+def vllm_omni_lora_names(state_dict: Mapping[str, torch.Tensor], config: Any) -> tuple[dict[str, torch.Tensor], dict]:
+    """A diffusers/PEFT Qwen-Image LoRA renamed to vllm-omni's module names: (state_dict, config dict).
+
+    vllm-omni's Qwen-Image block holds the attention output projection as `attn.to_out` (a Linear), where
+    diffusers has `attn.to_out.0` (the Linear inside a ModuleList with a Dropout); its weight loader maps
+    the name, its LoRA loader does not, and rejects `to_out.0` as an unknown module (seen on the GPU). The
+    other targets (to_q/k/v, add_*_proj, to_add_out, img_mlp.net.0.proj, ...) have the same names on both.
+    """
+    cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+
+    def rename(name: str) -> str:
+        return name.replace(".to_out.0.", ".to_out.")
+
+    targets = cfg.get("target_modules")
+    if isinstance(targets, str):  # a regex: rewrite the literal module name inside it
+        cfg["target_modules"] = targets.replace("to_out.0", "to_out").replace(r"to_out\.0", "to_out")
+    elif targets is not None:
+        cfg["target_modules"] = sorted({t[: -len(".0")] if t.endswith("to_out.0") else t for t in targets})
+    return {rename(k): v for k, v in state_dict.items()}, cfg
+
+
 def _check_rpc(method: str, results: Sequence[Any]) -> list[Any]:
     """vllm-omni reports an unsupported or failed control RPC as a dict instead of raising."""
     flat: list[Any] = []
@@ -295,21 +316,23 @@ class VllmOmniEngine:
         `config` (peft.LoraConfig). Either way the engine gets a fresh directory and a fresh adapter id,
         because vllm-omni would otherwise serve the cached adapter of the same id.
         """
-        self.weight_version += 1
-        v = self.weight_version
-        dst = self.work_dir / f"lora_v{v:06d}"
         if isinstance(source, Mapping):
             if config is None:
                 raise ValueError("update_lora(state_dict) needs config= (the peft.LoraConfig of the adapter)")
-            write_peft_dir(dst, source, config)
         else:
             src = Path(source)
             if not (src / "adapter_config.json").is_file():
                 raise ValueError(
                     f"update_lora: {src} is not a PEFT adapter directory (no adapter_config.json)"
                 )
-            shutil.rmtree(dst, ignore_errors=True)
-            shutil.copytree(src, dst)
+            from safetensors.torch import load_file
+
+            source = load_file(str(src / "adapter_model.safetensors"))
+            config = json.loads((src / "adapter_config.json").read_text())
+        self.weight_version += 1
+        v = self.weight_version
+        dst = self.work_dir / f"lora_v{v:06d}"
+        write_peft_dir(dst, *vllm_omni_lora_names(source, config))
         from vllm.lora.request import LoRARequest
 
         self.lora_request = LoRARequest(lora_name=f"fgrpo_v{v}", lora_int_id=v, lora_path=str(dst))
