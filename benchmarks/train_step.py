@@ -90,7 +90,7 @@ def main() -> None:
     engine = DiffusersEngine(model)
     ids = range(d.rank * n_local, (d.rank + 1) * n_local)  # this rank's slice of the global batch
     prompts = [f'A storefront sign that says "WORD{i // args.group}"' for i in ids]
-    n_trainable = sum(p.numel() for p in params) * d.world_size  # sharded evenly (up to padding)
+    n_trainable = sum(p.numel() for p in params)  # a DTensor's numel() is the global size
     print0 = (lambda *a, **k: print(*a, **k, flush=True)) if d.is_main else (lambda *a, **k: None)
     print0(f"# {d.world_size} rank(s), {n} images per step ({n_local} per rank), "
            f"{'full weights' if args.full else 'LoRA r64'} ~{n_trainable / 1e9:.2f} B trainable, "
@@ -144,7 +144,7 @@ def main() -> None:
 
     if args.comm_probe and d.device.type == "cuda":
         ag = comm_probe(model.transformer)
-        weights_gib = sum(p.numel() * 2 for p in model.transformer.transformer_blocks.parameters()) * d.world_size / 2**30
+        weights_gib = sum(p.numel() * 2 for p in model.transformer.transformer_blocks.parameters()) / 2**30  # global
         print0(f"# all-gather of the {args.layers} blocks' bf16 weights ({weights_gib:.1f} GiB, each rank receives "
                f"{weights_gib * (d.world_size - 1) / d.world_size:.1f} GiB): {ag * 1e3:.0f} ms per full pass")
     roll, old, train, peak, gap = (sum(r[k] for r in rows) / len(rows) for k in range(5))

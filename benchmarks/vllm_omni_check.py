@@ -95,7 +95,7 @@ def image_gap(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
 
 
 def random_lora(
-    transformer: torch.nn.Module, *, rank: int = 4, alpha: float = 8.0, std: float = 0.05, seed: int = 0
+    transformer: torch.nn.Module, *, rank: int = 4, alpha: float = 8.0, std: float = 0.2, seed: int = 0
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """A random PEFT LoRA for the attention projections (B != 0, so it changes the output): (state, config)."""
     gen = torch.Generator().manual_seed(seed)
@@ -323,7 +323,13 @@ def section_lora(ctx: Ctx) -> None:
             )
         )
         for r in rows:
-            ok = r["engine_change"] > 5 * r["gap_base"] and r["gap_after"] < 0.5 * r["in_process_change"]
+            # The engine applies the same LoRA when (a) it moves the output as much as in-process does and
+            # (b) the engine-vs-in-process disagreement grows by a small fraction of that move only. The bf16
+            # kernel gap (gap_base) is not part of the LoRA's effect, so it is subtracted, not compared: on
+            # 2026-11-30 a LoRA of std 0.05 moved x_next by 7.5e-3, only 2.4x the base gap of 3.1e-3, and an
+            # earlier criterion (move > 5 x base gap) failed although the gap grew by 1.3e-4 only.
+            moved_alike = abs(r["engine_change"] - r["in_process_change"]) < 0.1 * r["in_process_change"]
+            ok = moved_alike and (r["gap_after"] - r["gap_base"]) < 0.1 * r["in_process_change"]
             ctx.note(
                 "lora",
                 f"v{r['version']} changes the engine like in-process",

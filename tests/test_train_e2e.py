@@ -47,6 +47,24 @@ def test_two_fsdp_ranks_match_one(tmp_path):
         torch.testing.assert_close(one[k], two[k], rtol=1e-4, atol=1e-6)
 
 
+def test_full_weights_two_fsdp_ranks_match_one(tmp_path):
+    """Full-weight training (no LoRA): every transformer weight is trained, sharded over the ranks and
+    checkpointed; 2 ranks = 1 rank on the same global batch, as with LoRA."""
+    flags = ("--num-steps", "2", "--grpo.optimizer-steps-per-step", "1", "--model.no-lora", "--optim.lr", "1e-3")
+    run(tmp_path / "one", *flags)
+    run(tmp_path / "two", *flags, nproc=2)
+    one, two = final_weights(tmp_path / "one", 2), final_weights(tmp_path / "two", 2)
+    start = final_weights(tmp_path / "one", 1)
+    from fgrpo.models.tiny import tiny_qwen_image
+
+    names = {n for n, _ in tiny_qwen_image(seed=0).transformer.named_parameters()}
+    assert set(one) == names and set(two) == names  # the whole transformer, no LoRA keys
+    moved = [k for k in one if (one[k] - start[k]).abs().max().item() > 0]
+    assert len(moved) > 0.9 * len(one)  # nearly every tensor trains (a few get no gradient, e.g. unused heads)
+    for k in one:
+        torch.testing.assert_close(one[k], two[k], rtol=1e-4, atol=1e-6)
+
+
 def test_kill_and_resume_is_bit_exact(tmp_path):
     run(tmp_path / "straight", "--num-steps", "3")
     # Start the same run, SIGKILL it as soon as its step-1 checkpoint is complete, then resume.

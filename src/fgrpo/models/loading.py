@@ -72,13 +72,15 @@ def configure_transformer(
     gradient_checkpointing: bool = False,
     attention_backend: str = "",
     compile_blocks: bool = False,
+    compile_backend: str = "inductor",
 ) -> None:
     """Training/inference switches on a diffusers transformer, in place.
 
     attention_backend: a name of diffusers' attention dispatcher ("native", "flash", "_flash_3_hub",
     "sage", ...); "" keeps the default (torch SDPA). compile_blocks: regional torch.compile of the
     repeated transformer blocks (diffusers' compile_repeated_blocks): one compiled graph reused by all
-    60 blocks, so compile time is that of one block.
+    60 blocks, so compile time is that of one block. compile_backend: torch.compile's backend ("eager"
+    traces and guards exactly like "inductor" without generating kernels: the tests use it).
     """
     if gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
@@ -92,7 +94,7 @@ def configure_transformer(
         for name in ("recompile_limit", "cache_size_limit"):
             if hasattr(torch._dynamo.config, name):
                 setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
-        transformer.compile_repeated_blocks(fullgraph=True)
+        transformer.compile_repeated_blocks(fullgraph=True, backend=compile_backend)
 
 
 def load_model(mcfg: ModelConfig, *, device: torch.device | str, dtype: torch.dtype) -> FlowModel:
