@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from fgrpo.models.base import FlowModel
+from fgrpo.models.loading import configure_transformer
 from fgrpo.models.qwen_image import QwenImage
 from fgrpo.rollout.base import SamplingConfig, Trajectory
 from fgrpo.rollout.engine import DiffusersEngine, recompute_log_probs
@@ -485,39 +486,44 @@ def section_throughput(ctx: Ctx) -> None:
     args = ctx.args
     path = save_real_size_dir(Path(args.real_dir), args.layers, ctx.device)
     cfg = SamplingConfig(height=512, width=512, num_steps=10, guidance_scale=4.0, negative_prompt=" ", sde_kind="flow_sde", noise_level=1.2, window_size=2, window_range=(0, 5), micro_batch=args.batch)  # fmt: skip
-    rows = []
-    for mode in args.modes.split(","):
+    print(
+        f"\n## throughput, real-size random weights ({args.layers} blocks), 512^2, 10 steps, CFG 4, window 2 in [0,5)"
+    )
+    cols = ["engine", "B", "s/rollout", "img/s", "finite"]
+    print(fmt_table([], cols), flush=True)
+
+    def row(r: dict[str, Any]) -> None:  # each row as soon as it is measured: a later mode may run out of time
+        print(fmt_table([r], cols).splitlines()[-1], flush=True)
+        value = f"{r['img/s']:.3f} img/s" if "img/s" in r else r.get("finite")
+        ctx.note("throughput", r["engine"], value)
+
+    def vllm_mode(mode: str) -> None:
         try:
             engine = vllm_engine(path, ctx, max_batch=args.batch, enforce_eager=(mode == "eager"))
             try:
-                r = _time_engine(engine.generate, cfg, args.batch, args.reps)
-                rows.append({"engine": f"vllm-omni {mode}", **r})
+                row({"engine": f"vllm-omni {mode}", **_time_engine(engine.generate, cfg, args.batch, args.reps)})
             finally:
                 engine.close()
                 gc.collect()
                 torch.cuda.empty_cache()
         except Exception as e:  # a failed mode is a row, not the end of the table
-            rows.append({"engine": f"vllm-omni {mode}", "finite": f"failed: {type(e).__name__}: {e}"[:160]})
+            row({"engine": f"vllm-omni {mode}", "finite": f"failed: {type(e).__name__}: {e}"[:160]})
             traceback.print_exc()
-    if not args.skip_in_process:
+
+    modes = args.modes.split(",")
+    vllm_mode(modes[0])
+    if not args.skip_in_process:  # before the slower modes, so that a timeout still leaves the baseline
         model = in_process(path, ctx.device)
-        rows.append(
-            {
-                "engine": "in-process eager",
-                **_time_engine(DiffusersEngine(model).generate, cfg, args.batch, args.reps),
-            }
-        )
+        for mode in args.in_process_modes.split(","):
+            if mode == "compile":  # the same regional compile as --model.compile in training
+                configure_transformer(model.transformer, compile_blocks=True)
+            r = _time_engine(DiffusersEngine(model).generate, cfg, args.batch, args.reps)
+            row({"engine": f"in-process {mode}", **r})
         del model
-    print(
-        f"\n## throughput, real-size random weights ({args.layers} blocks), 512^2, 10 steps, CFG 4, window 2 in [0,5)"
-    )
-    print(fmt_table(rows, ["engine", "B", "s/rollout", "img/s", "finite"]))
-    for r in rows:
-        ctx.note(
-            "throughput",
-            r["engine"],
-            f"{r.get('img/s', float('nan')):.3f} img/s" if "img/s" in r else r.get("finite"),
-        )
+        gc.collect()
+        torch.cuda.empty_cache()
+    for mode in modes[1:]:
+        vllm_mode(mode)
 
 
 SECTIONS: dict[str, Callable[[Ctx], None]] = {
@@ -569,6 +575,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16, help="throughput: samples per rollout")
     ap.add_argument("--reps", type=int, default=2, help="throughput: timed rollouts per row")
     ap.add_argument("--modes", default="eager,compile", help="throughput: vllm-omni eager and/or compile")
+    ap.add_argument("--in-process-modes", default="eager,compile", help="throughput: in-process eager and/or compile")
     ap.add_argument("--skip-in-process", action="store_true", help="throughput: only the vllm-omni rows")
     ap.add_argument("--cpu-selftest", action="store_true", help="check the helpers on the CPU (no vllm)")
     args = ap.parse_args()

@@ -1,14 +1,15 @@
 """Prompt files, the per-step prompt order and config validation (no model needed)."""
 
 import dataclasses
+from functools import partial
 
 import pytest
 import torch
 
-from fgrpo.config import GRPOConfig, TrainConfig
+from fgrpo.config import GRPOConfig, OptimConfig, TrainConfig
 from fgrpo.data import load_prompts, step_prompt_indices
 from fgrpo.rollout.base import SamplingConfig
-from fgrpo.train import validate_config
+from fgrpo.train import lr_multiplier, validate_config
 
 
 def test_step_prompt_indices_cover_each_epoch_once():
@@ -53,12 +54,31 @@ def test_load_prompts_formats_and_errors(tmp_path):
         ({"sampling": SamplingConfig(sde_kind="ode")}, "nothing to train"),
         ({"rollout_engine": "vllm_omni"}, "old-log-prob recompute"),
         ({"rollout_engine": "vllm_omni", "grpo": GRPOConfig(old_log_prob="recompute")}, "one trainer process"),
+        ({"optim": OptimConfig(min_lr_ratio=1.5)}, "optim.min_lr_ratio"),
+        ({"num_steps": 3, "optim": OptimConfig(schedule="cosine", warmup_steps=6)}, "optim.decay_steps=6"),
     ],
 )
 def test_validate_config_names_the_field(change, match):
     cfg = dataclasses.replace(TrainConfig(), **change)
     with pytest.raises(ValueError, match=match):
         validate_config(cfg, world_size=2)
+
+
+def test_lr_multiplier_hand_computed():
+    f = partial(lr_multiplier, warmup=2, decay_steps=6, min_ratio=0.1)
+    # warm-up: (k+1)/2, then 1 at k=2 where the decay starts, floor 0.1 from k=6 on
+    assert [f(k, schedule="constant") for k in range(8)] == [0.5, 1, 1, 1, 1, 1, 1, 1]
+    linear = [f(k, schedule="linear") for k in range(8)]
+    assert linear == pytest.approx([0.5, 1.0, 1.0, 0.775, 0.55, 0.325, 0.1, 0.1])
+    cosine = [f(k, schedule="cosine") for k in range(8)]
+    # halfway (k=4) the cosine is at the mid-point 0.55; a quarter in, 0.1 + 0.9 * (1 + cos(pi/4)) / 2
+    assert cosine == pytest.approx([0.5, 1.0, 1.0, 0.1 + 0.45 * (1 + 2**-0.5), 0.55, 0.1 + 0.45 * (1 - 2**-0.5), 0.1, 0.1])
+
+
+def test_lr_decay_spans_the_run_by_default():
+    cfg = TrainConfig(num_steps=5, grpo=GRPOConfig(optimizer_steps_per_step=2, inner_epochs=3))
+    assert cfg.optimizer_steps == 30 and cfg.lr_decay_steps == 30
+    assert dataclasses.replace(cfg, optim=OptimConfig(decay_steps=7)).lr_decay_steps == 7
 
 
 def test_validate_config_accepts_the_recipe():

@@ -1,5 +1,6 @@
 """End-to-end runs of the loop in subprocesses: FSDP2 on 2 gloo ranks = 1 rank; kill + resume = no kill."""
 
+import json
 import os
 import signal
 import subprocess
@@ -7,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -66,10 +68,15 @@ def test_full_weights_two_fsdp_ranks_match_one(tmp_path):
 
 
 def test_kill_and_resume_is_bit_exact(tmp_path):
-    run(tmp_path / "straight", "--num-steps", "3")
+    # A decaying LR, so that a scheduler resumed at the wrong optimizer step changes the weights.
+    flags = ["--num-steps", "3", "--optim.schedule", "linear"]
+    run(tmp_path / "straight", *flags)
+    logged = [json.loads(line) for line in (tmp_path / "straight" / "e2e" / "metrics.jsonl").read_text().splitlines()]
+    lrs = [m["lr"] for m in logged if "lr" in m]
+    assert lrs == pytest.approx([3e-2 * (1 - k / 6) for k in (2, 4, 6)])  # after each step's 2 optimizer steps
     # Start the same run, SIGKILL it as soon as its step-1 checkpoint is complete, then resume.
     out = tmp_path / "killed"
-    cmd = [sys.executable, ENTRY, "--run.out-dir", str(out), "--num-steps", "3"]
+    cmd = [sys.executable, ENTRY, "--run.out-dir", str(out), *flags]
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     ckpt = out / "e2e" / "checkpoints" / "step_000001"
     deadline = time.time() + 600
@@ -79,7 +86,7 @@ def test_kill_and_resume_is_bit_exact(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (out / "e2e" / "checkpoints" / "step_000003").exists()  # it really died mid-run
-    res = run(out, "--num-steps", "3", "--run.resume", "auto")
+    res = run(out, *flags, "--run.resume", "auto")
     assert "resumed from" in res.stdout
     a, b = final_weights(tmp_path / "straight", 3), final_weights(out, 3)
     for k in a:

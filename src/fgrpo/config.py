@@ -84,6 +84,12 @@ class OptimConfig:
     """Max global grad norm; a step whose grad norm is not finite is skipped and counted."""
     warmup_steps: int = 0
     """Linear LR warm-up in optimizer steps."""
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """LR after warm-up: constant, or decaying (linear / cosine) to min_lr_ratio * lr at decay_steps."""
+    decay_steps: int = 0
+    """Optimizer step at which the decay ends; 0 = the run's last (num_steps * optimizer steps per step)."""
+    min_lr_ratio: float = 0.0
+    """Floor of the decay as a fraction of lr."""
 
 
 @dataclass(frozen=True)
@@ -165,3 +171,12 @@ class TrainConfig:
     @property
     def samples_per_step(self) -> int:
         return self.grpo.prompts_per_step * self.grpo.group_size
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps in the whole run (what the LR schedule counts)."""
+        return self.num_steps * self.grpo.inner_epochs * self.grpo.optimizer_steps_per_step
+
+    @property
+    def lr_decay_steps(self) -> int:
+        return self.optim.decay_steps or self.optimizer_steps

@@ -31,6 +31,7 @@ import dataclasses
 import math
 import warnings
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -77,6 +78,14 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
         raise ValueError("grpo.kl_coef>0 needs model.lora=True (the reference is the model with adapters off)")
     if cfg.num_steps < 1:
         raise ValueError(f"num_steps={cfg.num_steps}: must be >= 1")
+    o = cfg.optim
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        raise ValueError(f"optim.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]")
+    if o.schedule != "constant" and cfg.lr_decay_steps <= o.warmup_steps:
+        raise ValueError(
+            f"optim.decay_steps={cfg.lr_decay_steps} (optimizer steps) must exceed optim.warmup_steps="
+            f"{o.warmup_steps} for optim.schedule='{o.schedule}'; raise optim.decay_steps or num_steps"
+        )
     if cfg.rollout_engine == "vllm_omni":
         if cfg.model.kind != "qwen_image" or not cfg.model.lora:
             raise ValueError("rollout_engine='vllm_omni' supports model.kind='qwen_image' with model.lora=True only")
@@ -167,6 +176,18 @@ def sync_engine_weights(engine, transformer: torch.nn.Module, sync_dir: Path) ->
     from fgrpo import checkpoint
 
     engine.update_lora(checkpoint.export_lora(sync_dir, transformer))
+
+
+def lr_multiplier(k: int, *, warmup: int, schedule: str, decay_steps: int, min_ratio: float) -> float:
+    """Factor on the base LR for optimizer step k (0-based): linear warm-up over `warmup` steps, then constant or
+    a linear / cosine decay from 1 at step `warmup` to `min_ratio` at step `decay_steps`, flat after."""
+    if warmup and k < warmup:
+        return (k + 1) / warmup
+    if schedule == "constant" or decay_steps <= warmup:
+        return 1.0
+    frac = min(1.0, (k - warmup) / (decay_steps - warmup))
+    shape = 1.0 - frac if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
+    return min_ratio + (1.0 - min_ratio) * shape
 
 
 def sample_seeds(seed: int, step: int, sample_ids: torch.Tensor) -> list[int]:
@@ -360,7 +381,9 @@ def train(cfg: TrainConfig, *, experiment_source: str | None = None) -> dict[str
     o = cfg.optim
     optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda k: min(1.0, (k + 1) / o.warmup_steps) if o.warmup_steps else 1.0
+        optimizer,
+        partial(lr_multiplier, warmup=o.warmup_steps, schedule=o.schedule, decay_steps=cfg.lr_decay_steps,
+                min_ratio=o.min_lr_ratio),
     )
     engine = build_engine(model, cfg)
 
