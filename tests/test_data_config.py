@@ -6,7 +6,7 @@ from functools import partial
 import pytest
 import torch
 
-from fgrpo.config import GRPOConfig, OptimConfig, TrainConfig
+from fgrpo.config import GRPOConfig, ModelConfig, OptimConfig, TrainConfig
 from fgrpo.data import load_prompts, step_prompt_indices
 from fgrpo.rollout.base import SamplingConfig
 from fgrpo.train import lr_multiplier, validate_config
@@ -55,6 +55,7 @@ def test_load_prompts_formats_and_errors(tmp_path):
         ({"rollout_engine": "vllm_omni"}, "old-log-prob recompute"),
         ({"rollout_engine": "vllm_omni", "grpo": GRPOConfig(old_log_prob="recompute")}, "one trainer process"),
         ({"optim": OptimConfig(min_lr_ratio=1.5)}, "optim.min_lr_ratio"),
+        ({"model": ModelConfig(compile=True)}, "--grpo.old-log-prob recompute"),
         ({"num_steps": 3, "optim": OptimConfig(schedule="cosine", warmup_steps=6)}, "optim.decay_steps=6"),
     ],
 )
@@ -83,3 +84,5 @@ def test_lr_decay_spans_the_run_by_default():
 
 def test_validate_config_accepts_the_recipe():
     validate_config(TrainConfig(), world_size=4)
+    compiled = TrainConfig(model=ModelConfig(compile=True), grpo=GRPOConfig(old_log_prob="recompute"))
+    validate_config(compiled, world_size=4)

@@ -34,7 +34,8 @@ class ModelConfig:
     attention_backend: str = ""
     """diffusers attention backend name (e.g. 'flash', '_flash_3_hub', 'native'); '' keeps the default."""
     compile: bool = False
-    """Regional torch.compile of the transformer blocks."""
+    """Regional torch.compile of the transformer blocks (1.32x the eager step on an H200). The compiled rollout and
+    training forwards differ by ~1e-4 in log-prob, so small clip ranges need grpo.old_log_prob='recompute'."""
 
     @property
     def lora_target_list(self) -> list[str]:

@@ -50,6 +50,11 @@ from fgrpo.rollout.engine import micro_batches, recompute_log_prob
 # Validation of the config: every error names the field and the fix, before anything expensive.
 
 
+# Max per-step |rollout - trainer| log-prob gap with regional compile on an H200 (RESULTS.md, "Compiled Flow-GRPO
+# step"): the no-grad and the grad forward compile to different kernels. Eager, the two are bit-identical.
+COMPILED_LOGPROB_GAP = 1e-4
+
+
 def validate_config(cfg: TrainConfig, world_size: int) -> None:
     g, s = cfg.grpo, cfg.sampling
     n = cfg.samples_per_step
@@ -73,6 +78,12 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
         raise ValueError(
             f"sampling.window_range={s.window_range} with window_size={s.window_size} must satisfy "
             f"0 <= lo, lo + window_size <= hi <= num_steps={s.num_steps}"
+        )
+    if cfg.model.compile and g.old_log_prob == "rollout" and g.clip_range < 10 * COMPILED_LOGPROB_GAP:
+        raise ValueError(
+            f"model.compile=True with grpo.old_log_prob='rollout': compiled rollout and training forwards differ "
+            f"by up to ~{COMPILED_LOGPROB_GAP:g} in log-prob, not small next to grpo.clip_range={g.clip_range:g}; "
+            "add --grpo.old-log-prob recompute"
         )
     if g.kl_coef > 0 and not cfg.model.lora:
         raise ValueError("grpo.kl_coef>0 needs model.lora=True (the reference is the model with adapters off)")
