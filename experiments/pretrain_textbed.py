@@ -36,6 +36,7 @@ import torch
 import tyro
 
 from fgrpo.models import textbed as tb
+from fgrpo.train import lr_multiplier
 
 FONT_CANDIDATES = (
     "/usr/share/fonts/truetype/dejavu/DejaVuSans-Bold.ttf",  # Debian/Ubuntu fonts-dejavu-core
@@ -339,7 +340,8 @@ def train(cfg: Config) -> list[tuple[float, int, dict[str, torch.Tensor]]]:
         target = noise - x0
 
         for g in opt.param_groups:
-            g["lr"] = cfg.optim.lr * min(1.0, (step + 1) / cfg.optim.warmup_steps)
+            g["lr"] = cfg.optim.lr * lr_multiplier(step, warmup=cfg.optim.warmup_steps, schedule="constant",
+                                                   decay_steps=0, min_ratio=0.0)
         with torch.autocast(device.type, torch.bfloat16, enabled=cfg.amp):
             v = model.denoise(x_t, t, model.embed_ids(ids, mask), mask)
         loss = torch.nn.functional.mse_loss(v.float(), target)
