@@ -64,7 +64,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """AdamW with linear warmup, constant after."""
+    """AdamW with linear warmup, then constant or decaying to `min_lr_ratio` at `max_steps`."""
 
     lr: float = 6e-4
     """Peak learning rate."""
@@ -74,6 +74,11 @@ class OptimConfig:
     """Decoupled weight decay."""
     warmup_steps: int = 200
     """Linear warmup steps."""
+    schedule: str = "constant"
+    """After warmup: constant, linear or cosine decay to min_lr_ratio * lr at step max_steps (set max_steps to
+    the steps that fit in time_budget_s, else the budget stops training mid-decay)."""
+    min_lr_ratio: float = 0.0
+    """Final LR as a fraction of the peak (decaying schedules only)."""
     grad_clip: float = 1.0
     """Global grad-norm clip."""
 
@@ -269,6 +274,19 @@ def ema_decay(cfg: Config, step: int) -> float:
     return min(cfg.ema, (1 + step) / (10 + step))
 
 
+def check_config(cfg: Config) -> None:
+    """One-line errors for settings that would waste a GPU run."""
+    if cfg.optim.schedule not in ("constant", "linear", "cosine"):
+        raise ValueError(f"optim.schedule={cfg.optim.schedule!r}: use constant, linear or cosine")
+    if cfg.optim.schedule != "constant" and cfg.max_steps <= cfg.optim.warmup_steps:
+        raise ValueError(
+            f"optim.schedule={cfg.optim.schedule} decays until max_steps={cfg.max_steps}, which is not after "
+            f"optim.warmup_steps={cfg.optim.warmup_steps}: raise --max-steps"
+        )
+    if not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
+        raise ValueError(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} must be in [0, 1]")
+
+
 def train(cfg: Config) -> list[tuple[float, int, dict[str, torch.Tensor]]]:
     """Train; returns the EMA snapshots [(train seconds, step, bf16 state dict)]."""
     device = torch.device(cfg.device)
@@ -339,9 +357,10 @@ def train(cfg: Config) -> list[tuple[float, int, dict[str, torch.Tensor]]]:
         x_t = (1 - t[:, None, None]) * x0 + t[:, None, None] * noise
         target = noise - x0
 
+        lr = cfg.optim.lr * lr_multiplier(step, warmup=cfg.optim.warmup_steps, schedule=cfg.optim.schedule,
+                                          decay_steps=cfg.max_steps, min_ratio=cfg.optim.min_lr_ratio)
         for g in opt.param_groups:
-            g["lr"] = cfg.optim.lr * lr_multiplier(step, warmup=cfg.optim.warmup_steps, schedule="constant",
-                                                   decay_steps=0, min_ratio=0.0)
+            g["lr"] = lr
         with torch.autocast(device.type, torch.bfloat16, enabled=cfg.amp):
             v = model.denoise(x_t, t, model.embed_ids(ids, mask), mask)
         loss = torch.nn.functional.mse_loss(v.float(), target)
@@ -358,7 +377,7 @@ def train(cfg: Config) -> list[tuple[float, int, dict[str, torch.Tensor]]]:
             loss_v, gn = loss.item(), gnorm.item()  # syncs; the timing below is then honest
             now = time.perf_counter()
             print(
-                f"step {step} loss {loss_v:.4f} gnorm {gn:.2f} {seen / (now - t_log):.0f} img/s "
+                f"step {step} loss {loss_v:.4f} gnorm {gn:.2f} lr {lr:.2e} {seen / (now - t_log):.0f} img/s "
                 f"({now - t_start:.0f}s)",
                 flush=True,
             )
@@ -368,6 +387,8 @@ def train(cfg: Config) -> list[tuple[float, int, dict[str, torch.Tensor]]]:
             snapshot(elapsed, step)
             next_snap += cfg.eval.every_s
         if elapsed >= cfg.time_budget_s:
+            if cfg.optim.schedule != "constant":
+                print(f"time budget hit at step {step} of {cfg.max_steps}: the LR decay did not finish", flush=True)
             break
     if not snapshots or snapshots[-1][1] != step:
         snapshot(time.perf_counter() - t_start, step)
@@ -476,6 +497,7 @@ def choose(results: list[dict], band: tuple[float, float]) -> tuple[int, int]:
 
 
 def main(cfg: Config) -> dict:
+    check_config(cfg)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2, default=str))

@@ -75,3 +75,25 @@ def test_tiny_preset_runs_two_steps(tmp_path, name, flags):
     assert (run / "checkpoints" / "step_000002" / "meta.json").is_file()
     assert (run / "lora" / "adapter_model.safetensors").is_file()
     assert (run / "config.json").is_file() and (run / f"{name}.py").is_file()  # config + source saved
+
+
+def test_pretrain_textbed_lr_decay_reaches_the_loop(capsys):
+    """The pretraining loop's LR follows warm-up then linear decay to 0 at max_steps (hand-computed), and
+    settings that cannot decay are refused before any rendering."""
+    import dataclasses
+    import re
+
+    pt = load(ROOT / "experiments" / "pretrain_textbed.py")
+    base = pt.tiny()
+    cfg = dataclasses.replace(base, max_steps=5, optim=dataclasses.replace(base.optim, lr=1e-3, warmup_steps=1,
+                                                                           schedule="linear"))
+    pt.check_config(cfg)
+    pt.train(cfg)
+    lrs = [float(x) for x in re.findall(r" lr ([0-9.e+-]+) ", capsys.readouterr().out)]
+    # step k (0-based): k < 1 warm-up (k+1)/1; then 1 - (k-1)/(5-1)
+    assert lrs == pytest.approx([1e-3, 1e-3, 7.5e-4, 5e-4, 2.5e-4])
+
+    with pytest.raises(ValueError, match="--max-steps"):
+        pt.check_config(dataclasses.replace(cfg, max_steps=1))
+    with pytest.raises(ValueError, match="optim.schedule"):
+        pt.check_config(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, schedule="step")))
