@@ -9,13 +9,18 @@ held-out words, and keeps the snapshot whose score leaves Flow-GRPO room (about 
 
 How it deviates from a "real" pretraining: the data is an on-device bank of pre-rendered images (each
 seen a few times) rather than a stream; no torch.compile (one-shot GPU budget: compile time is
-unmeasured risk, eager bf16 already trains it in minutes).
+unmeasured risk, eager bf16 already trains it in minutes). Multi-GPU is plain data parallelism with
+one flat gradient all-reduce a step, no DDP wrapper (the loop calls the model's denoise/embed_ids, not
+forward) and no FSDP (7 M parameters): every rank draws the same global batch from the same generator
+and trains on its slice, so N ranks take the same steps as one process with the whole batch.
 
 Commands:
   words (once; writes src/fgrpo/assets/textbed/words_*.txt from flow_grpo's OCR prompts):
       uv run python experiments/pretrain_textbed.py words --words-source ../shared/data/flow_grpo/dataset/ocr/test.txt
   1 GPU (the committed checkpoint, ~7 minutes on one H200):
       uv run python experiments/pretrain_textbed.py recipe --out-dir runs/pretrain_textbed
+  N GPUs (data parallel; --batch-size is the global batch, each rank trains on its slice):
+      uv run torchrun --standalone --nproc-per-node N experiments/pretrain_textbed.py recipe --batch-size 1024
   CPU smoke test (seconds):
       uv run python experiments/pretrain_textbed.py tiny
 """
@@ -51,7 +56,7 @@ class DataConfig:
     bank_size: int = 300_000
     """Images pre-rendered before training (sampled with replacement each step)."""
     workers: int = 0
-    """Render processes (0 = all cores)."""
+    """Render processes per rank (0 = all cores / ranks)."""
     font: str = ""
     """TrueType font ('' = the first of FONT_CANDIDATES that exists)."""
     min_size_frac: float = 0.55
@@ -103,6 +108,8 @@ class EvalConfig:
     """rapidocr detector resize; its default 736 would blow a 64x256 crop up 11x (about 15x slower)."""
     ocr_workers: int = 0
     """OCR processes (0 = min(cores, 12)); each runs one 1-thread onnxruntime."""
+    enabled: bool = True
+    """False: no OCR scoring; the last snapshot is written as `last/` (e.g. to score it elsewhere)."""
     target: tuple[float, float] = (0.5, 0.75)
     """Held-out OCR score band of the checkpoint we commit (room for Flow-GRPO to improve)."""
 
@@ -118,9 +125,9 @@ class Config:
     seed: int = 0
     """Seed of the init, the data bank and the training noise."""
     device: str = "cuda"
-    """Training device."""
+    """Training device ("cuda": under torchrun, each rank uses cuda:LOCAL_RANK)."""
     batch_size: int = 512
-    """Images per optimizer step."""
+    """Images per optimizer step, over all ranks (each trains on batch_size / ranks)."""
     max_steps: int = 100_000
     """Upper bound on optimizer steps (the time budget usually ends training first)."""
     time_budget_s: float = 330.0
@@ -227,7 +234,7 @@ def render_bank(words: list[str], cfg: Config, font: str) -> tuple[torch.Tensor,
         )
         for c in range(n_chunks)
     ]
-    workers = cfg.data.workers or os.cpu_count() or 1
+    workers = cfg.data.workers or max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", "1")))
     if workers == 1 or n_chunks == 1:
         parts = [_render_chunk(j) for j in jobs]
     else:
@@ -287,9 +294,49 @@ def check_config(cfg: Config) -> None:
         raise ValueError(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} must be in [0, 1]")
 
 
-def train(cfg: Config) -> list[tuple[float, int, dict[str, torch.Tensor]]]:
-    """Train; returns the EMA snapshots [(train seconds, step, bf16 state dict)]."""
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size) as torchrun sets them; a plain run is rank 0 of 1."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(cfg: Config) -> torch.device:
+    """This rank's device; joins the process group when torchrun started several ranks."""
+    rank, world = rank_and_world()
+    if world == 1:
+        return torch.device(cfg.device)
+    import torch.distributed as dist
+
+    if cfg.batch_size % world:
+        raise ValueError(
+            f"--batch-size {cfg.batch_size} is not divisible by the {world} ranks; make it a multiple"
+        )
     device = torch.device(cfg.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
+def average_gradients(params: list[torch.nn.Parameter], world: int) -> None:
+    """Mean of every rank's gradients, in place, through one flat all-reduce (the loss is each rank's mean
+    over its equal-sized slice, so this is the gradient of the global batch mean)."""
+    import torch.distributed as dist
+
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= world
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def train(cfg: Config) -> list[tuple[float, int, dict[str, torch.Tensor]]]:
+    """Train; returns the EMA snapshots [(train seconds, step, fp32 state dict)] (empty on ranks > 0)."""
+    rank, world = rank_and_world()
+    device = init_distributed(cfg)
     torch.manual_seed(cfg.seed)
     font = cfg.data.font or next((f for f in FONT_CANDIDATES if Path(f).is_file()), "")
     if not font:
@@ -300,7 +347,8 @@ def train(cfg: Config) -> list[tuple[float, int, dict[str, torch.Tensor]]]:
 
     t0 = time.perf_counter()
     bank, bank_word = render_bank(words, cfg, font)
-    print(f"bank: {len(bank)} renders of {len(words)} words in {time.perf_counter() - t0:.1f}s", flush=True)
+    log = print if rank == 0 else (lambda *a, **k: None)
+    log(f"bank: {len(bank)} renders of {len(words)} words in {time.perf_counter() - t0:.1f}s", flush=True)
     bank, bank_word = bank.to(device), bank_word.to(device)
     word_ids, word_mask = (
         t.to(device) for t in tb.tokenize([tb.prompt_for(w) for w in words], cfg.model.max_text_len)
@@ -309,7 +357,7 @@ def train(cfg: Config) -> list[tuple[float, int, dict[str, torch.Tensor]]]:
 
     model = tb.TextbedModel(cfg.model).to(device).train()
     params = [p for p in model.parameters() if p.requires_grad]
-    print(
+    log(
         f"params: transformer {sum(p.numel() for p in model.transformer.parameters()) / 1e6:.2f}M, "
         f"text encoder {sum(p.numel() for p in model.text_encoder.parameters()) / 1e6:.2f}M",
         flush=True,
@@ -327,38 +375,47 @@ def train(cfg: Config) -> list[tuple[float, int, dict[str, torch.Tensor]]]:
         fused=device.type == "cuda",
     )
     ema = [p.detach().clone().float() for p in params]
+    # Same seed on every rank: all ranks draw the same global batch and each keeps its slice [lo, lo + b).
     gen = torch.Generator(device).manual_seed(cfg.seed + 1)
     snapshots = []
 
     def snapshot(elapsed: float, step: int) -> None:
+        if rank:
+            return
         backup = [p.detach().clone() for p in params]
         with torch.no_grad():
             for p, e in zip(params, ema):
                 p.copy_(e)
-        snapshots.append((elapsed, step, tb.state_dict_for_save(model)))
+        snapshots.append((elapsed, step, tb.state_dict_for_save(model, torch.float32)))
         with torch.no_grad():
             for p, b in zip(params, backup):
                 p.copy_(b)
         print(f"snapshot at step {step} ({elapsed:.0f}s)", flush=True)
 
-    B = cfg.batch_size
+    B, b = cfg.batch_size, cfg.batch_size // world
+    lo = rank * b
     t_start = time.perf_counter()
     next_snap = cfg.eval.every_s
     step, seen, t_log = 0, 0, t_start
     while step < cfg.max_steps:
-        idx = torch.randint(len(bank), (B,), device=device, generator=gen)
-        x0 = tb.patchify(bank[idx].float() / 127.5 - 1.0, cfg.model.patch)  # [B, seq, p*p] in [-1, 1]
+        idx = torch.randint(len(bank), (B,), device=device, generator=gen)[lo : lo + b]
+        x0 = tb.patchify(bank[idx].float() / 127.5 - 1.0, cfg.model.patch)  # [b, seq, p*p] in [-1, 1]
         w = bank_word[idx]
-        drop = torch.rand(B, device=device, generator=gen) < cfg.p_uncond
+        drop = (torch.rand(B, device=device, generator=gen) < cfg.p_uncond)[lo : lo + b]
         ids = torch.where(drop[:, None], empty_ids, word_ids[w])
         mask = torch.where(drop[:, None], empty_mask, word_mask[w])
-        t = torch.sigmoid(cfg.t_mean + cfg.t_std * torch.randn(B, device=device, generator=gen))
-        noise = torch.randn(x0.shape, device=device, generator=gen)
+        t = torch.sigmoid(cfg.t_mean + cfg.t_std * torch.randn(B, device=device, generator=gen))[lo : lo + b]
+        noise = torch.randn((B, *x0.shape[1:]), device=device, generator=gen)[lo : lo + b]
         x_t = (1 - t[:, None, None]) * x0 + t[:, None, None] * noise
         target = noise - x0
 
-        lr = cfg.optim.lr * lr_multiplier(step, warmup=cfg.optim.warmup_steps, schedule=cfg.optim.schedule,
-                                          decay_steps=cfg.max_steps, min_ratio=cfg.optim.min_lr_ratio)
+        lr = cfg.optim.lr * lr_multiplier(
+            step,
+            warmup=cfg.optim.warmup_steps,
+            schedule=cfg.optim.schedule,
+            decay_steps=cfg.max_steps,
+            min_ratio=cfg.optim.min_lr_ratio,
+        )
         for g in opt.param_groups:
             g["lr"] = lr
         with torch.autocast(device.type, torch.bfloat16, enabled=cfg.amp):
@@ -366,6 +423,8 @@ def train(cfg: Config) -> list[tuple[float, int, dict[str, torch.Tensor]]]:
         loss = torch.nn.functional.mse_loss(v.float(), target)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if world > 1:
+            average_gradients(params, world)
         gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
         opt.step()
         with torch.no_grad():
@@ -374,9 +433,13 @@ def train(cfg: Config) -> list[tuple[float, int, dict[str, torch.Tensor]]]:
         seen += B
 
         if step % cfg.log_every == 0 or step == cfg.max_steps:
-            loss_v, gn = loss.item(), gnorm.item()  # syncs; the timing below is then honest
+            loss_v = loss.detach()
+            if world > 1:
+                torch.distributed.all_reduce(loss_v)
+                loss_v /= world
+            loss_v, gn = loss_v.item(), gnorm.item()  # syncs; the timing below is then honest
             now = time.perf_counter()
-            print(
+            log(
                 f"step {step} loss {loss_v:.4f} gnorm {gn:.2f} lr {lr:.2e} {seen / (now - t_log):.0f} img/s "
                 f"({now - t_start:.0f}s)",
                 flush=True,
@@ -386,13 +449,38 @@ def train(cfg: Config) -> list[tuple[float, int, dict[str, torch.Tensor]]]:
         if elapsed >= next_snap:
             snapshot(elapsed, step)
             next_snap += cfg.eval.every_s
-        if elapsed >= cfg.time_budget_s:
+        if out_of_time(elapsed >= cfg.time_budget_s, step % cfg.log_every == 0, device, world):
             if cfg.optim.schedule != "constant":
-                print(f"time budget hit at step {step} of {cfg.max_steps}: the LR decay did not finish", flush=True)
+                log(
+                    f"time budget hit at step {step} of {cfg.max_steps}: the LR decay did not finish",
+                    flush=True,
+                )
             break
-    if not snapshots or snapshots[-1][1] != step:
+    if not rank and (not snapshots or snapshots[-1][1] != step):
         snapshot(time.perf_counter() - t_start, step)
+    if world > 1:
+        import gc
+
+        import torch.distributed as dist
+
+        del opt, model, bank
+        gc.collect()
+        dist.barrier()  # every rank is done with its collectives before the group goes away
+        dist.destroy_process_group()
     return snapshots
+
+
+def out_of_time(mine: bool, sync_point: bool, device: torch.device, world: int) -> bool:
+    """Whether this run is out of time. Ranks must leave the loop at the same step, so with several they
+    agree (any rank out of time) only at sync points, the log steps: a collective every step would stall
+    the launch-bound loop. A multi-rank run can therefore overrun its budget by up to log_every steps."""
+    if world == 1:
+        return mine
+    if not sync_point:
+        return False
+    flag = torch.tensor([float(mine)], device=device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def evaluate(cfg: Config, snapshots) -> list[dict]:
@@ -499,10 +587,31 @@ def choose(results: list[dict], band: tuple[float, float]) -> tuple[int, int]:
 def main(cfg: Config) -> dict:
     check_config(cfg)
     out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2, default=str))
-    shutil.copy(__file__, out / "pretrain_textbed.py")
+    if rank_and_world()[0] == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2, default=str))
+        shutil.copy(__file__, out / "pretrain_textbed.py")
     snapshots = train(cfg)
+    if rank_and_world()[0] != 0:
+        return {}
+    if not cfg.eval.enabled:
+        elapsed, step, sd = snapshots[-1]
+        model = tb.TextbedModel(cfg.model)
+        model.load_state_dict(sd)
+        tb.save_textbed(
+            model,
+            out / "last",
+            {
+                "pretrain": {
+                    "seed": cfg.seed,
+                    "step": step,
+                    "train_seconds": round(elapsed, 1),
+                    "batch_size": cfg.batch_size,
+                }
+            },
+        )
+        print(f"wrote {out / 'last'} (step {step}, not scored)", flush=True)
+        return {"snapshots": [{"step": s, "train_seconds": round(e, 1)} for e, s, _ in snapshots]}
     results = evaluate(cfg, snapshots)
     pick, best = choose(results, cfg.eval.target)
     model = tb.TextbedModel(cfg.model)

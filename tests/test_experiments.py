@@ -97,3 +97,50 @@ def test_pretrain_textbed_lr_decay_reaches_the_loop(capsys):
         pt.check_config(dataclasses.replace(cfg, max_steps=1))
     with pytest.raises(ValueError, match="optim.schedule"):
         pt.check_config(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, schedule="step")))
+
+
+PRETRAIN_DRIVER = """
+import dataclasses, importlib.util, sys, torch
+spec = importlib.util.spec_from_file_location("pretrain_textbed", sys.argv[1])
+pt = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = pt
+spec.loader.exec_module(pt)
+cfg = pt.tiny()
+cfg = dataclasses.replace(cfg, max_steps=3, optim=dataclasses.replace(cfg.optim, lr=1e-3, warmup_steps=1))
+torch.manual_seed(cfg.seed)  # train() seeds the same way before it builds the model: this is its init
+init = pt.tb.state_dict_for_save(pt.tb.TextbedModel(cfg.model), torch.float32)
+snapshots = pt.train(cfg)
+if pt.rank_and_world()[0] == 0:
+    torch.save({"init": init, "ema": snapshots[-1][2]}, sys.argv[2])
+"""
+
+
+def test_pretrain_textbed_two_ranks_take_the_steps_of_one(tmp_path):
+    import torch
+
+    """Data parallel pretraining: 2 gloo ranks, each on half of the global batch, end on the weights that one
+    process reaches with the whole batch (same losses and grad norms in the log; the weights agree up to
+    the float summation order of the gradient average)."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(PRETRAIN_DRIVER)
+    script = str(ROOT / "experiments" / "pretrain_textbed.py")
+    env = {**ENV, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, str(driver), script, str(tmp_path / "one.pt")], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(driver), script, str(tmp_path / "two.pt")], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-3000:]
+
+    def steps(out: str) -> list[str]:
+        return [line.split(" lr ")[0] for line in out.splitlines() if line.startswith("step ")]
+
+    assert len(steps(one.stdout)) == 3 and steps(two.stdout) == steps(one.stdout)  # loss and grad norm per step
+    one_pt, two_pt = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    a, b, init = one_pt["ema"], two_pt["ema"], one_pt["init"]
+    assert a.keys() == b.keys() == init.keys()
+    gap = max((a[k] - b[k]).abs().max().item() for k in a)
+    moved = max((a[k] - init[k]).abs().max().item() for k in a)
+    print(f"one vs two ranks: {gap:.2e}; moved by training: {moved:.2e}")
+    assert moved > 1e-3 and gap < 1e-3 * moved, (gap, moved)
