@@ -54,6 +54,8 @@ def test_load_prompts_formats_and_errors(tmp_path):
         ({"sampling": SamplingConfig(sde_kind="ode")}, "nothing to train"),
         ({"rollout_engine": "vllm_omni"}, "old-log-prob recompute"),
         ({"rollout_engine": "vllm_omni", "grpo": GRPOConfig(old_log_prob="recompute")}, "one trainer process"),
+        ({"rollout_engine": "vllm_omni", "grpo": GRPOConfig(old_log_prob="recompute", group_init_noise=True)},
+         "grpo.group_init_noise"),
         ({"optim": OptimConfig(min_lr_ratio=1.5)}, "optim.min_lr_ratio"),
         ({"model": ModelConfig(compile=True)}, "--grpo.old-log-prob recompute"),
         ({"num_steps": 3, "optim": OptimConfig(schedule="cosine", warmup_steps=6)}, "optim.decay_steps=6"),
@@ -86,3 +88,17 @@ def test_validate_config_accepts_the_recipe():
     validate_config(TrainConfig(), world_size=4)
     compiled = TrainConfig(model=ModelConfig(compile=True), grpo=GRPOConfig(old_log_prob="recompute"))
     validate_config(compiled, world_size=4)
+
+
+def test_group_init_seeds_one_per_group():
+    """--grpo.group-init-noise: the G samples of a group share an init seed, groups do not, a pure function of
+    (seed, step), and the init seeds are not any sample's own seed."""
+    from fgrpo.train import group_init_seeds, sample_seeds
+
+    ids = torch.arange(12)
+    s = group_init_seeds(5, 3, ids, group_size=4)
+    assert s[0:4] == [s[0]] * 4 and s[4:8] == [s[4]] * 4 and s[8:12] == [s[8]] * 4
+    assert len({s[0], s[4], s[8]}) == 3
+    assert s == group_init_seeds(5, 3, ids, group_size=4) and s != group_init_seeds(5, 4, ids, group_size=4)
+    assert group_init_seeds(5, 3, ids[4:8], group_size=4) == s[4:8]  # a rank's slice gets its groups' seeds
+    assert not set(s) & set(sample_seeds(5, 3, ids))

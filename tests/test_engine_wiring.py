@@ -56,3 +56,22 @@ def test_out_of_process_engine_is_woken_synced_and_slept(tmp_path, monkeypatch):
     assert calls == rollout * 2 + ["update_lora"] + rollout + ["update_lora"] + rollout
     assert all(a["r"] == cfg.model.lora_rank for a in engines[0].adapters)
     assert torch.distributed.is_initialized() is False  # the loop left the process group cleanly
+
+
+def test_group_init_noise_reaches_the_engine(tmp_path, monkeypatch):
+    """--grpo.group-init-noise: the training rollout gets one init seed per group (validation gets none)."""
+    seen = []
+
+    class Capturing(DiffusersEngine):
+        def generate(self, prompts, seeds, cfg, init_seeds=None):
+            seen.append(init_seeds)
+            return super().generate(prompts, seeds, cfg, init_seeds=init_seeds)
+
+    monkeypatch.setattr(train_mod, "build_engine", lambda model, cfg: Capturing(model))
+    base = Config()
+    cfg = dataclasses.replace(base, num_steps=1, grpo=dataclasses.replace(base.grpo, group_init_noise=True),
+                              run=dataclasses.replace(base.run, out_dir=str(tmp_path), val_every=1, ckpt_every=0))
+    train_mod.train(cfg)
+    G, n = cfg.grpo.group_size, cfg.grpo.group_size * cfg.grpo.prompts_per_step
+    assert [s for s in seen if s is not None] == [train_mod.group_init_seeds(cfg.seed, 0, torch.arange(n), G)]
+    assert seen.count(None) >= 1  # validation draws its own fixed noise

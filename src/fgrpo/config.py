@@ -58,6 +58,9 @@ class GRPOConfig:
     """Mini-batches per training step (each ends with one optimizer step)."""
     inner_epochs: int = 1
     """Passes over the step's samples."""
+    group_init_noise: bool = False
+    """Samples of one group start from the same initial noise x_1, so their differences come only from the
+    SDE window that the advantages credit (flow_grpo draws x_1 per sample). In-process engine only."""
     train_micro_batch: int = 0
     """Samples per training forward; 0 = the rollout micro-batch (equal shapes keep old log-probs exact)."""
     old_log_prob: Literal["rollout", "recompute"] = "rollout"

@@ -102,6 +102,8 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
             raise ValueError("rollout_engine='vllm_omni' supports model.kind='qwen_image' with model.lora=True only")
         if g.old_log_prob != "recompute":
             raise ValueError("rollout_engine='vllm_omni' needs --grpo.old-log-prob recompute (its kernels differ)")
+        if g.group_init_noise:
+            raise ValueError("grpo.group_init_noise is in-process only; drop --grpo.group-init-noise or use diffusers")
         if world_size > 1:
             raise ValueError("rollout_engine='vllm_omni' is wired for one trainer process; use diffusers on N ranks")
 
@@ -167,11 +169,13 @@ def build_engine(model: FlowModel, cfg: TrainConfig) -> RolloutEngine:
 
 
 @torch.no_grad()
-def rollout(engine, prompts: list[str], seeds: list[int], s: SamplingConfig, device: torch.device) -> Trajectory:
+def rollout(engine, prompts: list[str], seeds: list[int], s: SamplingConfig, device: torch.device,
+            init_seeds: list[int] | None = None) -> Trajectory:
     """engine.generate, with an engine that shares the GPU (vLLM-Omni) woken for it and put back to sleep."""
     if hasattr(engine, "wake"):
         engine.wake()
-    traj = engine.generate(prompts, seeds, s).to(device)
+    extra = {} if init_seeds is None else {"init_seeds": init_seeds}
+    traj = engine.generate(prompts, seeds, s, **extra).to(device)
     if hasattr(engine, "sleep"):
         engine.sleep()
     return traj
@@ -199,6 +203,14 @@ def lr_multiplier(k: int, *, warmup: int, schedule: str, decay_steps: int, min_r
     frac = min(1.0, (k - warmup) / (decay_steps - warmup))
     shape = 1.0 - frac if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
     return min_ratio + (1.0 - min_ratio) * shape
+
+
+def group_init_seeds(seed: int, step: int, sample_ids: torch.Tensor, group_size: int) -> list[int]:
+    """One initial-noise seed per GRPO group (samples g*G .. g*G+G-1 share it), a pure function of
+    (run seed, step, group index); disjoint from sample_seeds' streams by the extra key."""
+    from fgrpo.rollout.seeds import sample_seed
+
+    return [sample_seed(seed, step, int(i) // group_size, -1) for i in sample_ids]
 
 
 def sample_seeds(seed: int, step: int, sample_ids: torch.Tensor) -> list[int]:
@@ -424,10 +436,11 @@ def train(cfg: TrainConfig, *, experiment_source: str | None = None) -> dict[str
         prompt_ids = step_prompt_indices(len(train_prompts), step, P, cfg.seed)
         prompts = [train_prompts[int(prompt_ids[int(i) // G])] for i in sample_ids]
         seeds = sample_seeds(cfg.seed, step, sample_ids)
+        init_seeds = group_init_seeds(cfg.seed, step, sample_ids, G) if cfg.grpo.group_init_noise else None
 
         # 2. rollout
         with timer("rollout"):
-            traj = rollout(engine, prompts, seeds, cfg.sampling, d.device)
+            traj = rollout(engine, prompts, seeds, cfg.sampling, d.device, init_seeds)
 
         # 3. rewards -> all ranks -> group advantages
         with timer("reward"):

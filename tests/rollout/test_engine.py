@@ -318,3 +318,30 @@ def test_bad_requests_fail_before_model_work(models, prompts, seeds, changes, ma
     engine = DiffusersEngine(_NoWork(models["qwen"]))
     with pytest.raises(ValueError, match=match):
         engine.generate(prompts, seeds, dataclasses.replace(BASE, **changes))
+
+
+def test_init_seeds_replace_only_the_initial_noise(models):
+    """init_seeds (one per GRPO group with --grpo.group-init-noise): a sample's own seeds as init seeds change
+    nothing, bit for bit; equal init seeds give equal x_1, so ODE samples of one prompt coincide and SDE
+    samples whose windows start at the same step enter them in the same state; windows stay the sample's own."""
+    eng = DiffusersEngine(models["qwen"])
+    ref = eng.generate(PROMPTS, SEEDS, BASE)
+    same = eng.generate(PROMPTS, SEEDS, BASE, init_seeds=SEEDS)
+    for name in ("x_t", "x_next", "log_prob", "window", "images"):
+        assert torch.equal(getattr(ref, name), getattr(same, name)), name
+
+    prompts, seeds = ["a cat"] * 6, [21, 22, 23, 24, 25, 26]
+    ode = eng.generate(prompts, seeds, dataclasses.replace(BASE, window_size=0), init_seeds=[7] * 6)
+    assert all(torch.equal(ode.images[0], im) for im in ode.images[1:])
+    own = eng.generate(prompts, seeds, BASE)
+    shared = eng.generate(prompts, seeds, BASE, init_seeds=[7] * 6)
+    assert torch.equal(shared.window, own.window)
+    starts = shared.window[:, 0].tolist()
+    pairs = [(a, b) for a in range(6) for b in range(a + 1, 6) if starts[a] == starts[b]]
+    assert pairs, starts  # 6 windows of 2 in [0, 5): some start together (they do for these seeds)
+    for a, b in pairs:
+        assert torch.equal(shared.x_t[a, 0], shared.x_t[b, 0])
+        assert not torch.equal(own.x_t[a, 0], own.x_t[b, 0])
+    assert not torch.equal(shared.x_next[pairs[0][0], 0], shared.x_next[pairs[0][1], 0])  # own SDE noise
+    with pytest.raises(ValueError, match="init_seeds"):
+        eng.generate(prompts, seeds, BASE, init_seeds=[7])

@@ -101,26 +101,39 @@ class DiffusersEngine:
         self.model = model
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[str], seeds: Sequence[int], cfg: SamplingConfig) -> Trajectory:
+    def generate(
+        self,
+        prompts: Sequence[str],
+        seeds: Sequence[int],
+        cfg: SamplingConfig,
+        init_seeds: Sequence[int] | None = None,
+    ) -> Trajectory:
+        """init_seeds: if given, sample b starts from the x_1 that a sample seeded init_seeds[b] starts from
+        (equal init seeds = equal x_1, e.g. one per GRPO group). Its own generator still draws (and drops) its
+        x_1, so its window and SDE noises are the same draws with or without init_seeds."""
         model = self.model
         check_request(model, prompts, seeds, cfg)
+        if init_seeds is not None and len(init_seeds) != len(prompts):
+            raise ValueError(f"init_seeds has {len(init_seeds)} entries for {len(prompts)} prompts; pass one per sample")
         device = module_device(model.transformer)
         prompts = list(prompts)
         B, T, W = len(prompts), cfg.num_steps, cfg.window_size
         shape = model.latent_shape(cfg.height, cfg.width)
         sigmas = model.sigmas(T, cfg.height, cfg.width).to(device)
 
-        # Every random draw of sample b comes from gens[b], in this order: window, x_1, SDE noises.
-        gens = [sample_generator(s) for s in seeds]
+        # Every random draw of sample b comes from gens[b], in this order: window, x_1, SDE noises
+        # (with init_seeds, x_1 is replaced by the x_1 of the init seed's own stream).
         lo, hi = cfg.window_range
-        window = torch.stack(
-            [
-                schedule.sample_windows(1, W, lo, hi, g)[0] if W else torch.zeros(0, dtype=torch.long)
-                for g in gens
-            ]
-        )  # [B, W]
+
+        def window_and_x1(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+            w = schedule.sample_windows(1, W, lo, hi, g)[0] if W else torch.zeros(0, dtype=torch.long)
+            return w, torch.randn(shape, generator=g)
+
+        gens = [sample_generator(s) for s in seeds]
+        window, x_init = (torch.stack(t) for t in zip(*(window_and_x1(g) for g in gens)))  # [B, W], [B, *latent]
+        if init_seeds is not None:
+            x_init = torch.stack([window_and_x1(sample_generator(s))[1] for s in init_seeds])
         in_window = schedule.window_mask(window, T)  # [B, T] bool, CPU
-        x_init = torch.stack([torch.randn(shape, generator=g) for g in gens])  # [B, *latent]
 
         negative = cfg.negative_prompt if cfg.guidance_scale > 1.0 else None
         cond = model.encode(prompts, negative_prompt=negative)
