@@ -70,6 +70,8 @@ class RolloutEngine(Protocol):
     def generate(self, prompts: Sequence[str], seeds: Sequence[int], cfg: SamplingConfig) -> Trajectory:
         """One sample per (prompt, seed) pair; the caller repeats each prompt G times with distinct seeds.
 
-        Results depend only on (prompt, seed, cfg), never on batch layout or micro-batch size.
+        Results depend only on (prompt, seed, cfg), never on batch layout or micro-batch size. The in-process
+        engine also takes init_seeds= (one initial noise per group, --grpo.group-init-noise); the trainer passes
+        it only when that flag is set.
         """
         ...
