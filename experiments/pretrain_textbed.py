@@ -587,12 +587,13 @@ def choose(results: list[dict], band: tuple[float, float]) -> tuple[int, int]:
 def main(cfg: Config) -> dict:
     check_config(cfg)
     out = Path(cfg.out_dir)
-    if rank_and_world()[0] == 0:
+    rank = rank_and_world()[0]
+    if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2, default=str))
         shutil.copy(__file__, out / "pretrain_textbed.py")
     snapshots = train(cfg)
-    if rank_and_world()[0] != 0:
+    if rank != 0:
         return {}
     if not cfg.eval.enabled:
         elapsed, step, sd = snapshots[-1]
