@@ -60,7 +60,8 @@ class GRPOConfig:
     """Passes over the step's samples."""
     group_init_noise: bool = False
     """Samples of one group start from the same initial noise x_1, so their differences come only from the
-    SDE window that the advantages credit (flow_grpo draws x_1 per sample). In-process engine only."""
+    SDE window that the advantages credit (flow_grpo draws x_1 per sample). Pays off when x_1 makes much of
+    a group's reward spread (`benchmarks/textbed_variance.py` measures it). In-process engine only."""
     train_micro_batch: int = 0
     """Samples per training forward; 0 = the rollout micro-batch (equal shapes keep old log-probs exact)."""
     old_log_prob: Literal["rollout", "recompute"] = "rollout"
