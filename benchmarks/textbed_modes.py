@@ -85,8 +85,8 @@ def main() -> None:
     print("\n| mean | exact | best of N | within-word std | between-word std | corr(score, cover) | "
           "same, within words | mean cover |\n|---|---|---|---|---|---|---|---|")
     print(f"| {scores.mean():.3f} | {(scores >= 0.999).mean():.2f} | {S.max(1).mean():.3f} | {S.std(1).mean():.3f} "
-          f"| {S.mean(1).std():.3f} | {np.corrcoef(scores, cover)[0, 1]:.2f} | {np.mean(within):.2f} "
-          f"({len(within)} words) | {cover.mean():.2f} |")
+          f"| {S.mean(1).std():.3f} | {np.corrcoef(scores, cover)[0, 1]:.2f} | "
+          f"{f'{np.mean(within):.2f} ({len(within)} words)' if within else '-'} | {cover.mean():.2f} |")
 
 
 if __name__ == "__main__":
