@@ -30,6 +30,7 @@ from fgrpo.models.textbed import load_textbed
 from fgrpo.rewards import build_reward
 from fgrpo.rollout.base import SamplingConfig
 from fgrpo.rollout.engine import DiffusersEngine
+from fgrpo.train import validation_sampling
 
 INK_CONTRAST = 80  # gray levels below the image's median (its background) that count as ink
 
@@ -60,8 +61,10 @@ def main() -> None:
     words = load_prompts("textbed:heldout", require_quoted=True)[: args.words]
     prompts = [w for w in words for _ in range(args.seeds)]
     seeds = [20_000 + i for i in range(len(prompts))]  # not the trainer's validation seeds (10_000 + i)
-    s = SamplingConfig(height=32, width=128, num_steps=args.steps, guidance_scale=args.cfg, negative_prompt="", sde_kind="ode",
-                       noise_level=0.0, window_size=0, window_range=(0, 0), micro_batch=args.batch)
+    # the tiny-gpu preset's rollout, made deterministic the way the trainer's validation does it
+    rollout_cfg = SamplingConfig(height=32, width=128, num_steps=10, guidance_scale=args.cfg, negative_prompt="",
+                                 sde_kind="flow_sde", noise_level=0.8, window_size=2, micro_batch=args.batch)
+    s = validation_sampling(rollout_cfg, args.steps)
     t0 = time.perf_counter()
     with torch.no_grad():
         images = np.concatenate([
