@@ -8,8 +8,8 @@ split exactly (balanced design, law of total variance) into
            + E_w Var_j(E_k s)       the initial noise, which no trained transition caused
            + Var_w(E_jk s)          the word (the group advantage removes it)
 
-one row per window range. Sampling = the `tiny-gpu` preset's rollout (10 steps, CFG 3, flow_sde 0.8,
-window of 2 steps drawn per sample within the range).
+one row per window range. Sampling = the `tiny-gpu` rollout (10 steps, flow_sde 0.8, window of 2 steps drawn
+per sample within the range) with CFG 3 as the preset had until the sixth session (`--cfg 1`: the preset now).
 
 Why: a group-shared x_1 (`--grpo.group-init-noise`) only helps if x_1 makes much of a group's spread; the
 JPEG reward suggested so, this measures it for the OCR reward and each window.
@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--noises", type=int, default=4, help="initial noises x_1 per word (J)")
     ap.add_argument("--draws", type=int, default=8, help="samples per (word, x_1): own window and SDE draws (K)")
     ap.add_argument("--ranges", nargs="+", default=["0,5", "4,9"], help="window ranges 'a,b' (steps [a, b))")
+    ap.add_argument("--cfg", type=float, default=3.0, help="guidance scale (1 = no CFG, the tiny-gpu preset now)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
@@ -63,7 +64,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for r in args.ranges:
         lo, hi = map(int, r.split(","))
-        s = SamplingConfig(height=32, width=128, num_steps=10, guidance_scale=3.0, negative_prompt="",
+        s = SamplingConfig(height=32, width=128, num_steps=10, guidance_scale=args.cfg, negative_prompt="",
                            sde_kind="flow_sde", noise_level=0.8, window_size=2, window_range=(lo, hi),
                            micro_batch=args.batch)
         t0 = time.perf_counter()
