@@ -108,8 +108,8 @@ def tiny_gpu() -> Config:
         num_steps=150,
         device="cuda",
         model=dataclasses.replace(t.model, dtype="bf16"),
-        # No CFG, as on the CPU (measured, RESULTS.md): with CFG 3, 23 runs from a renderer snapshot that
-        # started at 0.71 stopped at 0.84-0.88, the policy mostly learning to draw the text larger; without
+        # No CFG, as on the CPU (measured, RESULTS.md): with CFG 3, none of 23 runs from a renderer snapshot
+        # that started at 0.71 held more than 0.88, the policy mostly learning to draw the text larger; without
         # CFG the fully pretrained renderer starts at 0.63 and Flow-GRPO, which learns to follow the prompt
         # without the guidance crutch, passes 0.9 by step 60-100 (3 seeds) and ends at 0.92-0.94.
         sampling=dataclasses.replace(t.sampling, micro_batch=256),

@@ -59,6 +59,7 @@ def test_tiny_gpu_preset_samples_like_the_cpu_preset_at_gpu_scale():
     assert gpu.sampling.guidance_scale == 1.0 and gpu.model.kind == "textbed" and gpu.model.path == ""
     assert (gpu.grpo.prompts_per_step, gpu.grpo.group_size, gpu.num_steps, gpu.model.dtype) == (32, 16, 150, "bf16")
     assert gpu.data.val_prompts == cpu.data.val_prompts == "textbed:heldout"
+    assert gpu.reward.workers == 15
 
 
 def test_qwen_image_recipe_matches_the_published_one():
