@@ -25,11 +25,10 @@ import time
 
 import numpy as np
 import torch
+from _textbed import load_renderer, preset_rollout
 
 from fgrpo.data import load_prompts
-from fgrpo.models.textbed import load_textbed
 from fgrpo.rewards import build_reward
-from fgrpo.rollout.base import SamplingConfig
 from fgrpo.rollout.engine import DiffusersEngine
 from fgrpo.train import validation_sampling
 
@@ -55,16 +54,13 @@ def main() -> None:
     args = ap.parse_args()
 
     device = torch.device(args.device)
-    model = load_textbed(args.checkpoint, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-    if args.lora:
-        model.transformer.load_lora_adapter(args.lora, use_safetensors=True)
+    model = load_renderer(args.checkpoint, device, args.lora)
     engine = DiffusersEngine(model)
     words = load_prompts("textbed:heldout", require_quoted=True)[: args.words]
     prompts = [w for w in words for _ in range(args.seeds)]
     seeds = [20_000 + i for i in range(len(prompts))]  # not the trainer's validation seeds (10_000 + i)
     # the tiny-gpu preset's rollout, made deterministic the way the trainer's validation does it
-    rollout_cfg = SamplingConfig(height=32, width=128, num_steps=10, guidance_scale=args.cfg, negative_prompt="",
-                                 sde_kind="flow_sde", noise_level=0.8, window_size=2, micro_batch=args.batch)
+    rollout_cfg = preset_rollout(guidance_scale=args.cfg, micro_batch=args.batch)
     s = validation_sampling(rollout_cfg, args.steps)
     t0 = time.perf_counter()
     with torch.no_grad():

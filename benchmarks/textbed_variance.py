@@ -25,11 +25,10 @@ import time
 
 import numpy as np
 import torch
+from _textbed import load_renderer, preset_rollout
 
 from fgrpo.data import load_prompts
-from fgrpo.models.textbed import load_textbed
 from fgrpo.rewards import build_reward
-from fgrpo.rollout.base import SamplingConfig
 from fgrpo.rollout.engine import DiffusersEngine
 
 
@@ -52,7 +51,7 @@ def main() -> None:
     args = ap.parse_args()
 
     device = torch.device(args.device)
-    model = load_textbed(args.checkpoint, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model = load_renderer(args.checkpoint, device)
     engine, reward = DiffusersEngine(model), build_reward("ocr")
     W, J, K = args.words, args.noises, args.draws
     words = load_prompts("textbed:heldout", require_quoted=True)[:W]
@@ -64,9 +63,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for r in args.ranges:
         lo, hi = map(int, r.split(","))
-        s = SamplingConfig(height=32, width=128, num_steps=10, guidance_scale=args.cfg, negative_prompt="",
-                           sde_kind="flow_sde", noise_level=0.8, window_size=2, window_range=(lo, hi),
-                           micro_batch=args.batch)
+        s = preset_rollout(guidance_scale=args.cfg, window_range=(lo, hi), micro_batch=args.batch)
         t0 = time.perf_counter()
         with torch.no_grad():
             images = np.concatenate([

@@ -1,0 +1,33 @@
+"""What the two textbed benchmarks share: the renderer as a script's flags ask for it, and the `tiny-gpu`
+preset's rollout taken from the experiment file itself (so a preset change reaches them; flags override)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+
+from fgrpo.models.textbed import TextbedModel, load_textbed
+from fgrpo.rollout.base import SamplingConfig
+
+EXPERIMENT = Path(__file__).resolve().parents[1] / "experiments" / "qwen_image_ocr.py"
+
+
+def preset_rollout(**overrides) -> SamplingConfig:
+    """`experiments/qwen_image_ocr.py tiny-gpu`'s SamplingConfig with `overrides` replaced."""
+    spec = importlib.util.spec_from_file_location(EXPERIMENT.stem, EXPERIMENT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
+    spec.loader.exec_module(module)
+    return dataclasses.replace(module.tiny_gpu().sampling, **overrides)
+
+
+def load_renderer(checkpoint: str | None, device: torch.device, lora: str | None = None) -> TextbedModel:
+    """The textbed renderer (bundled or `checkpoint`), bf16 on GPU and fp32 on CPU, with an optional adapter."""
+    model = load_textbed(checkpoint, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if lora:
+        model.transformer.load_lora_adapter(lora, use_safetensors=True)
+    return model
