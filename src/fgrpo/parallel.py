@@ -26,9 +26,27 @@ class Dist:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    @property
-    def initialized(self) -> bool:
-        return dist.is_available() and dist.is_initialized()
+
+def initialized() -> bool:
+    """Whether a torch.distributed process group is up (a plain `python` run has one of size 1 after
+    `init_distributed`)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """This process's rank in the process group; 0 without one (or torchrun's RANK before it is joined)."""
+    return dist.get_rank() if initialized() else int(os.environ.get("RANK", "0"))
+
+
+def world_size() -> int:
+    """Ranks in the process group; 1 without one."""
+    return dist.get_world_size() if initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op without a process group)."""
+    if initialized():
+        dist.barrier()
 
 
 def init_distributed(device: str = "auto") -> Dist:
@@ -63,26 +81,18 @@ def shutdown(*objects_to_drop: object) -> None:
     """
     del objects_to_drop
     gc.collect()
-    if dist.is_available() and dist.is_initialized():
+    if initialized():
         dist.barrier()
         dist.destroy_process_group()
 
 
 def all_gather_cat(x: torch.Tensor) -> torch.Tensor:
     """Concatenate equal-shaped per-rank tensors along dim 0, in rank order (identity without a group)."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not initialized():
         return x
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts)
-
-
-def all_reduce_mean(x: torch.Tensor) -> torch.Tensor:
-    if not (dist.is_available() and dist.is_initialized()):
-        return x
-    x = x.clone()
-    dist.all_reduce(x, op=dist.ReduceOp.SUM)
-    return x / dist.get_world_size()
 
 
 def shard_transformer(
