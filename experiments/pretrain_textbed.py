@@ -43,8 +43,8 @@ import numpy as np
 import torch
 import tyro
 
+from fgrpo.core.schedule import lr_multiplier
 from fgrpo.models import textbed as tb
-from fgrpo.train import lr_multiplier
 
 FONT_CANDIDATES = (
     "/usr/share/fonts/truetype/dejavu/DejaVuSans-Bold.ttf",  # Debian/Ubuntu fonts-dejavu-core

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from fgrpo.config import GRPOConfig, ModelConfig, OptimConfig, TrainConfig
+from fgrpo.core.schedule import lr_multiplier
 from fgrpo.data import load_prompts, step_prompt_indices
 from fgrpo.rollout.base import SamplingConfig
-from fgrpo.train import lr_multiplier, validate_config
+from fgrpo.train import validate_config
 
 
 def test_step_prompt_indices_cover_each_epoch_once():

@@ -40,6 +40,7 @@ import torch
 from fgrpo import parallel
 from fgrpo.config import ModelConfig, TrainConfig
 from fgrpo.core import grpo
+from fgrpo.core.schedule import lr_multiplier
 from fgrpo.data import load_prompts, step_prompt_indices
 from fgrpo.models.base import FlowModel, cond_index
 from fgrpo.policy import transition
@@ -191,18 +192,6 @@ def sync_engine_weights(engine, transformer: torch.nn.Module, sync_dir: Path) ->
     from fgrpo import checkpoint
 
     engine.update_lora(checkpoint.export_lora(sync_dir, transformer))
-
-
-def lr_multiplier(k: int, *, warmup: int, schedule: str, decay_steps: int, min_ratio: float) -> float:
-    """Factor on the base LR for optimizer step k (0-based): linear warm-up over `warmup` steps, then constant or
-    a linear / cosine decay from 1 at step `warmup` to `min_ratio` at step `decay_steps`, flat after."""
-    if warmup and k < warmup:
-        return (k + 1) / warmup
-    if schedule == "constant" or decay_steps <= warmup:
-        return 1.0
-    frac = min(1.0, (k - warmup) / (decay_steps - warmup))
-    shape = 1.0 - frac if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
-    return min_ratio + (1.0 - min_ratio) * shape
 
 
 def group_init_seeds(seed: int, step: int, sample_ids: torch.Tensor, group_size: int) -> list[int]:
@@ -357,23 +346,6 @@ def validation_sampling(s: SamplingConfig, num_steps: int) -> SamplingConfig:
     return dataclasses.replace(s, sde_kind="ode", noise_level=0.0, num_steps=num_steps, window_size=0, window_range=(0, 0))
 
 
-class ParallelReward:
-    """A reward scored by N worker processes, each taking a contiguous slice of the batch."""
-
-    def __init__(self, spec, workers: int):
-        from fgrpo.rewards import AsyncRewardRunner
-
-        self.workers = workers
-        self.runner = AsyncRewardRunner(spec, kind="process", max_workers=workers)
-
-    def __call__(self, images: np.ndarray, prompts, metadata=None):
-        from fgrpo.rewards.base import concat_outputs
-
-        bounds = np.linspace(0, len(prompts), self.workers + 1).astype(int)
-        futures = [self.runner.submit(images[a:b], prompts[a:b]) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-        return concat_outputs([f.result() for f in futures])
-
-
 # ----------------------------------------------------------------------------------------------------
 # The loop.
 
@@ -383,6 +355,7 @@ def train(cfg: TrainConfig, *, experiment_source: str | None = None) -> dict[str
     from fgrpo import checkpoint
     from fgrpo import logging as flog
     from fgrpo.rewards import build_reward
+    from fgrpo.rewards.runner import ParallelReward
 
     # FSDP2 warns that the transformer returns a view; nothing in fgrpo writes into it in place
     # (CFG and the SDE step are out-of-place), so the warning is noise in every run's console.

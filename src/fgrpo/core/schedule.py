@@ -174,3 +174,15 @@ def window_mask(windows: torch.Tensor, num_steps: int) -> torch.Tensor:
         raise ValueError(f"windows hold step indices outside [0, num_steps={num_steps})")
     mask = torch.zeros(windows.shape[0], num_steps, dtype=torch.bool, device=windows.device)
     return mask.scatter(1, windows, True)
+
+
+def lr_multiplier(k: int, *, warmup: int, schedule: str, decay_steps: int, min_ratio: float) -> float:
+    """Factor on the base LR for optimizer step k (0-based): linear warm-up over `warmup` steps, then constant or
+    a linear / cosine decay from 1 at step `warmup` to `min_ratio` at step `decay_steps`, flat after."""
+    if warmup and k < warmup:
+        return (k + 1) / warmup
+    if schedule == "constant" or decay_steps <= warmup:
+        return 1.0
+    frac = min(1.0, (k - warmup) / (decay_steps - warmup))
+    shape = 1.0 - frac if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
+    return min_ratio + (1.0 - min_ratio) * shape

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from fgrpo.rewards.base import Reward, RewardOutput, check_inputs
+from fgrpo.rewards.base import Reward, RewardOutput, check_inputs, concat_outputs
 
 _worker_reward: Reward | None = None  # the reward of a process-pool worker, built once by _init_worker
 
@@ -106,3 +106,16 @@ class AsyncRewardRunner:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class ParallelReward:
+    """A reward scored by N worker processes, each taking a contiguous slice of the batch."""
+
+    def __init__(self, spec, workers: int):
+        self.workers = workers
+        self.runner = AsyncRewardRunner(spec, kind="process", max_workers=workers)
+
+    def __call__(self, images: np.ndarray, prompts, metadata=None):
+        bounds = np.linspace(0, len(prompts), self.workers + 1).astype(int)
+        futures = [self.runner.submit(images[a:b], prompts[a:b]) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        return concat_outputs([f.result() for f in futures])
