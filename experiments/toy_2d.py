@@ -27,7 +27,6 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import torch
 import tyro
@@ -74,7 +73,7 @@ class GRPOConfig:
     """Samples per group (G); advantages are relative within a group."""
     num_steps: int = 10
     """Denoising steps of a rollout (uniform sigmas from 1 to 0)."""
-    sde_kind: Literal["flow_sde", "cps", "dance_sde"] = "flow_sde"
+    sde_kind: sde.SDEKind = "flow_sde"
     """Stochastic step inside the window (fgrpo.core.sde.step_mean_std)."""
     noise_level: float = 0.7
     """Noise level of the SDE step (flow_grpo's default for flow_sde)."""

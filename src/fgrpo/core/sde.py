@@ -13,12 +13,14 @@ trainer both reach them through fgrpo.policy.transition, so the formula exists o
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
-Kind = Literal["flow_sde", "cps", "dance_sde", "ode"]
-KINDS = ("flow_sde", "cps", "dance_sde", "ode")
+# The stochastic steps, the ones a policy gradient can train; "ode" is the Euler step outside the window.
+SDEKind = Literal["flow_sde", "cps", "dance_sde"]
+Kind = Literal[SDEKind, "ode"]
+KINDS: tuple[Kind, ...] = get_args(Kind)
 
 _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
 
+from fgrpo.core.sde import Kind
 from fgrpo.models.base import Cond
 
 
@@ -26,7 +27,7 @@ class SamplingConfig:
     """CFG scale (true-CFG for Qwen-Image, plain CFG for SD3). 1.0 turns CFG off (one forward per step)."""
     negative_prompt: str | None = " "
     """Negative prompt for CFG; ignored when guidance_scale is 1.0."""
-    sde_kind: Literal["flow_sde", "cps", "dance_sde", "ode"] = "flow_sde"
+    sde_kind: Kind = "flow_sde"
     """Stochastic step used inside the SDE window (see fgrpo.core.sde.step_mean_std)."""
     noise_level: float = 1.2
     """Noise level of the SDE step (its meaning depends on sde_kind)."""
@@ -58,7 +59,8 @@ class Trajectory:
     def to(self, device: torch.device | str) -> Trajectory:
         """The same trajectory with every tensor on `device` (engines in another process return CPU tensors)."""
         moved = {
-            f.name: getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), torch.Tensor)
+            f.name: getattr(self, f.name).to(device)
+            if isinstance(getattr(self, f.name), torch.Tensor)
             else getattr(self, f.name)
             for f in dataclasses.fields(self)
         }
