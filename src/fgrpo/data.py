@@ -7,12 +7,23 @@ from pathlib import Path
 
 import torch
 
+from fgrpo.rewards.ocr import extract_target
+from fgrpo.rollout.seeds import sample_seed
 
-def load_prompts(path: str | Path, *, require_quoted: bool = False, field: str = "data.train_prompts") -> list[str]:
+# The last key of the prompt order's seed: negative, so it never equals a sample index (the trainer's
+# per-sample seeds are sample_seed(seed, step, index >= 0), also three keys).
+PROMPT_ORDER_KEY = -2
+
+
+def load_prompts(
+    path: str | Path, *, require_quoted: bool = False, field: str = "data.train_prompts"
+) -> list[str]:
     """Prompts from a .txt (one per line) or .jsonl (a 'prompt' key per line) file, or the bundled
     text-renderer words ('textbed:train' / 'textbed:heldout', each word as '"WORD"').
 
-    require_quoted: every prompt must contain a "double-quoted" target (the OCR task's contract).
+    require_quoted: every prompt must quote a non-blank target (the OCR reward's `extract_target`).
+    Raises ValueError naming `field`, the file and the line for a file that is not UTF-8, a .jsonl line that
+    is not an object with a non-empty string 'prompt', or (require_quoted) a prompt without a target.
     """
     if str(path).startswith("textbed:"):  # the bundled text renderer's word lists
         from fgrpo.models.textbed import prompt_for, read_words
@@ -24,24 +35,59 @@ def load_prompts(path: str | Path, *, require_quoted: bool = False, field: str =
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"{field}: no prompt file at '{p}'; pass --{field.replace('_', '-')} PATH")
-    if p.suffix == ".jsonl":
-        prompts = [json.loads(line)["prompt"] for line in p.read_text().splitlines() if line.strip()]
-    else:
-        prompts = [line.strip() for line in p.read_text().splitlines() if line.strip()]
-    if not prompts:
+    data = p.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise ValueError(
+            f"{field}: '{p}' is not UTF-8 text (byte {e.start}, line {line}: {e.reason}); save it as UTF-8"
+        ) from None
+    text = text.removeprefix("\ufeff")  # a byte-order mark is not part of the first prompt
+    numbered: list[tuple[int, str]] = []  # (line number in the file, prompt)
+    # split("\n"), not splitlines(): the latter also splits at \x0b, \x1c, U+2028..., which may sit inside
+    # a prompt, and would shift every later line number.
+    for n, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        if p.suffix == ".jsonl":
+            numbered.append((n, _jsonl_prompt(line, f"{field}: line {n} of '{p}'")))
+        else:
+            numbered.append((n, line.strip()))
+    if not numbered:
         raise ValueError(f"{field}: '{p}' holds no prompts; give a file with one prompt per line")
     if require_quoted:
-        for n, prompt in enumerate(prompts, 1):
-            if prompt.count('"') < 2:
+        for n, prompt in numbered:
+            try:
+                extract_target(prompt)
+            except ValueError as e:
                 raise ValueError(
-                    f"{field}: line {n} of '{p}' has no double-quoted target text: {prompt!r}; "
-                    'OCR prompts must quote the text to render, e.g. A sign that says "OPEN"'
-                )
-    return prompts
+                    f"{field}: line {n} of '{p}' has no double-quoted target text: {e}"
+                ) from None
+    return [prompt for _, prompt in numbered]
+
+
+def _jsonl_prompt(line: str, where: str) -> str:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f'{where} is not JSON ({e.msg} at column {e.colno}); write one object per line: {{"prompt": "..."}}'
+        ) from None
+    if not isinstance(row, dict) or "prompt" not in row:
+        raise ValueError(
+            f"{where} is not a JSON object with a 'prompt' key: {line.strip()[:200]}; "
+            'write one object per line: {"prompt": "..."}'
+        )
+    prompt = row["prompt"]
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError(f"{where}: 'prompt' must be a non-empty string, got {prompt!r}")
+    return prompt
 
 
 def step_prompt_indices(num_prompts: int, step: int, per_step: int, seed: int) -> torch.Tensor:
-    """Indices of the prompts used at `step`: consecutive slices of per-epoch random permutations.
+    """Indices of the prompts used at `step`: consecutive slices of per-epoch random permutations, epoch e
+    drawn from the generator seeded with sample_seed(seed, e, PROMPT_ORDER_KEY).
 
     A pure function of (step, seed), so a resumed run sees exactly the prompts it would have seen, and
     every rank computes the same list without communicating.
@@ -50,7 +96,7 @@ def step_prompt_indices(num_prompts: int, step: int, per_step: int, seed: int) -
     out = []
     while len(out) < per_step:
         epoch, offset = divmod(start + len(out), num_prompts)
-        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        g = torch.Generator().manual_seed(sample_seed(seed, epoch, PROMPT_ORDER_KEY))
         perm = torch.randperm(num_prompts, generator=g)
         take = min(per_step - len(out), num_prompts - offset)
         out.extend(perm[offset : offset + take].tolist())
