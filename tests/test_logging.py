@@ -1,8 +1,11 @@
-"""Logging tests: phase timer, progress line, image grid, reward curve, run metadata, null and wandb loggers."""
+"""Logging tests: phase timer, console progress, image grid, reward curve, strict metrics.jsonl, run metadata,
+null and wandb loggers."""
 
 from __future__ import annotations
 
+import io
 import json
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -66,6 +69,58 @@ def test_progress_line_shows_split_and_rewards():
     assert line.index("rollout") < line.index("train")
 
 
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+STEP = {
+    "reward/mean": 0.5,
+    "reward/std": 0.25,
+    "time/rollout": 3.0,
+    "time/total": 4.0,
+    "perf/images_per_s": 8.0,
+    "train/clip_frac": 0.125,
+}
+
+
+def test_progress_to_a_file_writes_one_plain_line_per_step():
+    """`> log.txt`: every step is one full line, and no carriage return (tqdm's redraws) reaches the file."""
+    out, clock = io.StringIO(), FakeClock()
+    bar = flog.Progress(total=4, initial=1, file=out, clock=clock)  # resumed at step 1
+    clock.t += 10.0
+    bar.update(STEP)
+    clock.t += 20.0
+    bar.update({})
+    bar.close()
+    text = out.getvalue()
+    assert "\r" not in text
+    # eta = elapsed / steps run * steps left: 10 / 1 * 2 = 20 s, then 30 / 2 * 1 = 15 s
+    assert text.splitlines() == [
+        "step 2/4 [00:10<00:20] | reward 0.500±0.250 | rollout 3.0s / 4.0s | 8.000 img/s | clip 0.125",
+        "step 3/4 [00:30<00:15]",
+    ]
+
+
+def test_progress_on_a_terminal_keeps_tqdm_bar_under_the_lines():
+    out = Terminal()
+    bar = flog.Progress(total=3, file=out)
+    line = bar.update(STEP)
+    bar.close()
+    text = out.getvalue()
+    assert line.startswith("step 1/3 [") and line + "\n" in text
+    assert "\r" in text and "1/3 [" in text.rsplit(line, 1)[1]  # tqdm's bar, redrawn after the line
+
+
+def test_progress_is_silent_off_rank_0(monkeypatch):
+    monkeypatch.setenv("RANK", "1")  # no process group: fgrpo.parallel.rank() reads torchrun's RANK
+    for out in (io.StringIO(), Terminal()):
+        bar = flog.Progress(total=3, file=out)
+        assert bar.update(STEP) == ""
+        bar.close()
+        assert out.getvalue() == ""
+
+
 def _images(b=5, h=24, w=32, seed=0):
     return np.random.default_rng(seed).integers(0, 256, size=(b, h, w, 3), dtype=np.uint8)
 
@@ -90,18 +145,67 @@ def test_image_grid_layout_pixels_and_captions():
         flog.image_grid(imgs.astype(np.float32))
 
 
-def test_reward_curve_draws_both_series(tmp_path):
+def test_reward_curve_plots_both_series_with_labels_and_legend_off_the_data(tmp_path):
     rows = [{"step": s, "reward/mean": 0.1 * s} for s in range(10)]
     rows += [{"step": s, "val/reward_mean": 1.0 - 0.1 * s} for s in (0, 4, 8)]
-    rows += [{"step": 9, "reward/mean": 0.9}]  # a resumed run re-logs a step: the later row wins
+    rows += [{"step": 9, "reward/mean": 0.95}]  # a resumed run re-logs a step: the later row wins
+    rows += [{"step": 10, "reward/mean": None}]  # a non-finite metric, logged as null: a gap, no crash
+    series = flog.reward_curve_series(rows)
+    assert series["train (reward/mean)"] == (list(range(11)), [0.1 * s for s in range(9)] + [0.95, None])
+    assert series["held-out (val/reward_mean)"] == ([0, 4, 8], [1.0, 1.0 - 0.4, 1.0 - 0.8])
+
+    fig = flog.curve_figure(series, ylabel="reward")
+    (ax,) = fig.axes
+    train, held = ax.get_lines()
+    assert (train.get_label(), held.get_label()) == ("train (reward/mean)", "held-out (val/reward_mean)")
+    np.testing.assert_allclose(held.get_xydata(), [[0, 1.0], [4, 0.6], [8, 0.2]])
+    assert math.isnan(train.get_ydata()[-1])
+    assert ax.get_xlabel() == "step" and ax.get_ylabel() == "reward"
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    legend, axes = ax.get_legend().get_window_extent(renderer), ax.get_window_extent(renderer)
+    assert legend.x0 > axes.x1  # right of the plot area: it covers no data
+
     path = flog.plot_reward_curve(tmp_path / "curve.png", rows)
-    a = np.asarray(Image.open(path).convert("RGB")).astype(int)
-    for color, rising in ((flog._COLORS[0], True), (flog._COLORS[1], False)):
-        ys, xs = np.nonzero(np.abs(a - np.array(color)).sum(-1) == 0)
-        xs, ys = xs[xs < a.shape[1] - 180], ys[xs < a.shape[1] - 180]  # leave out the legend
-        assert len(xs) > 50
-        left, right = ys[xs == xs.min()].mean(), ys[xs == xs.max()].mean()
-        assert (left > right) == rising  # image y grows downwards
+    assert Image.open(path).size == (750, 400)
+
+
+def test_metrics_jsonl_is_strict_json_and_names_non_finite_metrics(tmp_path, capsys):
+    logger = flog.Logger(tmp_path, wandb_mode="disabled")
+    logger.log({"reward/mean": 0.5, "train/kl": float("nan"), "train/grad_norm": np.float32("inf")}, step=0)
+    logger.log({"reward/mean": 0.6, "train/kl": float("nan"), "hist": [1.0, float("-inf")]}, step=1)
+    logger.finish()
+
+    def no_constants(name):
+        raise AssertionError(f"{name} in metrics.jsonl is not JSON")
+
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line, parse_constant=no_constants) for line in lines]
+    assert (
+        rows[0]["train/kl"] is None and rows[0]["train/grad_norm"] is None and rows[0]["reward/mean"] == 0.5
+    )
+    assert rows[0]["nonfinite"] == ["train/kl", "train/grad_norm"]
+    assert rows[1]["hist"] == [1.0, None] and rows[1]["nonfinite"] == ["train/kl", "hist"]
+    out = capsys.readouterr().out
+    assert out.count("train/kl") == 1 and "hist not finite at step 1" in out  # each key is reported once
+    assert (tmp_path / "reward_curve.png").is_file()
+
+
+def test_partial_last_row_is_skipped_and_a_resumed_run_appends_cleanly(tmp_path):
+    logger = flog.Logger(tmp_path, wandb_mode="disabled")
+    logger.log({"reward/mean": 0.5}, step=0)
+    logger.log({"reward/mean": 0.6}, step=1)
+    logger._metrics.write('{"step": 2, "reward/me')  # the run is killed mid-write
+    logger._metrics.close()
+    with pytest.warns(UserWarning, match="skipped 1 line"):
+        assert [r["step"] for r in flog.read_metrics(tmp_path / "metrics.jsonl")] == [0, 1]
+
+    resumed = flog.Logger(tmp_path, wandb_mode="disabled")
+    resumed.log({"reward/mean": 0.7}, step=2)
+    with pytest.warns(UserWarning, match=r"line 3\)"):
+        resumed.finish()  # the curve reads the file too
+        rows = flog.read_metrics(tmp_path / "metrics.jsonl")
+    assert [(r["step"], r["reward/mean"]) for r in rows] == [(0, 0.5), (1, 0.6), (2, 0.7)]
 
 
 def test_save_run_metadata(tmp_path):

@@ -4,6 +4,7 @@
 `finish`) and mirrors it to wandb when a wandb mode other than "disabled" is asked for; without a
 WANDB_API_KEY an "online" request becomes "offline" (a local run dir `wandb sync` can upload later).
 `NullLogger` takes the same calls and does nothing: non-zero ranks get it, so the loop never branches.
+`Progress` is the console side: one line per step (tqdm's bar under it on a terminal), rank 0 only.
 
 The module is named like the stdlib's `logging` on purpose (STYLE's file map); absolute imports keep
 the two apart (`from fgrpo import logging as flog`).
@@ -20,27 +21,21 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
+import torch
 from PIL import Image, ImageDraw, ImageFont
+from tqdm import tqdm
+
+from fgrpo.parallel import rank
 
 # Phases of one training step, in the order the console shows them.
 PHASES = ("rollout", "reward", "train", "sync", "val", "checkpoint")
-
-
-def rank() -> int:
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
-    except ImportError:
-        pass
-    return int(os.environ.get("RANK", "0"))
 
 
 def print0(*args: Any, **kwargs: Any) -> None:
@@ -73,10 +68,7 @@ class PhaseTimer:
         self.times: dict[str, float] = {}
 
     def _sync(self) -> None:
-        if not self._sync_cuda:
-            return
-        torch = sys.modules.get("torch")  # never import torch just to time a CPU-only run
-        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        if self._sync_cuda and torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
 
     @contextmanager
@@ -124,14 +116,13 @@ _CONSOLE_KEYS = (
 )
 
 
-def progress_line(step: int, num_steps: int, metrics: Mapping[str, float], *, width: int = 20) -> str:
-    """One console line: bar, reward mean±std, the phase time split, images/s and the GRPO health stats.
+def format_metrics(metrics: Mapping[str, float]) -> str:
+    """The console summary of one step: reward mean±std, the phase time split, images/s, GRPO health stats.
 
-    `step` is 0-based (the step just finished); metrics use the loop's keys (reward/mean, time/rollout...).
+    Metrics use the loop's keys (reward/mean, time/rollout, perf/images_per_s, train/clip_frac...); a part
+    whose keys are absent is left out.
     """
-    done = min(step + 1, num_steps) if num_steps > 0 else 0
-    filled = round(width * done / num_steps) if num_steps > 0 else 0
-    parts = [f"[{'#' * filled}{'.' * (width - filled)}] {done}/{num_steps}"]
+    parts = []
     if "reward/mean" in metrics:
         std = metrics.get("reward/std")
         parts.append(f"reward {_fmt(metrics['reward/mean'])}" + (f"±{_fmt(std)}" if std is not None else ""))
@@ -151,6 +142,65 @@ def progress_line(step: int, num_steps: int, metrics: Mapping[str, float], *, wi
     if extra:
         parts.append(" ".join(extra))
     return " | ".join(parts)
+
+
+def progress_line(step: int, num_steps: int, metrics: Mapping[str, float], *, width: int = 20) -> str:
+    """`format_metrics` behind a drawn bar; `step` is 0-based (the step just finished). Superseded by
+    `Progress`, which the loop uses instead."""
+    done = min(step + 1, num_steps) if num_steps > 0 else 0
+    filled = round(width * done / num_steps) if num_steps > 0 else 0
+    return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{num_steps} | {format_metrics(metrics)}"
+
+
+class Progress:
+    """Console progress of the training loop, on rank 0 only (other ranks print nothing).
+
+        bar = Progress(total=cfg.num_steps, initial=start_step)
+        for step in ...:
+            bar.update(metrics)      # after the step: one line "step k/N [elapsed<eta] | format_metrics"
+        bar.close()
+
+    Every step writes one full line (`tqdm.write`), so a log file (`> log.txt`, CI) holds one readable
+    line per step. On a terminal tqdm's bar stays under those lines; to a file or pipe the bar is off,
+    since tqdm redraws it with carriage returns, which a file keeps as clutter.
+    """
+
+    def __init__(self, total: int, initial: int = 0, *, file: TextIO | None = None, clock=time.perf_counter):
+        self.file = file if file is not None else sys.stdout
+        self.enabled = rank() == 0
+        self.total, self.n = total, initial
+        self._initial, self._clock = initial, clock
+        self._start = clock()
+        self._bar = tqdm(
+            total=total,
+            initial=initial,
+            file=self.file,
+            unit="step",
+            dynamic_ncols=True,
+            disable=not (self.enabled and self.file.isatty()),
+        )
+
+    def update(self, metrics: Mapping[str, float]) -> str:
+        """Count one finished step, write its line; returns the line ('' off rank 0)."""
+        self.n += 1
+        if not self.enabled:
+            return ""
+        elapsed = self._clock() - self._start
+        done = self.n - self._initial  # a resumed run's rate counts only the steps it ran
+        eta = elapsed / done * (self.total - self.n) if done > 0 else float("nan")
+        when = (
+            tqdm.format_interval(elapsed) + "<" + (tqdm.format_interval(eta) if math.isfinite(eta) else "?")
+        )
+        line = f"step {self.n}/{self.total} [{when}]"
+        summary = format_metrics(metrics)
+        line += f" | {summary}" if summary else ""
+        tqdm.write(line, file=self.file)
+        self.file.flush()  # torchrun pipes stdout: a crash must not eat the last lines
+        self._bar.update(1)
+        return line
+
+    def close(self) -> None:
+        self._bar.close()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -246,77 +296,92 @@ def save_image_grid(
 
 
 # ---------------------------------------------------------------------------------------------------------
-# reward curve (PIL only: no plotting dependency for one line chart)
+# reward curve
 
-_COLORS = ((31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40))
+
+def curve_figure(
+    series: Mapping[str, tuple[Sequence[float], Sequence[float | None]]],
+    *,
+    xlabel: str = "step",
+    ylabel: str = "reward",
+    title: str | None = None,
+):
+    """A matplotlib Figure of named (steps, values) line series; None / non-finite values are gaps.
+
+    A bare `Figure` on the Agg canvas, no pyplot: no global state, no display needed, safe off the main
+    thread. The legend sits right of the axes, never over the data.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(7.5, 4.0), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for name, (xs, ys) in series.items():
+        y = np.array([np.nan if v is None else float(v) for v in ys], dtype=np.float64)
+        y[~np.isfinite(y)] = np.nan
+        ax.plot(np.asarray(xs, dtype=np.float64), y, marker="o", markersize=3, linewidth=1.5, label=name)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))  # steps are integers
+    ax.yaxis.set_major_locator(MaxNLocator(nbins=6, steps=[1, 2, 2.5, 5, 10]))
+    ax.grid(True, alpha=0.3)
+    if series:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, frameon=False)
+    return fig
 
 
 def plot_curves(
     path: str | os.PathLike,
-    series: Mapping[str, tuple[Sequence[float], Sequence[float]]],
-    *,
-    title: str = "reward",
-    size: tuple[int, int] = (640, 400),
+    series: Mapping[str, tuple[Sequence[float], Sequence[float | None]]],
+    **kw: Any,
 ) -> Path:
-    """Line chart of named (steps, values) series, PNG. Series i is drawn in `_COLORS[i]`."""
-    W, H = size
-    left, right, top, bottom = 60, 16, 28, 36
-    img = Image.new("RGB", size, "white")
-    d = ImageDraw.Draw(img)
-    font = _font(11)
-    pts = [
-        (float(x), float(y)) for xs, ys in series.values() for x, y in zip(xs, ys) if math.isfinite(float(y))
-    ]
-    d.text((left, 8), title, fill="black", font=font)
-    if pts:
-        x0, x1 = min(p[0] for p in pts), max(p[0] for p in pts)
-        y0, y1 = min(p[1] for p in pts), max(p[1] for p in pts)
-        if x1 == x0:
-            x0, x1 = x0 - 1, x1 + 1
-        if y1 == y0:
-            y0, y1 = y0 - 0.5, y1 + 0.5
-        dy = 0.05 * (y1 - y0)
-        y0, y1 = y0 - dy, y1 + dy
-
-        def px(x: float, y: float) -> tuple[float, float]:
-            return (
-                left + (x - x0) / (x1 - x0) * (W - left - right),
-                H - bottom - (y - y0) / (y1 - y0) * (H - top - bottom),
-            )
-
-        for k in range(5):  # grid lines and tick labels
-            yv = y0 + k * (y1 - y0) / 4
-            _, yy = px(x0, yv)
-            d.line([(left, yy), (W - right, yy)], fill=(225, 225, 225))
-            d.text((4, yy - 6), _fmt(yv), fill="black", font=font)
-            xv = x0 + k * (x1 - x0) / 4
-            xx, _ = px(xv, y0)
-            d.text((xx - 8, H - bottom + 6), f"{xv:g}", fill="black", font=font)
-        d.rectangle([left, top, W - right, H - bottom], outline="black")
-        for i, (name, (xs, ys)) in enumerate(series.items()):
-            color = _COLORS[i % len(_COLORS)]
-            line = [px(float(x), float(y)) for x, y in zip(xs, ys) if math.isfinite(float(y))]
-            if len(line) > 1:
-                d.line(line, fill=color, width=2)
-            for cx, cy in line:
-                d.ellipse([cx - 2, cy - 2, cx + 2, cy + 2], fill=color)
-            lx = W - right - 150
-            d.line([(lx, top + 10 + 14 * i), (lx + 20, top + 10 + 14 * i)], fill=color, width=2)
-            d.text((lx + 24, top + 4 + 14 * i), name, fill="black", font=font)
-    else:
-        d.text((left, H // 2), "no data yet", fill="black", font=font)
+    """`curve_figure(series, **kw)` saved as a PNG at `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    img.save(path)
+    curve_figure(series, **kw).savefig(path, dpi=100)
     return path
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Rows of a metrics.jsonl written by `Logger.log` (each has "step")."""
+    """Rows of a metrics.jsonl written by `Logger.log` (each has "step").
+
+    A line that is not JSON (a run killed mid-write leaves a partial last line) is skipped with a warning.
+    """
     p = Path(path)
     if not p.is_file():
         return []
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    rows, bad = [], []
+    for i, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            bad.append(i)
+    if bad:
+        warnings.warn(
+            f"{p}: skipped {len(bad)} line(s) that are not JSON (line {', '.join(map(str, bad[:5]))}); "
+            "a run killed mid-write leaves such a partial row",
+            stacklevel=2,
+        )
+    return rows
+
+
+def reward_curve_series(
+    rows: Sequence[Mapping[str, Any]], *, train_key: str = "reward/mean", val_key: str = "val/reward_mean"
+) -> dict[str, tuple[list[int], list[float | None]]]:
+    """{"train (<train_key>)": (steps, values), "held-out (<val_key>)": (steps, values)} from logged rows."""
+    series = {}
+    for name, key in ((f"train ({train_key})", train_key), (f"held-out ({val_key})", val_key)):
+        # A resumed run re-logs the steps after its checkpoint: the later row of a step wins.
+        by_step = {r["step"]: r[key] for r in rows if key in r and r.get("step") is not None}
+        xs = sorted(by_step)
+        series[name] = (xs, [by_step[x] for x in xs])
+    return series
 
 
 def plot_reward_curve(
@@ -327,13 +392,8 @@ def plot_reward_curve(
     val_key: str = "val/reward_mean",
 ) -> Path:
     """Train and held-out reward vs step from logged metric rows, as a PNG."""
-    series = {}
-    for name, key in (("train", train_key), ("held-out", val_key)):
-        # A resumed run re-logs the steps after its checkpoint: the later row of a step wins.
-        by_step = {r["step"]: r[key] for r in rows if key in r and r.get("step") is not None}
-        xs = sorted(by_step)
-        series[name] = (xs, [by_step[x] for x in xs])
-    return plot_curves(path, series, title=f"{train_key} / {val_key} vs step")
+    series = reward_curve_series(rows, train_key=train_key, val_key=val_key)
+    return plot_curves(path, series, ylabel="reward")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -379,9 +439,7 @@ def save_run_metadata(
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         pass
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        env["torch"] = torch.__version__
+    env["torch"] = torch.__version__
     (run / "run_meta.json").write_text(json.dumps(env, indent=2) + "\n")
     return run
 
@@ -434,7 +492,13 @@ class Logger:
     ):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._metrics = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115 - closed in finish()
+        path = self.run_dir / "metrics.jsonl"
+        # A killed run may have left a partial last row; a resumed run must not glue its first row onto it.
+        partial = path.is_file() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
+        self._metrics = open(path, "a")  # noqa: SIM115 - closed in finish()
+        if partial:
+            self._metrics.write("\n")
+        self._warned_nonfinite: set[str] = set()
         self.wandb_run = None
         mode = resolve_wandb_mode(wandb_mode)
         if mode != "disabled":
@@ -451,8 +515,20 @@ class Logger:
             )
 
     def log(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
-        row = {"step": step, "time": time.time(), **{k: _scalar(v) for k, v in metrics.items()}}
-        self._metrics.write(json.dumps(row, default=str) + "\n")
+        """Append one row to metrics.jsonl (strict JSON: a NaN/inf metric is written as null and named in
+        the row's "nonfinite" list) and to wandb (which takes NaN as is)."""
+        row, nonfinite = json_row(metrics)
+        row = {"step": step, "time": time.time(), **row}
+        if nonfinite:
+            row["nonfinite"] = nonfinite
+            new = [k for k in nonfinite if k not in self._warned_nonfinite]
+            if new:
+                print0(
+                    f"metrics: {', '.join(new)} not finite at step {step} (written as null; later steps "
+                    "list such keys under 'nonfinite' in metrics.jsonl)"
+                )
+                self._warned_nonfinite.update(new)
+        self._metrics.write(json.dumps(row, allow_nan=False, default=str) + "\n")
         self._metrics.flush()
         if self.wandb_run is not None:
             self.wandb_run.log(dict(metrics), step=step)
@@ -482,6 +558,30 @@ def _scalar(v: Any) -> Any:
     if hasattr(v, "item") and getattr(v, "ndim", 0) == 0:
         return v.item()
     return v
+
+
+def _finite_or_none(v: Any) -> tuple[Any, bool]:
+    """(v with every non-finite float inside it replaced by None, whether there was one)."""
+    v = _scalar(v)
+    if isinstance(v, float):
+        return (v, False) if math.isfinite(v) else (None, True)
+    if isinstance(v, Mapping):
+        items = {k: _finite_or_none(x) for k, x in v.items()}
+        return {k: x for k, (x, _) in items.items()}, any(bad for _, bad in items.values())
+    if isinstance(v, list | tuple):
+        items = [_finite_or_none(x) for x in v]
+        return [x for x, _ in items], any(bad for _, bad in items)
+    return v, False
+
+
+def json_row(metrics: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """(metrics as strict-JSON values, names of the metrics that held a NaN or an infinity, now None)."""
+    row, nonfinite = {}, []
+    for k, v in metrics.items():
+        row[k], bad = _finite_or_none(v)
+        if bad:
+            nonfinite.append(k)
+    return row, nonfinite
 
 
 def make_logger(
