@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fgrpo.rewards.ocr import OcrReward, extract_target, ocr_score
+from fgrpo.rewards.ocr import EXACT_MIN_SCORE, OcrReward, extract_target, is_exact, ocr_score
 
 from .helpers import render_text
 
@@ -78,6 +78,26 @@ def test_ocr_score_invariances(recognized, tgt, pos):
     assert ocr_score(recognized.upper(), tgt.lower()) == s
     assert ocr_score(recognized[:pos] + " \n" + recognized[pos:], tgt) == s
     assert ocr_score("xx" + tgt + "yy", tgt) == 1.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(text, target)
+def test_is_exact_means_the_target_is_read_letter_for_letter(recognized, tgt):
+    r, t = "".join(recognized.split()).lower(), "".join(tgt.split()).lower()
+    score = ocr_score(recognized, tgt)
+    assert is_exact(score) == (t in r)
+    assert is_exact(np.float32(score)) == (t in r)  # the reward's dtype
+
+
+def test_is_exact_keeps_its_kind_and_the_nearest_miss_out():
+    import torch
+
+    long = "a" * 999_999  # one letter missing: 1 - 1/n, the closest a non-exact read gets below 1
+    assert not is_exact(ocr_score(long[1:], long)) and is_exact(ocr_score(long, long))
+    scores = [1.0, 1.0 - 1e-7, 0.999, 0.0]  # 1 - 1e-7: a 1 after float rounding
+    np.testing.assert_array_equal(is_exact(np.array(scores, np.float32)), [True, True, False, False])
+    assert is_exact(torch.tensor(scores)).tolist() == [True, True, False, False]
+    assert EXACT_MIN_SCORE < 1.0
 
 
 class FakeEngine:

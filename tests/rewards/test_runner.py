@@ -1,5 +1,6 @@
 """AsyncRewardRunner: results equal the synchronous reward; scoring overlaps the caller's work; bad input
-fails at submit; the process pool builds the reward from a spec inside the worker."""
+fails at submit; the process pool builds the reward from a spec inside the worker; a synchronous call splits
+the batch over the workers."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from fgrpo.rewards import AsyncRewardRunner, build_reward
+from fgrpo.rewards import AsyncRewardRunner, RewardOutput, build_reward
+from fgrpo.rewards.runner import ParallelReward
 
 from .slow_reward import SlowMeanPixel, mean_pixel
 
@@ -66,3 +68,24 @@ def test_process_runner_builds_reward_from_spec():
 def test_runner_rejects_unknown_kind():
     with pytest.raises(ValueError, match="kind"):
         AsyncRewardRunner("jpeg_compressibility", kind="fiber")
+
+
+def test_parallel_reward_splits_the_batch_over_its_processes_in_order():
+    """5 images over 2 processes: slices [0, 2) and [2, 5), two reward calls (the additive `_count` metric),
+    scores in the input order; more workers than images: one call per image, none empty."""
+    images = np.random.default_rng(1).integers(0, 256, (5, 8, 8, 3), dtype=np.uint8)
+    prompts = list("abcde")
+    with ParallelReward(SlowMeanPixel(sleep_s=0.0), workers=2) as reward:
+        out = reward(images, prompts)
+        np.testing.assert_array_equal(out.scores, mean_pixel(images))
+        assert out.metrics["slow/calls_count"] == 2
+    with AsyncRewardRunner(SlowMeanPixel(sleep_s=0.0), max_workers=8) as runner:
+        out = runner(images, prompts)
+        np.testing.assert_array_equal(out.scores, mean_pixel(images))
+        assert out.metrics["slow/calls_count"] == 5
+
+    def empty_ok(images, prompts, metadata=None):
+        return RewardOutput(scores=np.zeros(len(images), np.float32))
+
+    with AsyncRewardRunner(empty_ok, max_workers=2) as runner:
+        assert runner(images[:0], []).scores.shape == (0,)  # an empty batch is one empty call, not an error

@@ -63,6 +63,23 @@ def ocr_score(recognized: str, target: str) -> float:
     return 1.0 - min(d, len(target)) / len(target)
 
 
+# `ocr_score` is exactly 1 when the target is read letter for letter (d = 0) and at most 1 - 1/n otherwise;
+# the margin absorbs float rounding of a score carried through float32, a weighted sum or the wire, and
+# stays above 1 - 1/n for any target shorter than a million characters.
+EXACT_MIN_SCORE = 1.0 - 1e-6
+
+
+def is_exact(scores):
+    """Whether OCR scores mean an exact read (the target found letter for letter, d = 0 in `ocr_score`).
+
+    Args:
+        scores: a float, numpy array or torch tensor of `ocr_score` values.
+    Returns:
+        bool of the same kind and shape (`.mean()` of it is the exact-read fraction).
+    """
+    return scores >= EXACT_MIN_SCORE
+
+
 class OcrEngine(Protocol):
     def recognize(self, images: np.ndarray) -> list[str]:
         """uint8 RGB images [B, H, W, 3] -> the text recognized in each (empty string when none)."""
@@ -150,7 +167,7 @@ class OcrReward:
     """Reward = ocr_score(engine's text, quoted target of the prompt), per image.
 
     Targets are extracted before the engine runs, so a prompt without quotes fails before any OCR work.
-    Metrics: `ocr/exact` fraction of images scoring 1, `ocr/time_per_image_s`.
+    Metrics: `ocr/exact` fraction of exact reads (`is_exact`), `ocr/time_per_image_s`.
     """
 
     def __init__(self, engine: OcrEngine | None = None):
@@ -168,7 +185,7 @@ class OcrReward:
         dt = time.perf_counter() - t0
         scores = np.array([ocr_score(t, g) for t, g in zip(texts, targets)], dtype=np.float32)
         metrics = {
-            "ocr/exact": float(np.mean(scores == 1.0)) if len(scores) else 0.0,
+            "ocr/exact": float(np.mean(is_exact(scores))) if len(scores) else 0.0,
             "ocr/time_per_image_s": dt / max(len(images), 1),
         }
         return RewardOutput(scores=scores, metrics=metrics)

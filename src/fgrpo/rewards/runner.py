@@ -1,13 +1,18 @@
-"""Score in the background so the next rollout overlaps the reward; the trainer waits only on .result().
+"""Score in a worker pool: in the background, so the next rollout overlaps the reward, or one batch split
+over several processes. The one pool of fgrpo (trainer, renderer pretraining, benchmarks).
 
     runner = AsyncRewardRunner("ocr")              # or a Reward object; kind="process" for a process pool
     fut = runner.submit(images, prompts)           # returns at once
     traj = engine.generate(...)                    # next rollout runs meanwhile
     out = fut.result()                             # RewardOutput
 
+    reward = ParallelReward({"name": "ocr", "num_threads": 1}, workers=12)   # a Reward scored by 12 processes
+    out = reward(images, prompts)                  # 12 contiguous slices at once, joined in order
+
 A thread is enough when the reward releases the GIL (onnxruntime, PIL's JPEG encoder, HTTP waits); a
-process pool isolates a reward that holds the GIL or is not thread-safe. Each worker builds its own reward
-once (from a spec or a pickled Reward), so OCR weights are loaded once per worker, not per batch.
+process pool isolates a reward that holds the GIL or is not thread-safe, and spreads one that does not
+scale with threads (rapidocr's per-image Python loop). Each worker builds its own reward once (from a spec
+or a pickled Reward), so OCR weights are loaded once per worker, not per batch.
 """
 
 from __future__ import annotations
@@ -66,7 +71,7 @@ class AsyncRewardRunner:
     ):
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
-        self.kind = kind
+        self.kind, self.max_workers = kind, max_workers
         if kind == "thread":
             from fgrpo.rewards.factory import build_reward
 
@@ -83,9 +88,7 @@ class AsyncRewardRunner:
     def submit(
         self, images: np.ndarray, prompts: Sequence[str], metadata: Sequence[dict[str, Any]] | None = None
     ) -> cf.Future[RewardOutput]:
-        meta = check_inputs(
-            images, prompts, metadata
-        )  # bad input fails here, in the caller, not in the worker
+        meta = check_inputs(images, prompts, metadata)  # bad input fails here, in the caller, not in a worker
         # Copy: the caller may reuse its image buffer for the next rollout while we still read this one.
         images, prompts = np.array(images, copy=True), list(prompts)
         if self.kind == "thread":
@@ -95,8 +98,13 @@ class AsyncRewardRunner:
     def __call__(
         self, images: np.ndarray, prompts: Sequence[str], metadata: Sequence[dict[str, Any]] | None = None
     ) -> RewardOutput:
-        """Synchronous use: the runner is itself a Reward."""
-        return self.submit(images, prompts, metadata).result()
+        """Synchronous use (the runner is itself a Reward): the batch is cut into `max_workers` contiguous
+        slices, scored at once and joined in order (`concat_outputs`)."""
+        meta = check_inputs(images, prompts, metadata)
+        bounds = np.linspace(0, len(prompts), self.max_workers + 1).astype(int)
+        slices = [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a] or [(0, 0)]
+        futures = [self.submit(images[a:b], prompts[a:b], meta[a:b]) for a, b in slices]
+        return futures[0].result() if len(futures) == 1 else concat_outputs([f.result() for f in futures])
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -108,14 +116,9 @@ class AsyncRewardRunner:
         self.close()
 
 
-class ParallelReward:
-    """A reward scored by N worker processes, each taking a contiguous slice of the batch."""
+class ParallelReward(AsyncRewardRunner):
+    """A reward scored by `workers` spawned processes, each taking a contiguous slice of every batch
+    (`AsyncRewardRunner(spec, kind="process", max_workers=workers)` called synchronously)."""
 
-    def __init__(self, spec, workers: int):
-        self.workers = workers
-        self.runner = AsyncRewardRunner(spec, kind="process", max_workers=workers)
-
-    def __call__(self, images: np.ndarray, prompts, metadata=None):
-        bounds = np.linspace(0, len(prompts), self.workers + 1).astype(int)
-        futures = [self.runner.submit(images[a:b], prompts[a:b]) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-        return concat_outputs([f.result() for f in futures])
+    def __init__(self, spec: Reward | str | dict | list, workers: int):
+        super().__init__(spec, kind="process", max_workers=workers)
