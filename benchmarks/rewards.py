@@ -44,7 +44,7 @@ def render(text: str, size: int) -> np.ndarray:
 
 def best_of(fn, repeats: int) -> tuple[float, float]:
     """(wall s, CPU s of this process) of the fastest of `repeats` runs. CPU time is the steadier number on
-    a shared box: it does not grow when other processes take the cores."""
+    a shared machine: it does not grow when other processes take the cores."""
     best = (float("inf"), 0.0)
     for _ in range(repeats):
         t0, c0 = time.perf_counter(), time.process_time()

@@ -30,7 +30,7 @@ import torch
 from rollout import build_real, build_tiny  # benchmarks/rollout.py: the same random real-size model
 
 TFLOP_PER_FORWARD_512 = 16.65
-MATMUL_TFLOPS_H200 = 755.0  # bf16, measured on this machine kind (see RESULTS.md)
+MATMUL_TFLOPS_H200 = 755.0  # bf16, measured on an H200 (RESULTS.md)
 VERL_OMNI_IMAGES_PER_GPU_S = 0.305  # published, 4xH800, LoRA + CFG, same recipe
 
 def main() -> None:

@@ -17,10 +17,10 @@ Sections (each prints its rows and never stops the others):
               VllmOmniEngine (eager and compiled) and DiffusersEngine for the recipe: 512^2, 10 steps,
               CFG 4, flow_sde 1.2, window 2 in [0, 5).
 
-GPU (after the vllm bundle install of ../shared/device/vllm-bundle/README.md, on the warm machine):
-  export PYTHONPATH=/tmp/vl/site:$PWD/src HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
+GPU (vllm 0.30.0 + vllm-omni 0.30.0 installed, e.g. `uv sync --extra vllm`; offline runs set
+HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1):
   python3 benchmarks/vllm_omni_check.py                        # parity, lora, weights, sleep (~3 min)
-  python3 benchmarks/vllm_omni_check.py --sections throughput  # separate call: writes ~41 GB, ~8 min
+  python3 benchmarks/vllm_omni_check.py --sections throughput  # on its own: writes ~41 GB, ~8 min
 CPU (no vllm): `python benchmarks/vllm_omni_check.py --cpu-selftest` checks the helpers on the tiny model.
 """
 
@@ -326,9 +326,9 @@ def section_lora(ctx: Ctx) -> None:
         for r in rows:
             # The engine applies the same LoRA when (a) it moves the output as much as in-process does and
             # (b) the engine-vs-in-process disagreement grows by a small fraction of that move only. The bf16
-            # kernel gap (gap_base) is not part of the LoRA's effect, so it is subtracted, not compared: on
-            # 2026-11-30 a LoRA of std 0.05 moved x_next by 7.5e-3, only 2.4x the base gap of 3.1e-3, and an
-            # earlier criterion (move > 5 x base gap) failed although the gap grew by 1.3e-4 only.
+            # kernel gap (gap_base) is not part of the LoRA's effect, so it is subtracted, not compared: a
+            # LoRA of std 0.05 moved x_next by 7.5e-3, only 2.4x the base gap of 3.1e-3, so "move > 5 x base
+            # gap" would fail it although the gap grew by 1.3e-4 only (RESULTS.md, 2026-11-30).
             moved_alike = abs(r["engine_change"] - r["in_process_change"]) < 0.1 * r["in_process_change"]
             ok = moved_alike and (r["gap_after"] - r["gap_base"]) < 0.1 * r["in_process_change"]
             ctx.note(
