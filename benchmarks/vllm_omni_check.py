@@ -419,7 +419,8 @@ def save_real_size_dir(path: Path, layers: int, device: torch.device) -> Path:
     from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from fgrpo.models.tiny import QWEN_IMAGE_SCHEDULER, tiny_qwen_tokenizer
+    from fgrpo.models.qwen_image import SCHEDULER_CONFIG
+    from fgrpo.models.tiny import tiny_qwen_tokenizer
 
     tokenizer = tiny_qwen_tokenizer()
     default = torch.get_default_dtype()
@@ -442,7 +443,7 @@ def save_real_size_dir(path: Path, layers: int, device: torch.device) -> Path:
         torch.set_default_dtype(default)
     pipe = QwenImagePipeline(
         transformer=transformer, vae=vae, text_encoder=encoder, tokenizer=tokenizer,
-        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER),  # pyright: ignore[reportArgumentType]
+        scheduler=FlowMatchEulerDiscreteScheduler.from_config(SCHEDULER_CONFIG),
     )  # fmt: skip
     tmp = path.with_name(path.name + ".tmp")
     pipe.save_pretrained(tmp, max_shard_size="10GB")

@@ -7,26 +7,13 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 
 from fgrpo.core import schedule
+from fgrpo.models import qwen_image, sd3
 
-# Qwen/Qwen-Image scheduler/scheduler_config.json
-QWEN_IMAGE_SCHEDULER = {
-    "base_image_seq_len": 256,
-    "base_shift": 0.5,
-    "invert_sigmas": False,
-    "max_image_seq_len": 8192,
-    "max_shift": 0.9,
-    "num_train_timesteps": 1000,
-    "shift": 1.0,
-    "shift_terminal": 0.02,
-    "stochastic_sampling": False,
-    "time_shift_type": "exponential",
-    "use_beta_sigmas": False,
-    "use_dynamic_shifting": True,
-    "use_exponential_sigmas": False,
-    "use_karras_sigmas": False,
-}
-# stabilityai/stable-diffusion-3.5-{medium,large} scheduler/scheduler_config.json
-SD35_SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0}
+# The models' scheduler configs and the keywords the models derive from them for core.schedule.
+QWEN_IMAGE_SCHEDULER = qwen_image.SCHEDULER_CONFIG
+QWEN = qwen_image.schedule_kwargs(QWEN_IMAGE_SCHEDULER)
+SD35_SCHEDULER = sd3.SCHEDULER_CONFIG
+SD35_SHIFT = SD35_SCHEDULER["shift"]
 
 
 def _diffusers_qwen(num_steps, image_seq_len):
@@ -50,7 +37,7 @@ def _diffusers_sd3(num_steps, config=SD35_SCHEDULER):
 @pytest.mark.parametrize("num_steps", [2, 3, 10, 28, 50])
 @pytest.mark.parametrize("image_seq_len", [64, 256, 1024, 4096, 6889, 8192, 10000])
 def test_qwen_image_sigmas_equal_diffusers_bit_for_bit(num_steps, image_seq_len):
-    ours = schedule.qwen_image_sigmas(num_steps, image_seq_len)
+    ours = schedule.qwen_image_sigmas(num_steps, image_seq_len, **QWEN)
     ref = _diffusers_qwen(num_steps, image_seq_len)
     assert ours.dtype == torch.float32 and ours.shape == (num_steps + 1,)
     assert torch.equal(ours, ref)
@@ -59,7 +46,7 @@ def test_qwen_image_sigmas_equal_diffusers_bit_for_bit(num_steps, image_seq_len)
 
 @pytest.mark.parametrize("num_steps", [1, 2, 10, 28, 40, 50])
 def test_sd3_sigmas_equal_diffusers_bit_for_bit(num_steps):
-    ours = schedule.sd3_sigmas(num_steps)
+    ours = schedule.sd3_sigmas(num_steps, SD35_SHIFT)
     assert ours.dtype == torch.float32 and ours.shape == (num_steps + 1,)
     assert torch.equal(ours, _diffusers_sd3(num_steps))
 
@@ -72,17 +59,17 @@ def test_sd3_sigmas_other_shifts_equal_diffusers(shift):
 
 
 def test_schedules_decrease_strictly():
-    for s in (schedule.qwen_image_sigmas(20, 4096), schedule.sd3_sigmas(20)):
+    for s in (schedule.qwen_image_sigmas(20, 4096, **QWEN), schedule.sd3_sigmas(20, SD35_SHIFT)):
         assert (s[1:] < s[:-1]).all()
 
 
 def test_schedule_bad_inputs():
     with pytest.raises(ValueError, match="num_steps"):
-        schedule.sd3_sigmas(0)
+        schedule.sd3_sigmas(0, SD35_SHIFT)
     with pytest.raises(ValueError, match="num_steps"):
-        schedule.qwen_image_sigmas(1, 1024)  # diffusers gives NaN here
+        schedule.qwen_image_sigmas(1, 1024, **QWEN)  # diffusers gives NaN here
     with pytest.raises(ValueError, match="image_seq_len"):
-        schedule.qwen_image_sigmas(10, 0)
+        schedule.qwen_image_sigmas(10, 0, **QWEN)
 
 
 def test_sample_windows_are_contiguous_and_inside_the_range():

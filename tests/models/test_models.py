@@ -10,7 +10,7 @@ import torch
 from diffusers import QwenImagePipeline, StableDiffusion3Pipeline
 
 from fgrpo.core import guidance
-from fgrpo.models import tiny
+from fgrpo.models import qwen_image, tiny
 from fgrpo.models.base import FlowModel
 from fgrpo.models.loading import QWEN_IMAGE_LORA_TARGETS, SD3_LORA_TARGETS, add_lora, configure_transformer
 from fgrpo.models.qwen_image import PROMPT_DROP, PROMPT_TEMPLATE, QwenImage, pack, unpack
@@ -228,8 +228,23 @@ def test_resolution_must_be_a_multiple_of_vae_factor_times_patch(model_name, req
 def test_qwen_schedule_uses_the_packed_token_count(qwen):
     from fgrpo.core import schedule
 
-    assert torch.equal(qwen.sigmas(5, 64, 128), schedule.qwen_image_sigmas(5, (64 // 16) * (128 // 16)))
+    kwargs = qwen_image.schedule_kwargs(qwen_image.SCHEDULER_CONFIG)
+    assert torch.equal(
+        qwen.sigmas(5, 64, 128), schedule.qwen_image_sigmas(5, (64 // 16) * (128 // 16), **kwargs)
+    )
     assert not torch.equal(qwen.sigmas(5, 64, 64), qwen.sigmas(5, 512, 512))
+
+
+def test_schedule_kwargs_fill_diffusers_defaults_and_reject_other_time_shifts():
+    # A key the config omits is FlowMatchEulerDiscreteScheduler's default (calculate_shift's 256 / 4096 /
+    # 0.5 / 1.15, no terminal stretch), as in the scheduler diffusers would build from that file.
+    assert qwen_image.schedule_kwargs({"use_dynamic_shifting": True}) == dict(
+        base_seq_len=256, max_seq_len=4096, base_shift=0.5, max_shift=1.15, shift_terminal=None
+    )
+    with pytest.raises(ValueError, match="use_dynamic_shifting=False"):
+        qwen_image.schedule_kwargs({})
+    with pytest.raises(ValueError, match="time_shift_type='linear'"):
+        qwen_image.schedule_kwargs({**qwen_image.SCHEDULER_CONFIG, "time_shift_type": "linear"})
 
 
 @pytest.mark.parametrize("kind", ["qwen", "sd3"])
@@ -272,6 +287,7 @@ def test_saved_tiny_qwen_image_loads_with_diffusers_and_our_loader(tmp_path, qwe
     ref = qwen_parts["transformer"].state_dict()
     assert all(torch.equal(v, ref[k]) for k, v in pipe.transformer.state_dict().items())
     loaded = QwenImage.from_pretrained(path, dtype=torch.float32, device="cpu")
+    assert loaded.schedule_kwargs == qwen_image.schedule_kwargs(qwen_image.SCHEDULER_CONFIG)
     assert loaded.schedule_kwargs["shift_terminal"] == 0.02
     ours = QwenImage.from_modules(
         qwen_parts["transformer"], qwen_parts["vae"], qwen_parts["text_encoder"], qwen_parts["tokenizer"]

@@ -36,12 +36,7 @@ def _f32(x: float) -> torch.Tensor:
 
 
 def resolution_mu(
-    image_seq_len: int,
-    *,
-    base_seq_len: int = 256,
-    max_seq_len: int = 4096,
-    base_shift: float = 0.5,
-    max_shift: float = 1.15,
+    image_seq_len: int, *, base_seq_len: int, max_seq_len: int, base_shift: float, max_shift: float
 ) -> float:
     """The resolution-dependent shift mu: linear in the number of image tokens (diffusers' calculate_shift).
 
@@ -72,22 +67,25 @@ def qwen_image_sigmas(
     num_steps: int,
     image_seq_len: int,
     *,
-    base_seq_len: int = 256,
-    max_seq_len: int = 8192,
-    base_shift: float = 0.5,
-    max_shift: float = 0.9,
-    shift_terminal: float | None = 0.02,
+    base_seq_len: int,
+    max_seq_len: int,
+    base_shift: float,
+    max_shift: float,
+    shift_terminal: float | None,
 ) -> torch.Tensor:
     """Qwen-Image's schedule: [num_steps + 1] fp32, from 1 down to shift_terminal, then a terminal 0.
 
     QwenImagePipeline passes sigmas = linspace(1, 1/N, N) and mu from the packed latent's token count
     (image_seq_len = (H / 16) * (W / 16)); the scheduler (dynamic shifting, exponential time shift,
     shift_terminal 0.02 in Qwen/Qwen-Image's scheduler_config.json) shifts them towards 1 and stretches the
-    tail. The keyword defaults are that config.
+    tail.
 
     Args:
         num_steps: N denoising steps.
         image_seq_len: number of image tokens of the packed latent.
+        base_seq_len, max_seq_len, base_shift, max_shift, shift_terminal: the scheduler config's
+            base_image_seq_len, max_image_seq_len, base_shift, max_shift, shift_terminal (the model reads
+            them from its scheduler_config.json: fgrpo.models.qwen_image.schedule_kwargs).
 
     Returns:
         [N + 1] fp32, sigmas[0] = 1, sigmas[-1] = 0.
@@ -112,7 +110,7 @@ def qwen_image_sigmas(
     return torch.cat([sigmas, torch.zeros(1)])
 
 
-def sd3_sigmas(num_steps: int, shift: float = 3.0, *, num_train_timesteps: int = 1000) -> torch.Tensor:
+def sd3_sigmas(num_steps: int, shift: float, *, num_train_timesteps: int = 1000) -> torch.Tensor:
     """SD3 / SD3.5's schedule: [num_steps + 1] fp32, static shift (3.0 in SD3.5's scheduler_config.json).
 
     The scheduler spaces N timesteps linearly between its training range's extremes (already shifted:

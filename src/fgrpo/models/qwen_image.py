@@ -16,11 +16,12 @@ Differs from QwenImagePipeline:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
-from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
 
 from fgrpo.core import guidance, schedule
 from fgrpo.models.base import Cond
@@ -44,7 +45,20 @@ PROMPT_TEMPLATE = (
 PROMPT_DROP = 34
 MAX_SEQUENCE_LENGTH = 1024
 
-# Keys of Qwen/Qwen-Image's scheduler_config.json that the schedule uses -> qwen_image_sigmas kwargs.
+# Qwen/Qwen-Image's scheduler/scheduler_config.json, the keys that differ from FlowMatchEulerDiscreteScheduler's
+# defaults. A loaded model reads its own file; a model built in code (the tiny one) is given this.
+SCHEDULER_CONFIG: dict[str, Any] = {
+    "base_image_seq_len": 256,
+    "base_shift": 0.5,
+    "max_image_seq_len": 8192,
+    "max_shift": 0.9,
+    "num_train_timesteps": 1000,
+    "shift": 1.0,
+    "shift_terminal": 0.02,
+    "time_shift_type": "exponential",
+    "use_dynamic_shifting": True,
+}
+# Scheduler config key -> core.schedule.qwen_image_sigmas keyword.
 _SCHEDULE_KEYS = {
     "base_image_seq_len": "base_seq_len",
     "max_image_seq_len": "max_seq_len",
@@ -52,6 +66,20 @@ _SCHEDULE_KEYS = {
     "max_shift": "max_shift",
     "shift_terminal": "shift_terminal",
 }
+
+
+def schedule_kwargs(scheduler_config: Mapping[str, Any]) -> dict[str, Any]:
+    """core.schedule.qwen_image_sigmas's keywords from a diffusers scheduler config.
+
+    A key the config omits takes FlowMatchEulerDiscreteScheduler's default, as in the pipeline's scheduler.
+    """
+    full = FlowMatchEulerDiscreteScheduler.from_config(dict(scheduler_config)).config
+    if not full["use_dynamic_shifting"] or full["time_shift_type"] != "exponential":
+        raise ValueError(
+            f"scheduler config has use_dynamic_shifting={full['use_dynamic_shifting']}, time_shift_type="
+            f"{full['time_shift_type']!r}; Qwen-Image's schedule needs true and 'exponential' (its scheduler_config.json)"
+        )
+    return {ours: full[theirs] for theirs, ours in _SCHEDULE_KEYS.items()}
 
 
 def pack(x: torch.Tensor) -> torch.Tensor:
@@ -78,7 +106,7 @@ class QwenImage:
         text_encoder: torch.nn.Module | None,
         tokenizer,
         *,
-        schedule_kwargs: dict | None = None,
+        scheduler_config: Mapping[str, Any] = SCHEDULER_CONFIG,
         max_sequence_length: int = MAX_SEQUENCE_LENGTH,
         prompt_cache_size: int = 1024,
     ):
@@ -86,7 +114,7 @@ class QwenImage:
         self.vae = vae
         self.text_encoder = text_encoder
         self.tokenizer = tokenizer
-        self.schedule_kwargs = dict(schedule_kwargs or {})
+        self.schedule_kwargs = schedule_kwargs(scheduler_config)
         self.max_sequence_length = max_sequence_length
         self.vae_scale = 2 ** len(vae.temperal_downsample)
         self.patch = transformer.config.patch_size
@@ -111,7 +139,6 @@ class QwenImage:
         **kwargs,
     ) -> QwenImage:
         """Load a diffusers-format Qwen-Image directory or hub id (subfolders transformer, vae, ...)."""
-        from diffusers import FlowMatchEulerDiscreteScheduler
         from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
         path = str(path)
@@ -125,15 +152,14 @@ class QwenImage:
                 path, subfolder="text_encoder", dtype=text_encoder_dtype or dtype
             )
         tokenizer = Qwen2Tokenizer.from_pretrained(path, subfolder="tokenizer")
-        sched = FlowMatchEulerDiscreteScheduler.load_config(path, subfolder="scheduler")
-        schedule_kwargs = {ours: sched[theirs] for theirs, ours in _SCHEDULE_KEYS.items() if theirs in sched}
+        scheduler_config = FlowMatchEulerDiscreteScheduler.load_config(path, subfolder="scheduler")
         return cls.from_modules(
             transformer,
             vae,
             text_encoder,
             tokenizer,
             device=device,
-            schedule_kwargs=schedule_kwargs,
+            scheduler_config=scheduler_config,
             **kwargs,
         )
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
-from diffusers import AutoencoderKL, SD3Transformer2DModel
+from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
 
 from fgrpo.core import guidance, schedule
 from fgrpo.models.base import Cond
@@ -23,6 +24,9 @@ from fgrpo.models.common import PromptCache, check_resolution, module_device, mo
 
 CLIP_MAX_LENGTH = 77
 T5_MAX_LENGTH = 256
+# stabilityai/stable-diffusion-3.5-{medium,large}'s scheduler/scheduler_config.json, the keys that differ from
+# FlowMatchEulerDiscreteScheduler's defaults. A loaded model reads its own file; a model built in code uses this.
+SCHEDULER_CONFIG: dict[str, Any] = {"shift": 3.0}
 
 
 class SD3:
@@ -35,7 +39,7 @@ class SD3:
         text_encoders: Sequence[torch.nn.Module | None],
         tokenizers: Sequence,
         *,
-        shift: float = 3.0,
+        shift: float = SCHEDULER_CONFIG["shift"],
         max_sequence_length: int = T5_MAX_LENGTH,
         prompt_cache_size: int = 1024,
     ):
@@ -67,7 +71,6 @@ class SD3:
         **kwargs,
     ) -> SD3:
         """Load a diffusers-format SD3.x directory or hub id (e.g. stabilityai/stable-diffusion-3.5-medium)."""
-        from diffusers import FlowMatchEulerDiscreteScheduler
         from transformers import AutoTokenizer, CLIPTextModelWithProjection, T5EncoderModel
 
         path, tdtype = str(path), text_encoder_dtype or dtype
@@ -85,7 +88,7 @@ class SD3:
             AutoTokenizer.from_pretrained(path, subfolder=s)
             for s in ("tokenizer", "tokenizer_2", "tokenizer_3")
         ]
-        shift = FlowMatchEulerDiscreteScheduler.load_config(path, subfolder="scheduler").get("shift", 3.0)
+        shift = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler").config["shift"]
         return cls.from_modules(transformer, vae, encoders, tokenizers, device=device, shift=shift, **kwargs)
 
     @classmethod

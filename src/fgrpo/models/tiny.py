@@ -36,22 +36,9 @@ from transformers import (
 )
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
+from fgrpo.models import qwen_image, sd3
 from fgrpo.models.qwen_image import PROMPT_DROP, PROMPT_TEMPLATE, QwenImage
 from fgrpo.models.sd3 import CLIP_MAX_LENGTH, SD3
-
-# Qwen/Qwen-Image's scheduler_config.json (the schedule's constants live in fgrpo.core.schedule).
-QWEN_IMAGE_SCHEDULER = dict(
-    base_image_seq_len=256,
-    base_shift=0.5,
-    max_image_seq_len=8192,
-    max_shift=0.9,
-    num_train_timesteps=1000,
-    shift=1.0,
-    shift_terminal=0.02,
-    time_shift_type="exponential",
-    use_dynamic_shifting=True,
-)
-SD3_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0)
 
 # Words the tiny BPEs learn besides the template (tests' prompts tokenise into fewer, longer tokens).
 _EXTRA_TEXT = "a photo of a cat holding a sign that says hello world, a red square on a blue background"
@@ -179,7 +166,7 @@ def tiny_qwen_image_components(seed: int = 0) -> dict:
         vae=vae,
         text_encoder=text_encoder,
         tokenizer=tokenizer,
-        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER),
+        scheduler=FlowMatchEulerDiscreteScheduler.from_config(qwen_image.SCHEDULER_CONFIG),
     )
 
 
@@ -289,7 +276,7 @@ def tiny_sd3_components(seed: int = 0) -> dict:
         tokenizer=clip_tok,
         tokenizer_2=clip_tok,
         tokenizer_3=t5_tok,
-        scheduler=FlowMatchEulerDiscreteScheduler(**SD3_SCHEDULER),
+        scheduler=FlowMatchEulerDiscreteScheduler.from_config(sd3.SCHEDULER_CONFIG),
     )
 
 

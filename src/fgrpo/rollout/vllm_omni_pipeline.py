@@ -33,7 +33,7 @@ from torch import nn
 
 from fgrpo.models.base import Cond, FlowModel
 from fgrpo.models.common import pad_to
-from fgrpo.models.qwen_image import _SCHEDULE_KEYS, QwenImage
+from fgrpo.models.qwen_image import QwenImage
 from fgrpo.rollout.base import SamplingConfig, Trajectory
 from fgrpo.rollout.engine import DiffusersEngine
 
@@ -76,15 +76,6 @@ def config_from_dict(d: dict[str, Any]) -> SamplingConfig:
     return SamplingConfig(**d)
 
 
-def schedule_kwargs(scheduler_config: Any) -> dict[str, Any]:
-    """The qwen_image_sigmas keywords from a diffusers scheduler config, as QwenImage.from_pretrained reads them."""
-    return {
-        ours: scheduler_config[theirs]
-        for theirs, ours in _SCHEDULE_KEYS.items()
-        if theirs in scheduler_config
-    }
-
-
 def spec_from_dir(path: str | Path) -> QwenImage | None:
     """A weightless QwenImage (configs only) for latent_shape / sigmas / request checks on the host.
 
@@ -99,7 +90,7 @@ def spec_from_dir(path: str | Path) -> QwenImage | None:
         return None
     transformer: Any = SimpleNamespace(config=SimpleNamespace(**t))
     vae: Any = SimpleNamespace(temperal_downsample=v["temperal_downsample"], config=SimpleNamespace(**v))
-    return QwenImage(transformer, vae, None, None, schedule_kwargs=schedule_kwargs(s))
+    return QwenImage(transformer, vae, None, None, scheduler_config=s)
 
 
 class OmniTransformer(nn.Module):
@@ -147,7 +138,7 @@ def flow_model(pipeline: QwenImagePipeline) -> QwenImage:
         pipeline.vae,
         pipeline.text_encoder,
         pipeline.tokenizer,
-        schedule_kwargs=schedule_kwargs(scheduler.config),
+        scheduler_config=scheduler.config,
     )
 
 
