@@ -408,3 +408,137 @@ def test_export_lora_loads_in_sd3_pipeline(tmp_path):
     pipe = StableDiffusion3Pipeline(**{**comps, "transformer": base})
     pipe.load_lora_weights(str(out))
     assert torch.equal(pipe.transformer(**inputs)[0], want)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# integrity: checksums in meta.json, verified loads, walking back past broken checkpoints
+
+
+def _flip_byte(path: Path, offset: int = -1) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_meta_records_size_and_sha256_of_every_file(tmp_path):
+    import hashlib
+
+    model, opt, sched = _build(0)
+    _train(model, opt, sched, 1)
+    path = ckpt.save(tmp_path, 1, model=model, optimizer=opt, lr_scheduler=sched)
+    files = json.loads((path / "meta.json").read_text())["files"]
+    assert set(files) == {p.name for p in path.iterdir()} - {"meta.json"}
+    for name, rec in files.items():
+        data = (path / name).read_bytes()
+        assert rec == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
+
+
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [
+        (lambda p: _flip_byte(p / "model.safetensors"), r"model\.safetensors.*sha256"),  # same size
+        (lambda p: _flip_byte(p / "optimizer.json", 5), r"optimizer\.json.*sha256"),
+        (
+            lambda p: (p / "optimizer.safetensors").write_bytes(
+                (p / "optimizer.safetensors").read_bytes()[:-7]
+            ),
+            r"optimizer\.safetensors.*bytes",
+        ),
+        (lambda p: (p / "rng_rank0.json").unlink(), r"rng_rank0\.json.*missing"),
+        (lambda p: (p / "meta.json").write_text('{"step": 1, '), r"meta\.json"),
+    ],
+)
+def test_load_refuses_a_damaged_file_and_names_it(tmp_path, damage, match):
+    model, opt, sched = _build(0)
+    _train(model, opt, sched, 1)
+    path = ckpt.save(tmp_path, 1, model=model, optimizer=opt, lr_scheduler=sched)
+    damage(path)
+    model2, opt2, sched2 = _build(0)
+    with pytest.raises(ckpt.CheckpointError, match=match):
+        ckpt.load(path, model=model2, optimizer=opt2, lr_scheduler=sched2)
+
+
+def test_unreadable_files_of_unverifiable_checkpoints_are_wrapped(tmp_path):
+    """A checkpoint without checksums (format 1) still loads, with a warning; a garbled file in it is a
+    CheckpointError naming the file, never a raw safetensors or JSON exception."""
+    model, opt, sched = _build(0)
+    _train(model, opt, sched, 1)
+    path = ckpt.save(tmp_path, 1, model=model, optimizer=opt, lr_scheduler=sched, extra_state={"v": 1})
+    meta = json.loads((path / "meta.json").read_text())
+    del meta["files"]
+    meta["format_version"] = 1
+    (path / "meta.json").write_text(json.dumps(meta))
+    model2, opt2, sched2 = _build(3)
+    with pytest.warns(UserWarning, match="cannot be verified"):
+        assert ckpt.load(path, model=model2, optimizer=opt2, lr_scheduler=sched2) == (1, {"v": 1})
+    assert torch.equal(model2[2].weight, model[2].weight)
+
+    (path / "optimizer.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage")
+    with pytest.warns(UserWarning), pytest.raises(ckpt.CheckpointError, match=r"optimizer\.safetensors"):
+        ckpt.load(path, model=model2, optimizer=opt2)
+    (path / "lr_scheduler.json").write_text("{not json")
+    with pytest.warns(UserWarning), pytest.raises(ckpt.CheckpointError, match=r"lr_scheduler\.json"):
+        ckpt.load(path, model=model2, lr_scheduler=sched2)
+
+
+def test_latest_valid_walks_back_past_broken_checkpoints(tmp_path):
+    model, opt, _ = _build(0)
+    for step in (1, 2, 3, 4):
+        ckpt.save(tmp_path, step, model=model, optimizer=opt)
+    _flip_byte(tmp_path / "step_000004" / "model.safetensors")
+    (tmp_path / "step_000003" / "meta.json").write_text("")
+    with pytest.warns(UserWarning) as record:
+        assert ckpt.latest_valid(tmp_path) == tmp_path / "step_000002"
+    msgs = [str(w.message) for w in record]
+    assert len(msgs) == 2 and all("\n" not in m for m in msgs)
+    assert "step_000004" in msgs[0] and "model.safetensors" in msgs[0]
+    assert "step_000003" in msgs[1] and "meta.json" in msgs[1]
+    assert ckpt.latest(tmp_path) == tmp_path / "step_000004"  # latest() only looks for meta.json
+    # load(<root>) resumes from the newest verified checkpoint too
+    model2, opt2, _ = _build(1)
+    with pytest.warns(UserWarning) as record:
+        assert ckpt.load(tmp_path, model=model2, optimizer=opt2)[0] == 2
+    assert [str(w.message).split(":")[1] for w in record] == [
+        f" skipping {tmp_path / 'step_000004'}",
+        f" skipping {tmp_path / 'step_000003'}",
+    ]
+    for step in (1, 2):
+        (tmp_path / step_dir(step) / "model.safetensors").unlink()
+    with pytest.warns(UserWarning):
+        assert ckpt.latest_valid(tmp_path) is None
+    assert ckpt.latest_valid(tmp_path / "nothing_here") is None
+
+
+def step_dir(step: int) -> str:
+    return ckpt.step_dir_name(step)
+
+
+def test_cleanup_keeps_temp_dirs_of_live_processes(tmp_path):
+    """Two writers into one directory must not delete each other's half-written checkpoint."""
+    model, _, _ = _build(0)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    try:
+        mine = tmp_path / f".tmp_step_000005_{live.pid}"
+        mine.mkdir(parents=True)
+        stale = tmp_path / f".tmp_old_step_000002_{dead.pid}"
+        stale.mkdir()
+        ckpt.save(tmp_path, 1, model=model)
+        assert mine.is_dir() and not stale.exists()
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_nan_in_optimizer_or_scheduler_state_is_refused_before_writing(tmp_path):
+    model, opt, sched = _build(0)
+    _train(model, opt, sched, 1)
+    opt.param_groups[0]["lr"] = float("nan")
+    with pytest.raises(TypeError, match="optimizer.*NaN"):
+        ckpt.save(tmp_path, 1, model=model, optimizer=opt)
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+    # the caller's extra_state may hold NaN (e.g. a statistic of no samples yet)
+    ckpt.save(tmp_path, 1, model=model, extra_state={"mean": float("nan")})
+    model2, _, _ = _build(0)
+    assert np.isnan(ckpt.load(tmp_path, model=model2)[1]["mean"])

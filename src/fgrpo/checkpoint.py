@@ -7,11 +7,15 @@ A checkpoint is one directory `<dir>/step_000123/`:
     lr_scheduler.json        `lr_scheduler.state_dict()`
     rng_rank<i>.safetensors  torch CPU (and CUDA) generator states of rank i (uint8 tensors)
     rng_rank<i>.json         python `random` and numpy global states of rank i
-    meta.json                step, world size, the caller's `extra_state` (written last)
+    meta.json                step, world size, the caller's `extra_state`, and the byte size and sha256
+                             of every other file (written last)
 
 Everything is written into a hidden temporary sibling `.tmp_step_000123_<pid>`, fsync'ed, then renamed:
 a crash leaves either the old set of checkpoints or the new one, never a half directory with a step
-name. `latest()` only sees `step_*` directories that contain `meta.json`.
+name. `latest()` only sees `step_*` directories that contain `meta.json`; `latest_valid()` also checks
+every file against meta.json and walks back past damaged ones (a disk that filled up, a copy cut short),
+and `load` refuses a damaged checkpoint with an error naming the file. Checkpoints of format 1 (no
+checksums) still load, with a warning that they cannot be verified.
 
 Distributed (FSDP2 `fully_shard`, DTensor parameters): tensors are gathered with
 `torch.distributed.checkpoint.state_dict` (full state, CPU offload, frozen parameters skipped, so a LoRA
@@ -26,6 +30,8 @@ export the LoRA in the layout diffusers' `load_lora_weights` reads.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import random
@@ -33,19 +39,26 @@ import re
 import shutil
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2 added the per-file sizes and sha256 to meta.json
+_READABLE_VERSIONS = (1, 2)
+META = "meta.json"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = ".tmp_"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file is missing, truncated, corrupt or unreadable; the message names the file."""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -99,8 +112,60 @@ def _write_json(path: Path, obj: Any) -> None:
 
 
 def _read_json(path: Path) -> Any:
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:  # ValueError: JSONDecodeError and UnicodeDecodeError
+        raise CheckpointError(f"checkpoint: cannot read {path} ({type(e).__name__}: {e})") from e
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except (OSError, SafetensorError) as e:
+        raise CheckpointError(f"checkpoint: cannot read {path} ({type(e).__name__}: {e})") from e
+
+
+def _sha256(path: Path) -> str:
+    # ~1.2 GB/s with the CPU's SHA extensions: a few seconds for a real LoRA run's optimizer state.
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _file_records(d: Path) -> dict[str, dict[str, Any]]:
+    """{file name: {"bytes": size, "sha256": hex}} of every file in `d` except meta.json."""
+    return {
+        p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+        for p in sorted(d.iterdir())
+        if p.name != META and p.is_file()
+    }
+
+
+@contextlib.contextmanager
+def _atomic_dir(final: Path) -> Iterator[Path]:
+    """Yield a fresh hidden sibling `.tmp_<name>_<pid>` to fill; on a clean exit fsync it and rename it to
+    `final` (an existing `final` is swapped out, then removed), on an exception remove it. A crash leaves
+    the old `final` or the new one under that name, never a half-written one."""
+    parent = final.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = parent / f"{_TMP_PREFIX}{final.name}_{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        _fsync_dir(tmp)
+        if final.exists():
+            old = parent / f"{_TMP_PREFIX}old_{final.name}_{os.getpid()}"
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _write_tensors(
@@ -121,11 +186,16 @@ def _write_tensors(
     _fsync_file(path)
 
 
-def _jsonable(obj: Any, what: str) -> Any:
-    """Tuples become lists; anything json cannot hold is a clear error naming `what`."""
+def _jsonable(obj: Any, what: str, *, allow_nan: bool = True) -> Any:
+    """Tuples become lists; anything json cannot hold (NaN/inf too unless allow_nan) is a clear error
+    naming `what`."""
     try:
-        return json.loads(json.dumps(obj, allow_nan=True))
+        return json.loads(json.dumps(obj, allow_nan=allow_nan))
     except (TypeError, ValueError) as e:
+        if not allow_nan and "Out of range float" in str(e):
+            raise TypeError(
+                f"checkpoint: {what} holds NaN or inf ({e}); a run in that state is broken"
+            ) from e
         raise TypeError(
             f"checkpoint: {what} is not JSON-serialisable ({e}); store only plain data there"
         ) from e
@@ -143,28 +213,87 @@ def list_checkpoints(ckpt_dir: str | os.PathLike) -> list[tuple[int, Path]]:
     found = []
     for p in root.iterdir():
         m = _STEP_RE.match(p.name)
-        if m and p.is_dir() and (p / "meta.json").is_file():
+        if m and p.is_dir() and (p / META).is_file():
             found.append((int(m.group(1)), p))
     return sorted(found)
 
 
 def latest(ckpt_dir: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint directory under `ckpt_dir`, or None."""
+    """The newest checkpoint directory under `ckpt_dir` that has a meta.json (files not checked), or None."""
     found = list_checkpoints(ckpt_dir)
     return found[-1][1] if found else None
 
 
+def verify(step_dir: str | os.PathLike) -> dict[str, Any]:
+    """meta.json of `step_dir` after checking every file it lists against the recorded byte size and sha256.
+
+    Raises CheckpointError naming the first missing, truncated or corrupt file (or an unreadable or
+    unknown-format meta.json). A format-1 checkpoint records no checksums: a warning says so.
+    """
+    d = Path(step_dir)
+    meta_path = d / META
+    if not meta_path.is_file():
+        raise CheckpointError(f"checkpoint: {meta_path} is missing; {d} is not a complete checkpoint")
+    meta = _read_json(meta_path)
+    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
+        raise CheckpointError(f"checkpoint: {meta_path} is not a checkpoint's meta.json (no integer 'step')")
+    version = meta.get("format_version")
+    if version not in _READABLE_VERSIONS:
+        raise CheckpointError(
+            f"checkpoint: {meta_path} has format_version {version}; this fgrpo reads {_READABLE_VERSIONS}"
+        )
+    files = meta.get("files")
+    if version == 1 or files is None:
+        warnings.warn(
+            f"checkpoint: {d} (format_version {version}) records no checksums; its files cannot be verified",
+            stacklevel=2,
+        )
+        return meta
+    if not isinstance(files, dict) or not all(
+        isinstance(r, dict) and isinstance(r.get("bytes"), int) and isinstance(r.get("sha256"), str)
+        for r in files.values()
+    ):
+        raise CheckpointError(f"checkpoint: {meta_path} has a malformed 'files' record")
+    for name, rec in files.items():
+        p = d / name
+        if not p.is_file():
+            raise CheckpointError(f"checkpoint: {p} is missing (listed in {meta_path})")
+        size = p.stat().st_size
+        if size != rec["bytes"]:
+            raise CheckpointError(
+                f"checkpoint: {p} has {size} bytes, {META} records {rec['bytes']} (truncated or overwritten)"
+            )
+        if _sha256(p) != rec["sha256"]:
+            raise CheckpointError(f"checkpoint: {p} does not match the sha256 in {META} (corrupt)")
+    return meta
+
+
 def resolve(path: str | os.PathLike) -> Path:
-    """A step directory as given, or the newest complete one when `path` is the parent directory."""
+    """A step directory as given, or the newest one that verifies (`latest_valid`) when `path` is its parent."""
     p = Path(path)
-    if (p / "meta.json").is_file():
+    if (p / META).is_file():
         return p
-    found = latest(p)
+    found = latest_valid(p)
     if found is None:
         raise FileNotFoundError(
             f"checkpoint: no complete checkpoint at {p} (want a step_* dir with meta.json, or its parent)"
         )
     return found
+
+
+def latest_valid(ckpt_dir: str | os.PathLike) -> Path | None:
+    """The newest checkpoint under `ckpt_dir` whose files all verify (see `verify`), or None.
+
+    Walks back from the newest; each checkpoint skipped gets a one-line warning naming it and why.
+    """
+    for _, p in reversed(list_checkpoints(ckpt_dir)):
+        try:
+            verify(p)
+        except CheckpointError as e:
+            warnings.warn(f"checkpoint: skipping {p}: {str(e).removeprefix('checkpoint: ')}", stacklevel=2)
+            continue
+        return p
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -239,7 +368,7 @@ def _split_optimizer(osd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict
                 group[k] = v
         groups.append(group)
     js = {"param_groups": groups, "state_scalars": scalars, "fresh": bool(osd.get("fresh", False))}
-    return tensors, _jsonable(js, "optimizer param_groups/state")
+    return tensors, _jsonable(js, "optimizer param_groups/state", allow_nan=False)
 
 
 def _join_optimizer(tensors: dict[str, torch.Tensor], js: dict[str, Any]) -> dict[str, Any]:
@@ -330,21 +459,18 @@ def save(
 
     final = root / step_dir_name(step)
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = root / f"{_TMP_PREFIX}{final.name}_{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        try:
+        # NaN in optimizer or scheduler state is a broken run: refuse before writing anything.
+        o_t, o_j = _split_optimizer(optim_sd) if optim_sd is not None else ({}, None)
+        sched_j = None
+        if lr_scheduler is not None:
+            sched_j = _jsonable(lr_scheduler.state_dict(), "lr_scheduler state", allow_nan=False)
+        with _atomic_dir(final) as tmp:  # re-saving a step (e.g. after a resume) replaces it
             _write_tensors(tmp / "model.safetensors", model_sd, metadata={"format": "pt"})
-            if optim_sd is not None:
-                o_t, o_j = _split_optimizer(optim_sd)
+            if o_j is not None:
                 _write_tensors(tmp / "optimizer.safetensors", o_t, metadata={"format": "pt"})
                 _write_json(tmp / "optimizer.json", o_j)
-            if lr_scheduler is not None:
-                _write_json(
-                    tmp / "lr_scheduler.json", _jsonable(lr_scheduler.state_dict(), "lr_scheduler state")
-                )
+            if sched_j is not None:
+                _write_json(tmp / "lr_scheduler.json", sched_j)
             for r, (t, j) in enumerate(rngs):
                 _write_tensors(tmp / f"rng_rank{r}.safetensors", t)
                 _write_json(tmp / f"rng_rank{r}.json", j)
@@ -354,31 +480,35 @@ def save(
                 "world_size": world,
                 "time": time.time(),
                 "extra_state": extra,
+                "files": _file_records(tmp),
             }
-            _write_json(tmp / "meta.json", meta)  # last: a step dir without it is never trusted
-            _fsync_dir(tmp)
-            if final.exists():  # re-saving a step (e.g. after a resume): swap, then drop the old one
-                old = root / f"{_TMP_PREFIX}old_{final.name}_{os.getpid()}"
-                os.rename(final, old)
-                os.rename(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.rename(tmp, final)
-            _fsync_dir(root)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            _write_json(tmp / META, meta)  # last: a step dir without it is never trusted
         _cleanup(root, keep_last)
     _barrier()
     return final
 
 
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:  # os.kill(0, ...) would signal our own process group
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    except OverflowError:
+        return False
+    return True
+
+
 def _cleanup(root: Path, keep_last: int | None) -> None:
-    # Only after the new checkpoint is complete; stale temp dirs of crashed saves go too.
+    # Only after the new checkpoint is complete. Temp dirs of crashed saves go too, but not those of a live
+    # process: a second writer into the same directory may be filling one right now.
     for p in root.iterdir():
         if p.name.startswith(_TMP_PREFIX + "step_") or p.name.startswith(_TMP_PREFIX + "old_step_"):
             pid = p.name.rsplit("_", 1)[-1]
-            if pid != str(os.getpid()):
+            if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
                 shutil.rmtree(p, ignore_errors=True)
     if keep_last is not None:
         for _, p in list_checkpoints(root)[:-keep_last]:
@@ -395,21 +525,19 @@ def load(
 ) -> tuple[int, dict[str, Any]]:
     """Restore a checkpoint written by `save` into live objects; returns (step, extra_state).
 
-    `path` is a step directory or the checkpoint root (newest complete step is used). The model (and
-    optimizer) must be built exactly as when saving: same trainable parameters, sharded or not (the
-    files hold full tensors, so a different world size or no sharding loads too; only the RNG resume is
-    exact just for the same world size). Collective when torch.distributed is initialised.
+    `path` is a step directory or the checkpoint root (the newest one that verifies is used: see
+    `latest_valid`). Every file is checked against meta.json first; a missing, truncated, corrupt or
+    unreadable one raises CheckpointError naming it. The model (and optimizer) must be built exactly as
+    when saving: same trainable parameters, sharded or not (the files hold full tensors, so a different
+    world size or no sharding loads too; only the RNG resume is exact just for the same world size).
+    Collective when torch.distributed is initialised.
     """
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     ck = resolve(path)
-    meta = _read_json(ck / "meta.json")
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(
-            f"checkpoint.load: {ck} has format_version {meta.get('format_version')}, want {FORMAT_VERSION}"
-        )
+    meta = verify(ck)
 
-    model_sd = load_file(str(ck / "model.safetensors"))
+    model_sd = _read_tensors(ck / "model.safetensors")
     want = _trainable_names(model)
     if set(model_sd) != want:
         missing, extra = sorted(want - set(model_sd)), sorted(set(model_sd) - want)
@@ -424,7 +552,7 @@ def load(
     if optimizer is not None:
         if not (ck / "optimizer.json").is_file():
             raise FileNotFoundError(f"checkpoint.load: {ck} has no optimizer state; pass optimizer=None")
-        o_t = load_file(str(ck / "optimizer.safetensors"))
+        o_t = _read_tensors(ck / "optimizer.safetensors")
         o_j = _read_json(ck / "optimizer.json")
         osd = _join_optimizer(o_t, o_j)
         tuples = [{k for k, v in g.items() if isinstance(v, tuple)} for g in optimizer.param_groups]
@@ -455,7 +583,7 @@ def load(
         rank = _rank()
         if (ck / f"rng_rank{rank}.safetensors").is_file():
             _set_rng_state(
-                load_file(str(ck / f"rng_rank{rank}.safetensors")), _read_json(ck / f"rng_rank{rank}.json")
+                _read_tensors(ck / f"rng_rank{rank}.safetensors"), _read_json(ck / f"rng_rank{rank}.json")
             )
         else:
             warnings.warn(
