@@ -107,3 +107,62 @@ def test_window_mask():
     assert torch.equal(schedule.window_mask(w, 5), ref)
     with pytest.raises(ValueError, match="outside"):
         schedule.window_mask(w, 4)
+
+
+# MixGRPO's recipe (scripts/finetune/finetune_flux_grpo_MixGRPO.sh): 25 steps, group_size 4, iters_per_group 25,
+# prog_overlap_step 1.
+MIXGRPO = {"num_steps": 25, "window_size": 4, "iters_per_window": 25, "stride": 1}
+
+
+@pytest.mark.parametrize(
+    ("step", "window"),
+    [
+        (0, [0, 1, 2, 3]),
+        (24, [0, 1, 2, 3]),  # 25 training steps at each position
+        (25, [1, 2, 3, 4]),
+        (299, [11, 12, 13, 14]),  # the recipe's last step (max_train_steps 300)
+        (499, [19, 20, 21, 22]),
+        (500, [20, 21, 22, 23]),  # the last full window before step 24 (sigma_24 -> 0)
+        (525, [20, 21, 22, 23]),  # the reference would shrink to [21, 22] here; ours stays W = 4
+        (10**6, [20, 21, 22, 23]),
+    ],
+)
+def test_sliding_window_mixgrpo_recipe(step, window):
+    assert schedule.sliding_window(step, **MIXGRPO) == window
+
+
+def test_sliding_window_stride_lo_and_clamp_by_hand():
+    """N = 10, W = 3, 2 steps per position, stride 2, lo = 1: starts 1, 3, 5, then min(7, 9 - 3) = 6 for good."""
+    kw = {"num_steps": 10, "window_size": 3, "iters_per_window": 2, "stride": 2, "lo": 1}
+    got = [schedule.sliding_window(k, **kw) for k in range(8)]
+    assert got == [[1, 2, 3]] * 2 + [[3, 4, 5]] * 2 + [[5, 6, 7]] * 2 + [[6, 7, 8]] * 2
+    # stride 0 freezes the window at lo (MixGRPO-Flash*); a window that just fits never moves.
+    assert schedule.sliding_window(10**4, **(kw | {"stride": 0})) == [1, 2, 3]
+    assert schedule.sliding_window(7, num_steps=5, window_size=4, iters_per_window=1) == [0, 1, 2, 3]
+
+
+def test_sliding_window_always_holds_w_steps_inside_the_range():
+    for step in range(0, 400, 7):
+        w = schedule.sliding_window(step, num_steps=12, window_size=3, iters_per_window=5, stride=2, lo=2)
+        assert w == list(range(w[0], w[0] + 3)) and 2 <= w[0] and w[-1] < 11
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"window_size": 0}, "window_size"),
+        ({"iters_per_window": 0}, "iters_per_window"),
+        ({"stride": -1}, "stride"),
+        ({"lo": -1}, "lo"),
+        ({"step": -1}, "step"),
+        ({"step": 1.5}, "step"),
+        ({"num_steps": 0}, "num_steps"),
+        ({"window_size": 25}, "does not fit"),
+        ({"lo": 21}, "does not fit"),
+    ],
+)
+def test_sliding_window_bad_inputs(kwargs, match):
+    args = {"step": 0, **MIXGRPO} | kwargs
+    step = args.pop("step")
+    with pytest.raises(ValueError, match=match):
+        schedule.sliding_window(step, **args)

@@ -184,3 +184,55 @@ def lr_multiplier(k: int, *, warmup: int, schedule: str, decay_steps: int, min_r
     frac = min(1.0, (k - warmup) / (decay_steps - warmup))
     shape = 1.0 - frac if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
     return min_ratio + (1.0 - min_ratio) * shape
+
+
+def sliding_window(
+    step: int,
+    *,
+    num_steps: int,
+    window_size: int,
+    iters_per_window: int,
+    stride: int = 1,
+    lo: int = 0,
+) -> list[int]:
+    """MixGRPO's progressive SDE window at training step `step`: the same W consecutive steps for every sample.
+
+    start = min(lo + stride * (step // iters_per_window), num_steps - 1 - W),  window = [start, ..., start + W - 1],
+    so the window starts at `lo`, moves by `stride` steps every `iters_per_window` training steps and then stays
+    at the last position that still holds W steps inside [lo, num_steps - 1). The last sampling step
+    (sigma_{N-1} -> 0) is never in the window. stride = 0 keeps the window at `lo` (MixGRPO-Flash*).
+
+    Args:
+        step: training step, >= 0.
+        num_steps: N, the number of sampling steps of the trajectory.
+        window_size: W >= 1 (MixGRPO's group_size).
+        iters_per_window: training steps spent at each window position (MixGRPO's iters_per_group), >= 1.
+        stride: steps the window moves at each shift (MixGRPO's prog_overlap_step), >= 0.
+        lo: first step the window may hold, >= 0.
+
+    Returns:
+        list[int] of W increasing step indices (one window for the whole batch; for sample_windows' [B, W]
+        layout use torch.tensor(window).expand(B, W)).
+
+    Differs from the reference code (MixGRPO's GRPOTrainingStates with prog_overlap): there the window is
+    range(start, min(start + W, N - 2)), so it shrinks near the end and is empty at start = N - 2 (roll_back
+    then restarts it at 0); here it keeps W steps, and the range ends at N - 1, not N - 2.
+    """
+    for name, value, least in (
+        ("step", step, 0),
+        ("window_size", window_size, 1),
+        ("iters_per_window", iters_per_window, 1),
+        ("stride", stride, 0),
+        ("lo", lo, 0),
+    ):
+        if not isinstance(value, int) or value < least:
+            raise ValueError(f"sliding_window: {name} must be an int >= {least}, got {value!r}")
+    _check_steps(num_steps)
+    hi = num_steps - 1
+    if lo + window_size > hi:
+        raise ValueError(
+            f"sliding_window: a window of {window_size} steps from lo={lo} does not fit before the last step "
+            f"of num_steps={num_steps}; lower window_size or lo, or raise num_steps"
+        )
+    start = min(lo + stride * (step // iters_per_window), hi - window_size)
+    return list(range(start, start + window_size))
