@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from diffusers import DPMSolverMultistepScheduler
 
 from fgrpo.core import sde
 
@@ -245,3 +246,100 @@ def test_cps_with_point_mass_data_keeps_every_marginal(noise_level):
             torch.testing.assert_close(x.double(), x0.expand(n, 2), rtol=0, atol=1e-5)
         else:
             _assert_gaussian_moments(x.double(), (1 - sn) * x0, sn**2 * torch.eye(2, dtype=torch.float64))
+
+
+# --- DPM-Solver++(2M) ----------------------------------------------------------------------------------
+
+
+def test_x0_prediction_inverts_the_interpolation():
+    g = torch.Generator().manual_seed(0)
+    x0, noise = torch.randn(3, 2, 4, generator=g), torch.randn(3, 2, 4, generator=g)
+    sigma = torch.tensor([1.0, 0.5, 0.1])
+    x_t = (1 - sigma[:, None, None]) * x0 + sigma[:, None, None] * noise
+    torch.testing.assert_close(
+        sde.x0_prediction(x_t.bfloat16(), (noise - x0).bfloat16(), sigma), x0, atol=0.05, rtol=0
+    )
+    torch.testing.assert_close(sde.x0_prediction(x_t, noise - x0, sigma), x0)
+    assert sde.x0_prediction(x_t.bfloat16(), x0.bfloat16(), sigma).dtype == torch.float32
+
+
+# diffusers' set_timesteps builds its (unused here) DDPM sigmas through a numpy call numpy 2 deprecates.
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize(("num_steps", "shift"), [(6, 1.0), (10, 3.0), (20, 3.0)])
+def test_dpmpp_2m_matches_diffusers_multistep_scheduler(num_steps, shift):
+    """Both solvers integrate the same nonlinear velocity field on diffusers' own flow sigmas, each from its own
+    state; every intermediate state agrees to fp32 rounding (measured max |diff| <= 1e-6 on states of size ~4;
+    a first-order-only solver is 0.11 off at 10 steps)."""
+    scheduler = DPMSolverMultistepScheduler(
+        use_flow_sigmas=True,
+        prediction_type="flow_prediction",
+        algorithm_type="dpmsolver++",
+        solver_order=2,
+        flow_shift=shift,
+    )
+    scheduler.set_timesteps(num_steps)
+    sigmas = scheduler.sigmas
+    g = torch.Generator().manual_seed(num_steps)
+    x = torch.randn(3, 4, 5, 5, generator=g)
+    c = torch.randn(3, 4, 5, 5, generator=g)
+
+    def velocity(x, s):
+        return torch.tanh(x) * (1 + s) - c
+
+    x_ref, x_ours, x0_prev, sigma_prev = x.clone(), x.clone(), None, None
+    for i, t in enumerate(scheduler.timesteps):
+        x_ref = scheduler.step(velocity(x_ref, sigmas[i]), t, x_ref).prev_sample
+        sigma, sigma_next = sigmas[i].expand(3), sigmas[i + 1].expand(3)
+        x0 = sde.x0_prediction(x_ours, velocity(x_ours, sigmas[i]), sigma)
+        x_ours = sde.dpmpp_2m_step(x_ours, x0, x0_prev, sigma_prev, sigma, sigma_next)
+        x0_prev, sigma_prev = x0, sigma
+        torch.testing.assert_close(x_ours, x_ref, rtol=0, atol=2e-6)
+
+
+def test_dpmpp_2m_is_exact_for_point_mass_data():
+    """Data = the point x0*: the exact velocity (x - x0*) / sigma makes x0_pred = x0* at every step, and both
+    orders land on the exact ODE path (1 - sigma') x0* + sigma' eps, on an uneven grid starting at sigma = 1."""
+    g = torch.Generator().manual_seed(1)
+    x0_star, eps = torch.randn(2, 3, generator=g), torch.randn(2, 3, generator=g)
+    sigmas = [1.0, 0.93, 0.7, 0.5, 0.45, 0.2, 0.05, 0.0]
+    x, x0_prev, sigma_prev = eps.clone(), None, None
+    for s, sn in zip(sigmas[:-1], sigmas[1:]):
+        sigma, sigma_next = torch.full((2,), s), torch.full((2,), sn)
+        x0 = sde.x0_prediction(x, (x - x0_star) / s, sigma)
+        x = sde.dpmpp_2m_step(x, x0, x0_prev, sigma_prev, sigma, sigma_next)
+        x0_prev, sigma_prev = x0, sigma
+        torch.testing.assert_close(x, (1 - sn) * x0_star + sn * eps, rtol=0, atol=1e-5)
+
+
+def test_dpmpp_2m_order_and_final_step_by_hand():
+    """sigma = 0.5 -> 0.25 (alpha 0.5 -> 0.75): lambda = 0 -> log 3, e^-h = 1/3, alpha_next (1 - e^-h) = 0.5.
+    First order: x_next = 0.5 x_t + 0.5 x0. With sigma_prev = 0.8 (lambda = log(1/4)): r = log 4 / log 3 and
+    D = x0 + (x0 - x0_prev) / (2 r). At sigma_next = 0 the step returns x0_pred bit for bit, previous or not."""
+    x_t, x0, x0_prev = torch.tensor([[2.0, -4.0]]), torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 1.0]])
+    s, sn, sp = torch.tensor([0.5]), torch.tensor([0.25]), torch.tensor([0.8])
+    torch.testing.assert_close(sde.dpmpp_2m_step(x_t, x0, None, None, s, sn), torch.tensor([[1.5, -2.0]]))
+    r = math.log(4) / math.log(3)
+    d = x0 + (x0 - x0_prev) / (2 * r)
+    torch.testing.assert_close(sde.dpmpp_2m_step(x_t, x0, x0_prev, sp, s, sn), 0.5 * x_t + 0.5 * d)
+    zero = torch.tensor([0.0])
+    assert torch.equal(sde.dpmpp_2m_step(x_t, x0, x0_prev, sp, s, zero), x0)
+    assert torch.equal(sde.dpmpp_2m_step(x_t, x0, None, None, s, zero), x0)
+    # Per-sample choice: one sample ends at 0 (first order), the other takes the 2M step.
+    both = sde.dpmpp_2m_step(
+        x_t.repeat(2, 1),
+        x0.repeat(2, 1),
+        x0_prev.repeat(2, 1),
+        sp.repeat(2),
+        s.repeat(2),
+        torch.tensor([0.25, 0.0]),
+    )
+    torch.testing.assert_close(both, torch.cat([0.5 * x_t + 0.5 * d, x0]))
+
+
+def test_dpmpp_2m_bad_inputs():
+    x = torch.zeros(2, 3)
+    s = torch.full((2,), 0.5)
+    with pytest.raises(ValueError, match="together"):
+        sde.dpmpp_2m_step(x, x, x, None, s, s / 2)
+    with pytest.raises(ValueError, match="same shape"):
+        sde.dpmpp_2m_step(x, x[:, :1], None, None, s, s / 2)

@@ -97,7 +97,7 @@ def step_mean_std(
         return x_t + v * dt, torch.zeros_like(dt)
 
     if kind == "cps":
-        x0_hat = x_t - sigma * v
+        x0_hat = x0_prediction(x_t, v, sigma)
         x1_hat = x_t + (1 - sigma) * v
         angle = noise_level * math.pi / 2
         # sigma_next * cos(angle) is sqrt(sigma_next^2 - std^2) without the rounding that can make the radicand < 0.
@@ -149,3 +149,85 @@ def log_prob(
         return lp
     dims = tuple(range(1, lp.ndim))
     return lp.mean(dim=dims) if reduce == "mean" else lp.sum(dim=dims)
+
+
+def x0_prediction(x_t: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """The clean sample a velocity points to: x0_hat = x_t - sigma * v (exact when v = noise - x0), fp32.
+
+    Args:
+        x_t: [B, ...] state at noise level sigma.
+        v: [B, ...] velocity at (x_t, sigma).
+        sigma: [B] (or 0-dim) noise level of each sample, or already broadcastable ([B, 1, ..., 1]).
+
+    Returns:
+        [B, ...] fp32.
+    """
+    x_t, v = x_t.float(), v.float()
+    sigma = torch.as_tensor(sigma, device=x_t.device)
+    sigma = _per_sample(sigma, x_t) if sigma.ndim <= 1 else sigma.float()
+    return x_t - sigma * v
+
+
+def _half_log_snr(sigma: torch.Tensor) -> torch.Tensor:
+    """lambda = log(alpha / sigma) with alpha = 1 - sigma: -inf at sigma = 1, +inf at sigma = 0."""
+    return torch.log(1 - sigma) - torch.log(sigma)
+
+
+def dpmpp_2m_step(
+    x_t: torch.Tensor,
+    x0_pred: torch.Tensor,
+    x0_pred_prev: torch.Tensor | None,
+    sigma_prev: torch.Tensor | None,
+    sigma: torch.Tensor,
+    sigma_next: torch.Tensor,
+) -> torch.Tensor:
+    """One deterministic DPM-Solver++(2M) step sigma -> sigma_next for a flow-matching model (data prediction).
+
+    With alpha = 1 - sigma and the half log-SNR lambda(sigma) = log(alpha) - log(sigma),
+    h = lambda(sigma_next) - lambda(sigma), r = (lambda(sigma) - lambda(sigma_prev)) / h:
+        first order (DDIM):  x_next = (sigma_next / sigma) x_t + alpha_next (1 - e^-h) x0_pred
+        second order (2M):   the same with x0_pred replaced by D = x0_pred + (x0_pred - x0_pred_prev) / (2 r),
+    i.e. Algorithm 2 of DPM-Solver++ (Lu et al., arXiv 2211.01095) with the "midpoint" correction, which is
+    diffusers' DPMSolverMultistepScheduler(algorithm_type="dpmsolver++", solver_order=2, use_flow_sigmas=True,
+    prediction_type="flow_prediction"). x0_pred = x0_prediction(x_t, v, sigma).
+
+    The step is first order where there is no previous prediction (x0_pred_prev and sigma_prev None: the first
+    step of a run) and where sigma_next = 0: there h = inf, the first-order step returns x0_pred exactly and the
+    2M correction diverges (diffusers makes the same choice for a final zero sigma). At sigma = 1 (alpha = 0)
+    the first-order step is the Euler step. MixGRPO-Flash runs these steps on a compressed grid after the SDE
+    window, seeding x0_pred_prev with the window's last prediction.
+
+    Args:
+        x_t: [B, ...] current state.
+        x0_pred: [B, ...] data prediction at (x_t, sigma).
+        x0_pred_prev: [B, ...] data prediction of the previous step (at sigma_prev), or None.
+        sigma_prev: [B] previous noise level (> sigma), or None together with x0_pred_prev.
+        sigma, sigma_next: [B] this step's noise levels, 1 >= sigma > sigma_next >= 0 (not checked, to stay
+            sync-free).
+
+    Returns:
+        x_next: [B, ...] fp32.
+
+    Differs from the reference code: MixGRPO's tail grid and order bookkeeping live in the caller; this is one
+    step of the solver with its inputs passed in.
+    """
+    if (x0_pred_prev is None) != (sigma_prev is None):
+        raise ValueError("pass x0_pred_prev and sigma_prev together (both None for a first-order step)")
+    if x_t.shape != x0_pred.shape or (x0_pred_prev is not None and x0_pred_prev.shape != x0_pred.shape):
+        raise ValueError(
+            f"x_t {tuple(x_t.shape)}, x0_pred {tuple(x0_pred.shape)} and x0_pred_prev must have the same shape"
+        )
+    x_t, x0_pred = x_t.float(), x0_pred.float()
+    sigma, sigma_next = _per_sample(sigma, x_t), _per_sample(sigma_next, x_t)  # [B, 1, ...]
+
+    h = _half_log_snr(sigma_next) - _half_log_snr(sigma)  # inf when sigma_next = 0 or sigma = 1
+    alpha_next = 1 - sigma_next
+    d = x0_pred
+    if x0_pred_prev is not None:
+        sigma_prev = _per_sample(sigma_prev, x_t)
+        r = (_half_log_snr(sigma) - _half_log_snr(sigma_prev)) / h
+        second = sigma_next > 0
+        # 1 where the first-order step is taken keeps 1 / (2 r) finite there (r = 0 when sigma_next = 0).
+        r = torch.where(second, r, torch.ones_like(r))
+        d = torch.where(second, x0_pred + (x0_pred - x0_pred_prev.float()) / (2 * r), x0_pred)
+    return (sigma_next / sigma) * x_t - (alpha_next * (torch.exp(-h) - 1)) * d
