@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from fgrpo.models.loading import QWEN_IMAGE_LORA_TARGETS
+from fgrpo.models.qwen_image import QWEN_IMAGE_LORA_TARGETS
 from fgrpo.rollout.base import SamplingConfig
 
 

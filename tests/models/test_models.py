@@ -12,8 +12,15 @@ from diffusers import QwenImagePipeline, StableDiffusion3Pipeline
 from fgrpo.core import guidance
 from fgrpo.models import qwen_image, tiny
 from fgrpo.models.base import FlowModel
-from fgrpo.models.loading import QWEN_IMAGE_LORA_TARGETS, SD3_LORA_TARGETS, add_lora, configure_transformer
-from fgrpo.models.qwen_image import PROMPT_DROP, PROMPT_TEMPLATE, QwenImage, pack, unpack
+from fgrpo.models.loading import SD3_LORA_TARGETS, add_lora, configure_transformer
+from fgrpo.models.qwen_image import (
+    PROMPT_DROP,
+    PROMPT_TEMPLATE,
+    QWEN_IMAGE_LORA_TARGETS,
+    QwenImage,
+    pack,
+    unpack,
+)
 from fgrpo.models.sd3 import SD3
 
 PROMPTS = ["a cat", "a photo of a dog on a red square", "x"]

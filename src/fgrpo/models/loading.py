@@ -10,24 +10,11 @@ import torch
 from torch import nn
 
 from fgrpo.models.base import FlowModel
+from fgrpo.models.qwen_image import QWEN_IMAGE_LORA_TARGETS
 
 if TYPE_CHECKING:
     from fgrpo.config import ModelConfig
 
-QWEN_IMAGE_LORA_TARGETS = (
-    "to_q",
-    "to_k",
-    "to_v",
-    "to_out.0",
-    "add_q_proj",
-    "add_k_proj",
-    "add_v_proj",
-    "to_add_out",
-    "img_mlp.net.0.proj",
-    "img_mlp.net.2",
-    "txt_mlp.net.0.proj",
-    "txt_mlp.net.2",
-)
 SD3_LORA_TARGETS = (
     "attn.to_q",
     "attn.to_k",

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
 
 from fgrpo.core import guidance, schedule
 from fgrpo.models.base import Cond
@@ -36,6 +35,11 @@ from fgrpo.models.common import (
     trim_padding,
 )
 
+if (
+    TYPE_CHECKING
+):  # diffusers is imported where a model is built, so fgrpo.config can read the constants below
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+
 PROMPT_TEMPLATE = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
     "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
@@ -45,6 +49,22 @@ PROMPT_TEMPLATE = (
 PROMPT_DROP = 34
 MAX_SEQUENCE_LENGTH = 1024
 
+# The transformer's Linear layers that LoRA adapts: q/k/v/out of the joint attention for the image and the
+# text stream, and both streams' MLPs.
+QWEN_IMAGE_LORA_TARGETS = (
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out.0",
+    "add_q_proj",
+    "add_k_proj",
+    "add_v_proj",
+    "to_add_out",
+    "img_mlp.net.0.proj",
+    "img_mlp.net.2",
+    "txt_mlp.net.0.proj",
+    "txt_mlp.net.2",
+)
 # Qwen/Qwen-Image's scheduler/scheduler_config.json, the keys that differ from FlowMatchEulerDiscreteScheduler's
 # defaults. A loaded model reads its own file; a model built in code (the tiny one) is given this.
 SCHEDULER_CONFIG: dict[str, Any] = {
@@ -73,6 +93,8 @@ def schedule_kwargs(scheduler_config: Mapping[str, Any]) -> dict[str, Any]:
 
     A key the config omits takes FlowMatchEulerDiscreteScheduler's default, as in the pipeline's scheduler.
     """
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
     full = FlowMatchEulerDiscreteScheduler.from_config(dict(scheduler_config)).config
     if not full["use_dynamic_shifting"] or full["time_shift_type"] != "exponential":
         raise ValueError(
@@ -139,6 +161,11 @@ class QwenImage:
         **kwargs,
     ) -> QwenImage:
         """Load a diffusers-format Qwen-Image directory or hub id (subfolders transformer, vae, ...)."""
+        from diffusers import (
+            AutoencoderKLQwenImage,
+            FlowMatchEulerDiscreteScheduler,
+            QwenImageTransformer2DModel,
+        )
         from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
         path = str(path)
