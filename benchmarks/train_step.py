@@ -55,10 +55,10 @@ def main() -> None:
     from fgrpo import parallel
     from fgrpo.config import GRPOConfig, ModelConfig, OptimConfig, TrainConfig
     from fgrpo.core import grpo
-    from fgrpo.models.loading import configure_transformer
+    from fgrpo.models.loading import configure_transformer, setup_trainable
     from fgrpo.rollout.base import SamplingConfig
-    from fgrpo.rollout.engine import DiffusersEngine
-    from fgrpo.train import policy_update, recompute_log_probs_and_means, setup_trainable
+    from fgrpo.rollout.engine import DiffusersEngine, recompute_log_probs_and_means
+    from fgrpo.train import policy_update
 
     d = parallel.init_distributed("cpu" if args.tiny else "cuda")
     n = args.prompts * args.group

@@ -17,7 +17,8 @@ from fgrpo.models.loading import configure_transformer
 from fgrpo.models.tiny import tiny_qwen_image
 from fgrpo.rollout.base import SamplingConfig
 from fgrpo.rollout.engine import DiffusersEngine
-from fgrpo.train import policy_update, setup_trainable
+from fgrpo.models.loading import setup_trainable
+from fgrpo.train import policy_update
 
 
 def test_compiled_blocks_train_with_varying_prompt_lengths():

@@ -10,7 +10,7 @@ from fgrpo.config import GRPOConfig, ModelConfig, OptimConfig, TrainConfig
 from fgrpo.core.schedule import lr_multiplier
 from fgrpo.data import load_prompts, step_prompt_indices
 from fgrpo.rollout.base import SamplingConfig
-from fgrpo.train import validate_config
+from fgrpo.config import validate_config
 
 
 def test_step_prompt_indices_cover_each_epoch_once():
@@ -94,7 +94,7 @@ def test_validate_config_accepts_the_recipe():
 def test_group_init_seeds_one_per_group():
     """--grpo.group-init-noise: the G samples of a group share an init seed, groups do not, a pure function of
     (seed, step), and the init seeds are not any sample's own seed."""
-    from fgrpo.train import group_init_seeds, sample_seeds
+    from fgrpo.rollout.seeds import group_init_seeds, sample_seeds
 
     ids = torch.arange(12)
     s = group_init_seeds(5, 3, ids, group_size=4)

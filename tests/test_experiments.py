@@ -40,7 +40,7 @@ def test_config_presets_instantiate(name):
     recipe, tiny = module.Config(), module.tiny()
     assert recipe.exp_name == name == tiny.exp_name  # run name = file stem
     assert recipe.model.kind in ("qwen_image", "sd3") and recipe.model.lora
-    from fgrpo.train import validate_config
+    from fgrpo.config import validate_config
 
     validate_config(recipe, world_size=1)
     validate_config(tiny, world_size=1)
@@ -51,7 +51,7 @@ def test_tiny_gpu_preset_samples_like_the_cpu_preset_at_gpu_scale():
     validation, and scales the batch: 32 words x 16 images, bf16, 15 OCR processes (RESULTS.md measured it)."""
     m = load(ROOT / "experiments" / "qwen_image_ocr.py")
     cpu, gpu = m.tiny(), m.tiny_gpu()
-    from fgrpo.train import validate_config
+    from fgrpo.config import validate_config
 
     validate_config(gpu, world_size=1)
     keep = ("height", "width", "num_steps", "guidance_scale", "sde_kind", "noise_level", "window_size", "window_range")
@@ -126,7 +126,7 @@ cfg = dataclasses.replace(cfg, max_steps=3, optim=dataclasses.replace(cfg.optim,
 torch.manual_seed(cfg.seed)  # train() seeds the same way before it builds the model: this is its init
 init = pt.tb.state_dict_for_save(pt.tb.TextbedModel(cfg.model), torch.float32)
 snapshots = pt.train(cfg)
-if pt.rank_and_world()[0] == 0:
+if pt.parallel.rank() == 0:
     torch.save({"init": init, "ema": snapshots[-1][2]}, sys.argv[2])
 """
 

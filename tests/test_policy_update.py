@@ -11,7 +11,8 @@ from fgrpo.models.loading import add_lora
 from fgrpo.models.tiny import tiny_qwen_image
 from fgrpo.rollout.base import SamplingConfig
 from fgrpo.rollout.engine import DiffusersEngine
-from fgrpo.train import minibatch_rows, policy_update
+from fgrpo.rollout.engine import minibatch_rows
+from fgrpo.train import policy_update
 
 SAMPLING = SamplingConfig(
     height=32, width=32, num_steps=4, guidance_scale=3.0, negative_prompt=" ", sde_kind="flow_sde",

@@ -1,11 +1,13 @@
-"""Config sections shared by the experiment files.
+"""Config sections shared by the experiment files, and their validation.
 
 An experiment file composes these into its own `Config` (with its own defaults) and tyro turns the
 field docstrings into `--help`. Nothing here is mutated after parsing; derived values are properties.
+`validate_config` refuses every bad value in one line naming the field, before anything is built.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -33,6 +35,9 @@ class ModelConfig:
     """Recompute block activations in backward (less memory, ~30 % more compute)."""
     attention_backend: str = ""
     """diffusers attention backend name (e.g. 'flash', '_flash_3_hub', 'native'); '' keeps the default."""
+    init_lora: str = ""
+    """Start from this LoRA instead of a fresh one: a directory (or .safetensors file) in the layout fgrpo exports
+    and diffusers' `save_lora_weights` writes. Its rank, alpha and targets must match model.lora_*."""
     compile: bool = False
     """Regional torch.compile of the transformer blocks (1.32x the eager step on an H200). The compiled rollout and
     training forwards differ by ~1e-4 in log-prob, so small clip ranges need grpo.old_log_prob='recompute'."""
@@ -148,6 +153,12 @@ class RunConfig:
     """'' = fresh run; 'auto' = latest checkpoint of this run if any; or a checkpoint directory."""
     export_lora: bool = True
     """Write the LoRA as a PEFT/diffusers adapter at the end of the run."""
+    overwrite: bool = False
+    """Start a fresh run in a directory that already holds one: the old run is moved aside to
+    `<exp_name>.old-<time>` (never deleted). Without it a fresh run refuses a used directory."""
+    max_bad_steps: int = 3
+    """Stop with an error after this many consecutive training steps whose every optimizer step was skipped
+    (non-finite gradients): such a run trains nothing."""
 
 
 @dataclass(frozen=True)
@@ -185,3 +196,110 @@ class TrainConfig:
     @property
     def lr_decay_steps(self) -> int:
         return self.optim.decay_steps or self.optimizer_steps
+
+
+# Max per-step |rollout - trainer| log-prob gap with regional compile on an H200 (RESULTS.md, "Compiled Flow-GRPO
+# step"): the no-grad and the grad forward compile to different kernels. Eager, the two are bit-identical.
+COMPILED_LOGPROB_GAP = 1e-4
+
+# Pixels per latent token side: VAE downsampling x transformer patch (Qwen-Image and SD3: 8 x 2, as their
+# tiny test versions); the text renderer packs 4x4 pixel patches.
+RESOLUTION_MULTIPLE = {"qwen_image": 16, "sd3": 16, "tiny_qwen_image": 16, "tiny_sd3": 16, "textbed": 4}
+
+
+def _flag(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def validate_config(cfg: TrainConfig, world_size: int) -> None:
+    """Raise ValueError naming the field and the fix for any value the run cannot use; nothing is built yet."""
+    g, s, o, r, m = cfg.grpo, cfg.sampling, cfg.optim, cfg.run, cfg.model
+    # (holds, field, value, what it must be): plain range checks, each one line.
+    ranges = [
+        (cfg.num_steps >= 1, "num_steps", cfg.num_steps, ">= 1"),
+        (g.group_size >= 2, "grpo.group_size", g.group_size, ">= 2 (GRPO compares samples of one prompt)"),
+        (g.prompts_per_step >= 1, "grpo.prompts_per_step", g.prompts_per_step, ">= 1"),
+        (g.clip_range > 0, "grpo.clip_range", g.clip_range, "> 0"),
+        (g.adv_clip_max > 0, "grpo.adv_clip_max", g.adv_clip_max, "> 0"),
+        (g.optimizer_steps_per_step >= 1, "grpo.optimizer_steps_per_step", g.optimizer_steps_per_step, ">= 1"),
+        (g.inner_epochs >= 1, "grpo.inner_epochs", g.inner_epochs, ">= 1"),
+        (g.train_micro_batch >= 0, "grpo.train_micro_batch", g.train_micro_batch, ">= 0 (0 = the rollout's)"),
+        (g.kl_coef >= 0, "grpo.kl_coef", g.kl_coef, ">= 0"),
+        (s.micro_batch >= 1, "sampling.micro_batch", s.micro_batch, ">= 1"),
+        (s.num_steps >= 1, "sampling.num_steps", s.num_steps, ">= 1"),
+        (s.noise_level >= 0, "sampling.noise_level", s.noise_level, ">= 0"),
+        (s.guidance_scale >= 1.0, "sampling.guidance_scale", s.guidance_scale, ">= 1 (1 = no CFG)"),
+        (math.isfinite(o.lr) and o.lr > 0, "optim.lr", o.lr, "> 0"),
+        (o.grad_clip > 0, "optim.grad_clip", o.grad_clip, "> 0 (a norm bound; inf turns clipping off)"),
+        (o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, ">= 0"),
+        (o.eps > 0, "optim.eps", o.eps, "> 0"),
+        (all(0 <= b < 1 for b in o.betas), "optim.betas", o.betas, "in [0, 1)"),
+        (o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, ">= 0"),
+        (0.0 <= o.min_lr_ratio <= 1.0, "optim.min_lr_ratio", o.min_lr_ratio, "in [0, 1]"),
+        (m.lora_rank >= 1 or not m.lora, "model.lora_rank", m.lora_rank, ">= 1"),
+        (m.lora_alpha > 0 or not m.lora, "model.lora_alpha", m.lora_alpha, "> 0"),
+        (cfg.data.val_num_prompts >= 1, "data.val_num_prompts", cfg.data.val_num_prompts, ">= 1"),
+        (cfg.reward.workers >= 0, "reward.workers", cfg.reward.workers, ">= 0 (0 = in the training process)"),
+        (r.keep_last >= 1, "run.keep_last", r.keep_last, ">= 1"),
+        (r.val_every >= 0, "run.val_every", r.val_every, ">= 0 (0 = never)"),
+        (r.val_num_steps >= 1, "run.val_num_steps", r.val_num_steps, ">= 1"),
+        (r.ckpt_every >= 0, "run.ckpt_every", r.ckpt_every, ">= 0 (0 = only at the end)"),
+        (r.log_images_every >= 0, "run.log_images_every", r.log_images_every, ">= 0 (0 = never)"),
+        (r.max_bad_steps >= 1, "run.max_bad_steps", r.max_bad_steps, ">= 1"),
+    ]
+    for ok, name, value, want in ranges:
+        if not ok:
+            raise ValueError(f"{name}={value}: must be {want}; pass {_flag(name)} with a valid value")
+    multiple = RESOLUTION_MULTIPLE[m.kind]
+    for name, px in (("sampling.height", s.height), ("sampling.width", s.width)):
+        if px < multiple or px % multiple:
+            raise ValueError(
+                f"{name}={px}: model.kind={m.kind!r} needs a positive multiple of {multiple} pixels "
+                f"(VAE x patch); e.g. {_flag(name)} {max(multiple, round(px / multiple) * multiple)}"
+            )
+    n = cfg.samples_per_step
+    if n % world_size:
+        raise ValueError(
+            f"grpo.prompts_per_step*grpo.group_size={n} is not divisible by the {world_size} ranks; "
+            "change grpo.prompts_per_step or grpo.group_size"
+        )
+    local = n // world_size
+    if local % g.optimizer_steps_per_step:
+        raise ValueError(
+            f"grpo.optimizer_steps_per_step={g.optimizer_steps_per_step} does not divide the {local} samples "
+            "per rank; pick a divisor"
+        )
+    if s.sde_kind == "ode" or s.window_size < 1:
+        raise ValueError("sampling.sde_kind='ode' / window_size<1 leaves nothing to train; use flow_sde, cps or dance_sde")
+    lo, hi = s.window_range
+    if not (0 <= lo and lo + s.window_size <= hi <= s.num_steps):
+        raise ValueError(
+            f"sampling.window_range={s.window_range} with window_size={s.window_size} must satisfy "
+            f"0 <= lo, lo + window_size <= hi <= num_steps={s.num_steps}"
+        )
+    if m.compile and g.old_log_prob == "rollout" and g.clip_range < 10 * COMPILED_LOGPROB_GAP:
+        raise ValueError(
+            f"model.compile=True with grpo.old_log_prob='rollout': compiled rollout and training forwards differ "
+            f"by up to ~{COMPILED_LOGPROB_GAP:g} in log-prob, not small next to grpo.clip_range={g.clip_range:g}; "
+            "add --grpo.old-log-prob recompute"
+        )
+    if g.kl_coef > 0 and not m.lora:
+        raise ValueError("grpo.kl_coef>0 needs model.lora=True (the reference is the model with adapters off)")
+    if m.init_lora and not m.lora:
+        raise ValueError("model.init_lora needs model.lora=True; drop --model.init-lora or train LoRA")
+    if o.schedule != "constant" and cfg.lr_decay_steps <= o.warmup_steps:
+        raise ValueError(
+            f"optim.decay_steps={cfg.lr_decay_steps} (optimizer steps) must exceed optim.warmup_steps="
+            f"{o.warmup_steps} for optim.schedule='{o.schedule}'; raise optim.decay_steps or num_steps"
+        )
+    if r.resume and r.overwrite:
+        raise ValueError("run.resume and run.overwrite contradict each other; pass one of them")
+    if cfg.rollout_engine == "vllm_omni":
+        if m.kind != "qwen_image" or not m.lora:
+            raise ValueError("rollout_engine='vllm_omni' supports model.kind='qwen_image' with model.lora=True only")
+        if g.old_log_prob != "recompute":
+            raise ValueError("rollout_engine='vllm_omni' needs --grpo.old-log-prob recompute (its kernels differ)")
+        if g.group_init_noise:
+            raise ValueError("grpo.group_init_noise is in-process only; drop --grpo.group-init-noise or use diffusers")
+        if world_size > 1:
+            raise ValueError("rollout_engine='vllm_omni' is wired for one trainer process; use diffusers on N ranks")

@@ -9,7 +9,7 @@
             log_prob <- policy.transition_log_prob(...)    # the same kernel the rollout used
             loss     <- clipped_policy_loss (+ KL to the LoRA-disabled reference)
             backward (scaled so the gradient does not depend on the split)
-        optimizer step per mini-batch; LoRA sync to an out-of-process engine; logging; checkpoint
+        optimizer step per mini-batch; LoRA sync to an out-of-process engine; log; checkpoint
 
 Deviations from flow_grpo, and why:
 - Every rank samples an arbitrary slice of the P*G samples (the G samples of a prompt may live on
@@ -26,8 +26,6 @@ Deviations from flow_grpo, and why:
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import math
 import warnings
 from collections import defaultdict
@@ -37,180 +35,149 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fgrpo import parallel
-from fgrpo.config import ModelConfig, TrainConfig
+from fgrpo import checkpoint, parallel
+from fgrpo import logging as flog
+from fgrpo.config import TrainConfig, validate_config
 from fgrpo.core import grpo
 from fgrpo.core.schedule import lr_multiplier
 from fgrpo.data import load_prompts, step_prompt_indices
 from fgrpo.models.base import FlowModel, cond_index
+from fgrpo.models.loading import adapters_disabled, build_model, setup_trainable
 from fgrpo.policy import transition
-from fgrpo.rollout.base import RolloutEngine, SamplingConfig, Trajectory
-from fgrpo.rollout.engine import micro_batches, recompute_log_prob
+from fgrpo.rewards import build_reward
+from fgrpo.rewards.base import check_scores
+from fgrpo.rewards.ocr import is_exact
+from fgrpo.rewards.runner import ParallelReward
+from fgrpo.rollout import seeds as rs
+from fgrpo.rollout.base import Trajectory
+from fgrpo.rollout.engine import (
+    build_engine,
+    minibatch_rows,
+    recompute_log_prob,
+    recompute_log_probs_and_means,
+    rollout,
+    validation_sampling,
+)
+from fgrpo.runs import RunDir
 
-# ----------------------------------------------------------------------------------------------------
-# Validation of the config: every error names the field and the fix, before anything expensive.
 
+def train(cfg: TrainConfig, *, experiment_source: str | Path | None = None) -> dict[str, float]:
+    """Run Flow-GRPO as configured; returns the last step's metrics (rank 0's view)."""
+    # FSDP2 warns that the transformer returns a view; nothing in fgrpo writes into it in place
+    # (CFG and the SDE step are out-of-place), so the warning is noise in every run's console.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    d = parallel.init_distributed(cfg.device)
+    validate_config(cfg, d.world_size)
+    train_prompts = load_prompts(cfg.data.train_prompts, require_quoted=cfg.reward.is_ocr)
+    val_prompts = load_prompts(cfg.data.val_prompts, require_quoted=cfg.reward.is_ocr,
+                               field="data.val_prompts")[: cfg.data.val_num_prompts]
+    run = RunDir(Path(cfg.run.out_dir) / cfg.exp_name)
+    resume_from = run.start(cfg, is_main=d.is_main, say=flog.print0)
+    reward = build_reward(cfg.reward.spec) if cfg.reward.workers == 0 else ParallelReward(cfg.reward.spec, cfg.reward.workers)
+    if hasattr(reward, "health"):  # a reward service: a wrong URL fails now, not after the first rollout
+        reward.health()
 
-# Max per-step |rollout - trainer| log-prob gap with regional compile on an H200 (RESULTS.md, "Compiled Flow-GRPO
-# step"): the no-grad and the grad forward compile to different kernels. Eager, the two are bit-identical.
-COMPILED_LOGPROB_GAP = 1e-4
-
-
-def validate_config(cfg: TrainConfig, world_size: int) -> None:
-    g, s = cfg.grpo, cfg.sampling
-    n = cfg.samples_per_step
-    if g.group_size < 2:
-        raise ValueError(f"grpo.group_size={g.group_size}: GRPO needs at least 2 samples per prompt")
-    if n % world_size:
-        raise ValueError(
-            f"grpo.prompts_per_step*grpo.group_size={n} is not divisible by the {world_size} ranks; "
-            "change grpo.prompts_per_step or grpo.group_size"
-        )
-    local = n // world_size
-    if local % g.optimizer_steps_per_step:
-        raise ValueError(
-            f"grpo.optimizer_steps_per_step={g.optimizer_steps_per_step} does not divide the {local} samples "
-            "per rank; pick a divisor"
-        )
-    if s.sde_kind == "ode" or s.window_size < 1:
-        raise ValueError("sampling.sde_kind='ode' / window_size<1 leaves nothing to train; use flow_sde, cps or dance_sde")
-    lo, hi = s.window_range
-    if not (0 <= lo and lo + s.window_size <= hi <= s.num_steps):
-        raise ValueError(
-            f"sampling.window_range={s.window_range} with window_size={s.window_size} must satisfy "
-            f"0 <= lo, lo + window_size <= hi <= num_steps={s.num_steps}"
-        )
-    if cfg.model.compile and g.old_log_prob == "rollout" and g.clip_range < 10 * COMPILED_LOGPROB_GAP:
-        raise ValueError(
-            f"model.compile=True with grpo.old_log_prob='rollout': compiled rollout and training forwards differ "
-            f"by up to ~{COMPILED_LOGPROB_GAP:g} in log-prob, not small next to grpo.clip_range={g.clip_range:g}; "
-            "add --grpo.old-log-prob recompute"
-        )
-    if g.kl_coef > 0 and not cfg.model.lora:
-        raise ValueError("grpo.kl_coef>0 needs model.lora=True (the reference is the model with adapters off)")
-    if cfg.num_steps < 1:
-        raise ValueError(f"num_steps={cfg.num_steps}: must be >= 1")
+    torch.manual_seed(cfg.seed)  # LoRA init is the only draw from the global RNG
+    model = build_model(cfg.model, d.device, cfg.seed)
+    setup_trainable(model.transformer, cfg.model)
+    parallel.shard_transformer(model.transformer, param_dtype=torch.bfloat16 if cfg.model.dtype == "bf16" else None)
+    params = [p for p in model.transformer.parameters() if p.requires_grad]  # now DTensors
     o = cfg.optim
-    if not 0.0 <= o.min_lr_ratio <= 1.0:
-        raise ValueError(f"optim.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]")
-    if o.schedule != "constant" and cfg.lr_decay_steps <= o.warmup_steps:
-        raise ValueError(
-            f"optim.decay_steps={cfg.lr_decay_steps} (optimizer steps) must exceed optim.warmup_steps="
-            f"{o.warmup_steps} for optim.schedule='{o.schedule}'; raise optim.decay_steps or num_steps"
-        )
-    if cfg.rollout_engine == "vllm_omni":
-        if cfg.model.kind != "qwen_image" or not cfg.model.lora:
-            raise ValueError("rollout_engine='vllm_omni' supports model.kind='qwen_image' with model.lora=True only")
-        if g.old_log_prob != "recompute":
-            raise ValueError("rollout_engine='vllm_omni' needs --grpo.old-log-prob recompute (its kernels differ)")
-        if g.group_init_noise:
-            raise ValueError("grpo.group_init_noise is in-process only; drop --grpo.group-init-noise or use diffusers")
-        if world_size > 1:
-            raise ValueError("rollout_engine='vllm_omni' is wired for one trainer process; use diffusers on N ranks")
+    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(
+        lr_multiplier, warmup=o.warmup_steps, schedule=o.schedule, decay_steps=cfg.lr_decay_steps,
+        min_ratio=o.min_lr_ratio))
+    engine = build_engine(model, cfg.rollout_engine, cfg.model.path)
 
+    start_step = 0
+    if resume_from is not None:
+        start_step, _ = checkpoint.load(resume_from, model=model.transformer, optimizer=optimizer,
+                                        lr_scheduler=lr_scheduler)
+        flog.print0(f"resumed from {resume_from} at step {start_step}")
+    if d.is_main:  # rows of steps after the checkpoint are redone below: drop them, keep the file one row a step
+        run.drop_metrics_from(start_step)
+    logger = flog.make_logger(cfg, run.path, enabled=d.is_main, experiment_source=experiment_source)
 
-# ----------------------------------------------------------------------------------------------------
-# Building the pieces.
+    G, P = cfg.grpo.group_size, cfg.grpo.prompts_per_step
+    n_local = P * G // d.world_size
+    sample_ids = torch.arange(d.rank * n_local, (d.rank + 1) * n_local)  # this rank's slice of the step
+    metrics: dict[str, float] = {}
+    bad_steps = 0
+    for step in range(start_step, cfg.num_steps):
+        timer = flog.PhaseTimer()
+        # 0. validation of the weights that enter this step (step 0: the starting model)
+        val_metrics = {}
+        if cfg.run.val_every and step % cfg.run.val_every == 0:
+            with timer("val"):
+                val_metrics = validate(engine, reward, val_prompts, cfg, logger, step, d.device)
 
+        # 1. prompts and seeds: pure functions of (seed, step)
+        prompt_ids = step_prompt_indices(len(train_prompts), step, P, cfg.seed)
+        prompts = [train_prompts[int(prompt_ids[int(i) // G])] for i in sample_ids]
+        seeds = rs.sample_seeds(cfg.seed, step, sample_ids)
+        init_seeds = rs.group_init_seeds(cfg.seed, step, sample_ids, G) if cfg.grpo.group_init_noise else None
 
-def build_model(mcfg: ModelConfig, device: torch.device, seed: int) -> FlowModel:
-    """The generator named by model.kind, on `device`, frozen; trainable parameters are set up later."""
-    from fgrpo.models import loading
+        # 2. rollout
+        with timer("rollout"):
+            traj = rollout(engine, prompts, seeds, cfg.sampling, d.device, init_seeds)
 
-    dtype = torch.bfloat16 if mcfg.dtype == "bf16" else torch.float32
-    if mcfg.kind == "textbed":
-        from fgrpo.models.textbed import load_textbed
+        # 3. rewards -> all ranks -> group advantages
+        with timer("reward"):
+            out = reward(traj.images.cpu().numpy(), prompts)
+            check_scores(out, prompts, cfg.reward.name)
+            local_rewards = torch.as_tensor(out.scores, dtype=torch.float32, device=d.device)
+        with timer("sync"):
+            rewards = parallel.all_gather_cat(local_rewards)
+            advantages = grpo.group_advantages(rewards, G, std=cfg.grpo.adv_std)
+            local_adv = advantages[sample_ids.to(d.device)]
 
-        return load_textbed(mcfg.path or None, device=device, dtype=dtype)
-    if mcfg.kind in ("tiny_qwen_image", "tiny_sd3"):
-        from fgrpo.models import tiny
+        # 4. policy update
+        with timer("train"):
+            order = rs.stream_generator(cfg.seed, step, rs.MINIBATCH_ORDER)  # the same on resume
+            train_metrics = policy_update(model, params, optimizer, lr_scheduler, traj, local_adv, cfg, order)
+        with timer("sync"):
+            if hasattr(engine, "update_lora"):  # an engine with its own copy of the weights (vLLM-Omni)
+                engine.update_lora(checkpoint.export_lora(run.path / "engine_lora", model.transformer))
 
-        build = tiny.tiny_qwen_image if mcfg.kind == "tiny_qwen_image" else tiny.tiny_sd3
-        model = build(seed=seed, device=device, dtype=dtype)
-        loading.configure_transformer(model.transformer, attention_backend=mcfg.attention_backend,
-                                      compile_blocks=mcfg.compile)
-        return model
+        # 5. log (before the checkpoint that claims this step, so a crash between them loses no row), checkpoint
+        grouped = rewards.view(P, G)
+        metrics = {
+            "reward/mean": rewards.mean().item(),
+            "reward/std": rewards.std(unbiased=False).item(),
+            "reward/zero_std_group_frac": (grouped.std(dim=1, unbiased=False) == 0).float().mean().item(),
+            **{f"reward/{k}": float(v) for k, v in out.metrics.items()},
+            **{f"train/{k}": v for k, v in train_metrics.items()},
+            "lr": lr_scheduler.get_last_lr()[0],
+            **val_metrics,
+            **timer.metrics(images=P * G),
+        }
+        if cfg.run.log_images_every and step % cfg.run.log_images_every == 0:
+            logger.log_images("rollout", traj.images[:16].cpu().numpy(), prompts[:16], step=step)
+        logger.log(metrics, step=step)
+        flog.print0(flog.progress_line(step, cfg.num_steps, metrics))
+        if cfg.num_steps == step + 1 or (cfg.run.ckpt_every and (step + 1) % cfg.run.ckpt_every == 0):
+            checkpoint.save(run.checkpoints, step + 1, model=model.transformer, optimizer=optimizer,
+                            lr_scheduler=lr_scheduler, extra_state={"exp_name": cfg.exp_name},
+                            keep_last=cfg.run.keep_last)
+        bad_steps = bad_steps + 1 if train_metrics["skipped_steps"] == train_metrics["optimizer_steps"] else 0
+        if bad_steps >= cfg.run.max_bad_steps:
+            raise FloatingPointError(
+                f"{bad_steps} steps in a row skipped every optimizer step (non-finite gradients) at step {step}; "
+                "the run trains nothing: lower optim.lr or check the reward (run.max_bad_steps sets the limit)"
+            )
 
-    return loading.load_model(mcfg, device=device, dtype=dtype)
-
-
-def setup_trainable(transformer: torch.nn.Module, mcfg: ModelConfig) -> list[torch.nn.Parameter]:
-    """Attach LoRA (or unfreeze everything). Trainable parameters become fp32 masters whatever the base
-    dtype: FSDP2 casts them to the compute dtype for forward/backward, AdamW updates them in fp32."""
-    from fgrpo.models.loading import add_lora, configure_transformer
-
-    if mcfg.lora:
-        params = add_lora(transformer, rank=mcfg.lora_rank, alpha=mcfg.lora_alpha, target_modules=mcfg.lora_target_list)
-    else:
-        params = list(transformer.requires_grad_(True).parameters())
-    for p in params:
-        p.data = p.data.float()
-    configure_transformer(transformer, gradient_checkpointing=mcfg.gradient_checkpointing)
-    return params
-
-
-@contextlib.contextmanager
-def adapters_disabled(transformer: torch.nn.Module):
-    """The reference policy for the KL: the same transformer with its LoRA adapters switched off."""
-    transformer.disable_adapters()
-    try:
-        yield
-    finally:
-        transformer.enable_adapters()
-
-
-def build_engine(model: FlowModel, cfg: TrainConfig) -> RolloutEngine:
-    if cfg.rollout_engine == "vllm_omni":
-        from fgrpo.rollout.vllm_omni import VllmOmniEngine
-
-        return VllmOmniEngine(cfg.model.path, enable_sleep_mode=True)
-    from fgrpo.rollout.engine import DiffusersEngine
-
-    return DiffusersEngine(model)
-
-
-@torch.no_grad()
-def rollout(engine, prompts: list[str], seeds: list[int], s: SamplingConfig, device: torch.device,
-            init_seeds: list[int] | None = None) -> Trajectory:
-    """engine.generate, with an engine that shares the GPU (vLLM-Omni) woken for it and put back to sleep."""
-    if hasattr(engine, "wake"):
-        engine.wake()
-    extra = {} if init_seeds is None else {"init_seeds": init_seeds}
-    traj = engine.generate(prompts, seeds, s, **extra).to(device)
-    if hasattr(engine, "sleep"):
-        engine.sleep()
-    return traj
-
-
-def sync_engine_weights(engine, transformer: torch.nn.Module, sync_dir: Path) -> None:
-    """Hand the updated LoRA to an engine that holds its own copy of the weights (vLLM-Omni).
-
-    The in-process engine shares the trainer's module, so it needs nothing. Untested on a GPU so far.
-    """
-    if not hasattr(engine, "update_lora"):
-        return
-    from fgrpo import checkpoint
-
-    engine.update_lora(checkpoint.export_lora(sync_dir, transformer))
-
-
-def group_init_seeds(seed: int, step: int, sample_ids: torch.Tensor, group_size: int) -> list[int]:
-    """One initial-noise seed per GRPO group (samples g*G .. g*G+G-1 share it), a pure function of
-    (run seed, step, group index); disjoint from sample_seeds' streams by the extra key."""
-    from fgrpo.rollout.seeds import sample_seed
-
-    return [sample_seed(seed, step, int(i) // group_size, -1) for i in sample_ids]
-
-
-def sample_seeds(seed: int, step: int, sample_ids: torch.Tensor) -> list[int]:
-    """Per-sample seeds, a pure function of (run seed, step, global sample index)."""
-    from fgrpo.rollout.seeds import sample_seed
-
-    return [sample_seed(seed, step, int(i)) for i in sample_ids]
-
-
-# ----------------------------------------------------------------------------------------------------
-# One policy update on a trajectory.
+    if cfg.run.val_every and start_step < cfg.num_steps:  # the trained model, logged as step num_steps
+        final = validate(engine, reward, val_prompts, cfg, logger, cfg.num_steps, d.device)
+        logger.log(final, step=cfg.num_steps)
+        metrics.update(final)
+        flog.print0(f"final validation: {final}")
+    if cfg.run.export_lora and cfg.model.lora:
+        checkpoint.export_lora(run.path / "lora", model.transformer)
+    logger.finish()
+    run.unlock()
+    del engine, optimizer, params, model
+    parallel.shutdown()
+    return metrics
 
 
 def policy_update(
@@ -248,7 +215,7 @@ def policy_update(
         recomputed, old_mean = recompute_log_probs_and_means(model, traj, s)
         if g.old_log_prob == "recompute":
             old_log_prob = recomputed
-            record_gap(gap_per_step, traj.window, recomputed, traj.log_prob)
+            _record_gap(gap_per_step, traj.window, recomputed, traj.log_prob)
             first_update = False  # the gap is measured; training starts from the trainer's own numbers
 
     for _epoch in range(g.inner_epochs):
@@ -260,7 +227,7 @@ def policy_update(
                     log_prob, mean, std = recompute_log_prob(model, traj, s, rows, j)
                     old = old_log_prob[rows, j]
                     if first_update:  # weights still equal the rollout's: the gap is the numerics alone
-                        record_gap(gap_per_step, traj.window[rows, j : j + 1], log_prob.detach()[:, None],
+                        _record_gap(gap_per_step, traj.window[rows, j : j + 1], log_prob.detach()[:, None],
                                    old[:, None])
                     loss, metrics = grpo.clipped_policy_loss(
                         log_prob, old, advantages[rows], clip_range=g.clip_range, adv_clip_max=g.adv_clip_max,
@@ -296,6 +263,7 @@ def policy_update(
     out["ratio_min"] = float(np.min(stats["ratio_min"]))
     out["ratio_max"] = float(np.max(stats["ratio_max"]))
     out["skipped_steps"] = float(np.sum(stats["skipped_steps"]))
+    out["optimizer_steps"] = float(len(stats["skipped_steps"]))
     for i, gaps in sorted(gap_per_step.items()):
         out[f"logprob_gap/step{i}"] = float(np.max(gaps))
     if gap_per_step:
@@ -303,168 +271,10 @@ def policy_update(
     return out
 
 
-def minibatch_rows(
-    n: int, micro_batch: int, rollout_micro_batch: int, num_minibatches: int, generator: torch.Generator
-) -> list[list[torch.Tensor]]:
-    """Split n samples into `num_minibatches` mini-batches, each a list of micro-batch row index tensors.
-
-    With micro_batch == rollout_micro_batch the units shuffled are the rollout's own micro-batches
-    (consecutive rows); otherwise single samples are shuffled and cut into micro-batches.
-    """
-    if micro_batch == rollout_micro_batch:
-        units = list(torch.arange(n).split(micro_batch))
-        if len(units) % num_minibatches == 0:
-            order = torch.randperm(len(units), generator=generator).tolist()
-            per = len(units) // num_minibatches
-            return [[units[u] for u in order[k * per : (k + 1) * per]] for k in range(num_minibatches)]
-    perm = torch.randperm(n, generator=generator)
-    return [list(chunk.split(micro_batch)) for chunk in perm.chunk(num_minibatches)]
-
-
-def record_gap(gaps: dict[int, list[float]], window: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> None:
+def _record_gap(gaps: dict[int, list[float]], window: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> None:
     """Append |new - old| log-prob per denoising-step index (window: [m, W'] step ids of the [m, W'] values)."""
     for i, gap in zip(window.flatten().tolist(), (new - old).abs().flatten().tolist()):
         gaps[i].append(gap)
-
-
-@torch.no_grad()
-def recompute_log_probs_and_means(
-    model: FlowModel, traj: Trajectory, s: SamplingConfig
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """([B, W] log-probs, [B, W, *latent] means) of the stored transitions under the current weights, in
-    the rollout's micro-batches."""
-    log_probs = torch.empty_like(traj.log_prob)
-    means = torch.empty_like(traj.x_next)
-    for j in range(traj.window.shape[1]):
-        for rows in micro_batches(len(traj), s.micro_batch):
-            log_probs[rows, j], means[rows, j], _ = recompute_log_prob(model, traj, s, rows, j)
-    return log_probs, means
-
-
-def validation_sampling(s: SamplingConfig, num_steps: int) -> SamplingConfig:
-    """Deterministic ODE sampling for evaluation (no window: nothing is trained or scored as an action)."""
-    return dataclasses.replace(s, sde_kind="ode", noise_level=0.0, num_steps=num_steps, window_size=0, window_range=(0, 0))
-
-
-# ----------------------------------------------------------------------------------------------------
-# The loop.
-
-
-def train(cfg: TrainConfig, *, experiment_source: str | None = None) -> dict[str, float]:
-    """Run Flow-GRPO as configured; returns the last step's metrics (rank 0's view)."""
-    from fgrpo import checkpoint
-    from fgrpo import logging as flog
-    from fgrpo.rewards import build_reward
-    from fgrpo.rewards.runner import ParallelReward
-
-    # FSDP2 warns that the transformer returns a view; nothing in fgrpo writes into it in place
-    # (CFG and the SDE step are out-of-place), so the warning is noise in every run's console.
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-    d = parallel.init_distributed(cfg.device)
-    validate_config(cfg, d.world_size)
-    run_dir = Path(cfg.run.out_dir) / cfg.exp_name
-    train_prompts = load_prompts(cfg.data.train_prompts, require_quoted=cfg.reward.is_ocr)
-    val_prompts = load_prompts(cfg.data.val_prompts, require_quoted=cfg.reward.is_ocr,
-                               field="data.val_prompts")[: cfg.data.val_num_prompts]
-    reward = build_reward(cfg.reward.spec) if cfg.reward.workers == 0 else ParallelReward(cfg.reward.spec, cfg.reward.workers)
-
-    torch.manual_seed(cfg.seed)  # LoRA init is the only draw from the global RNG
-    model = build_model(cfg.model, d.device, cfg.seed)
-    params = setup_trainable(model.transformer, cfg.model)
-    param_dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else None
-    parallel.shard_transformer(model.transformer, param_dtype=param_dtype)
-    params = [p for p in model.transformer.parameters() if p.requires_grad]  # now DTensors
-    o = cfg.optim
-    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        partial(lr_multiplier, warmup=o.warmup_steps, schedule=o.schedule, decay_steps=cfg.lr_decay_steps,
-                min_ratio=o.min_lr_ratio),
-    )
-    engine = build_engine(model, cfg)
-
-    start_step = 0
-    extra: dict = {}
-    if cfg.run.resume:
-        path = checkpoint.latest(run_dir / "checkpoints") if cfg.run.resume == "auto" else Path(cfg.run.resume)
-        if path is not None:
-            start_step, extra = checkpoint.load(path, model=model.transformer, optimizer=optimizer,
-                                                lr_scheduler=lr_scheduler)
-            flog.print0(f"resumed from {path} at step {start_step}")
-    logger = flog.make_logger(cfg, run_dir, enabled=d.is_main, experiment_source=experiment_source)
-
-    G, P = cfg.grpo.group_size, cfg.grpo.prompts_per_step
-    n_local = P * G // d.world_size
-    sample_ids = torch.arange(d.rank * n_local, (d.rank + 1) * n_local)  # this rank's slice of the step
-    metrics: dict[str, float] = {}
-    for step in range(start_step, cfg.num_steps):
-        timer = flog.PhaseTimer()
-        # 0. validation of the weights that enter this step (step 0: the starting model)
-        val_metrics = {}
-        if cfg.run.val_every and step % cfg.run.val_every == 0:
-            with timer("val"):
-                val_metrics = validate(engine, reward, val_prompts, cfg, logger, step, d.device)
-
-        # 1. prompts and seeds: pure functions of (seed, step)
-        prompt_ids = step_prompt_indices(len(train_prompts), step, P, cfg.seed)
-        prompts = [train_prompts[int(prompt_ids[int(i) // G])] for i in sample_ids]
-        seeds = sample_seeds(cfg.seed, step, sample_ids)
-        init_seeds = group_init_seeds(cfg.seed, step, sample_ids, G) if cfg.grpo.group_init_noise else None
-
-        # 2. rollout
-        with timer("rollout"):
-            traj = rollout(engine, prompts, seeds, cfg.sampling, d.device, init_seeds)
-
-        # 3. rewards -> all ranks -> group advantages
-        with timer("reward"):
-            out = reward(traj.images.cpu().numpy(), prompts)
-            local_rewards = torch.as_tensor(out.scores, dtype=torch.float32, device=d.device)
-        with timer("sync"):
-            rewards = parallel.all_gather_cat(local_rewards)
-            advantages = grpo.group_advantages(rewards, G, std=cfg.grpo.adv_std)
-            local_adv = advantages[sample_ids.to(d.device)]
-
-        # 4. policy update
-        with timer("train"):
-            gen = torch.Generator().manual_seed(cfg.seed * 7919 + step)  # mini-batch order, same on resume
-            train_metrics = policy_update(model, params, optimizer, lr_scheduler, traj, local_adv, cfg, gen)
-        with timer("sync"):
-            sync_engine_weights(engine, model.transformer, run_dir / "engine_lora")
-
-        # 5. logging, validation, checkpoint
-        grouped = rewards.view(P, G)
-        metrics = {
-            "reward/mean": rewards.mean().item(),
-            "reward/std": rewards.std(unbiased=False).item(),
-            "reward/zero_std_group_frac": (grouped.std(dim=1, unbiased=False) == 0).float().mean().item(),
-            **{f"reward/{k}": float(v) for k, v in out.metrics.items()},
-            **{f"train/{k}": v for k, v in train_metrics.items()},
-            "lr": lr_scheduler.get_last_lr()[0],
-            **val_metrics,
-        }
-        if cfg.run.log_images_every and step % cfg.run.log_images_every == 0:
-            logger.log_images("rollout", traj.images[:16].cpu().numpy(), prompts[:16], step=step)
-        last = step + 1 == cfg.num_steps
-        if last or (cfg.run.ckpt_every and (step + 1) % cfg.run.ckpt_every == 0):
-            with timer("checkpoint"):
-                checkpoint.save(run_dir / "checkpoints", step + 1, model=model.transformer, optimizer=optimizer,
-                                lr_scheduler=lr_scheduler, extra_state={"exp_name": cfg.exp_name},
-                                keep_last=cfg.run.keep_last)
-        metrics.update(timer.metrics(images=P * G))
-        logger.log(metrics, step=step)
-        flog.print0(flog.progress_line(step, cfg.num_steps, metrics))
-
-    if cfg.run.val_every and start_step < cfg.num_steps:  # the trained model, logged as step num_steps
-        final = validate(engine, reward, val_prompts, cfg, logger, cfg.num_steps, d.device)
-        logger.log(final, step=cfg.num_steps)
-        metrics.update(final)
-        flog.print0(f"final validation: {final}")
-    if cfg.run.export_lora and cfg.model.lora:
-        checkpoint.export_lora(run_dir / "lora", model.transformer)
-    logger.finish()
-    del engine, optimizer, params, model
-    parallel.shutdown()
-    return metrics
 
 
 @torch.no_grad()
@@ -472,17 +282,15 @@ def validate(
     engine, reward, prompts: list[str], cfg: TrainConfig, logger, step: int, device: torch.device
 ) -> dict[str, float]:
     """ODE samples of fixed prompts and seeds (the same every validation), scored by the reward."""
-    d_rank, d_world = (0, 1)
-    if torch.distributed.is_initialized():
-        d_rank, d_world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    n = math.ceil(len(prompts) / d_world) * d_world
-    ids = torch.arange(n).view(d_world, -1)[d_rank]
+    world = parallel.world_size()
+    n = math.ceil(len(prompts) / world) * world
+    ids = torch.arange(n).view(world, -1)[parallel.rank()]
     local_prompts = [prompts[int(i) % len(prompts)] for i in ids]  # pad by wrapping so shapes match
-    seeds = [10_000 + int(i) for i in ids]
-    s = validation_sampling(cfg.sampling, cfg.run.val_num_steps)
-    traj = rollout(engine, local_prompts, seeds, s, device)
+    traj = rollout(engine, local_prompts, rs.validation_seeds(ids), validation_sampling(cfg.sampling, cfg.run.val_num_steps),
+                   device)
     out = reward(traj.images.cpu().numpy(), local_prompts)
+    check_scores(out, local_prompts, cfg.reward.name)
     scores = parallel.all_gather_cat(torch.as_tensor(out.scores, dtype=torch.float32, device=traj.images.device))
     scores = scores[: len(prompts)]
     logger.log_images("val", traj.images[:16].cpu().numpy(), local_prompts[:16], step=step)
-    return {"val/reward_mean": scores.mean().item(), "val/reward_exact_frac": (scores >= 0.999).float().mean().item()}
+    return {"val/reward_mean": scores.mean().item(), "val/reward_exact_frac": is_exact(scores).float().mean().item()}

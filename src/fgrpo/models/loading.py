@@ -1,9 +1,12 @@
-"""Loading a real model by name, and the transformer options the trainer toggles (LoRA, checkpointing,
-attention backend, regional compile). The tiny random models live in fgrpo.models.tiny."""
+"""Building the configured generator (real, tiny random, or the text renderer), and the transformer options the
+trainer toggles (LoRA, a LoRA to start from, checkpointing, attention backend, regional compile)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -106,3 +109,94 @@ def load_model(mcfg: ModelConfig, *, device: torch.device | str, dtype: torch.dt
         compile_blocks=getattr(mcfg, "compile", False),
     )
     return model
+
+
+def build_model(mcfg: ModelConfig, device: torch.device, seed: int) -> FlowModel:
+    """The generator named by model.kind, on `device`, frozen; `setup_trainable` makes parameters trainable."""
+    dtype = torch.bfloat16 if mcfg.dtype == "bf16" else torch.float32
+    if mcfg.kind == "textbed":
+        from fgrpo.models.textbed import load_textbed
+
+        return load_textbed(mcfg.path or None, device=device, dtype=dtype)
+    if mcfg.kind in ("tiny_qwen_image", "tiny_sd3"):
+        from fgrpo.models import tiny
+
+        build = tiny.tiny_qwen_image if mcfg.kind == "tiny_qwen_image" else tiny.tiny_sd3
+        model = build(seed=seed, device=device, dtype=dtype)
+        configure_transformer(model.transformer, attention_backend=mcfg.attention_backend, compile_blocks=mcfg.compile)
+        return model
+    return load_model(mcfg, device=device, dtype=dtype)
+
+
+def setup_trainable(transformer: nn.Module, mcfg: ModelConfig) -> list[nn.Parameter]:
+    """Attach LoRA (from model.init_lora if given) or unfreeze everything. Trainable parameters become fp32
+    masters whatever the base dtype: FSDP2 casts them to the compute dtype, AdamW updates them in fp32."""
+    if mcfg.lora:
+        params = add_lora(transformer, rank=mcfg.lora_rank, alpha=mcfg.lora_alpha, target_modules=mcfg.lora_target_list)
+        if mcfg.init_lora:
+            load_lora_weights(transformer, mcfg.init_lora, rank=mcfg.lora_rank, alpha=mcfg.lora_alpha)
+    else:
+        params = list(transformer.requires_grad_(True).parameters())
+    for p in params:
+        p.data = p.data.float()
+    configure_transformer(transformer, gradient_checkpointing=mcfg.gradient_checkpointing)
+    return params
+
+
+def _lora_file(path: str | Path) -> Path:
+    p = Path(path)
+    f = p / "adapter_model.safetensors" if p.is_dir() else p
+    if not f.is_file():
+        raise FileNotFoundError(
+            f"model.init_lora: no LoRA at '{path}' (want a directory with adapter_model.safetensors, as fgrpo "
+            "exports to runs/<exp_name>/lora, or a .safetensors file)"
+        )
+    return f
+
+
+def load_lora_weights(
+    transformer: nn.Module, path: str | Path, *, rank: int, alpha: float, adapter_name: str = "default"
+) -> None:
+    """Copy a diffusers-layout LoRA (keys `transformer.<module>.lora_A.weight`, the LoraConfig in the
+    `lora_adapter_metadata` header) into the transformer's existing adapter, checking rank, alpha, targets
+    and every shape first. peft's `set_peft_model_state_dict` does the key mapping."""
+    from peft import set_peft_model_state_dict
+    from safetensors import safe_open
+
+    f = _lora_file(path)
+    try:
+        with safe_open(str(f), framework="pt") as fh:
+            header = json.loads((fh.metadata() or {}).get("lora_adapter_metadata", "{}"))
+            sd = {k.removeprefix("transformer."): fh.get_tensor(k) for k in fh.keys()}
+    except Exception as e:  # safetensors' own errors do not say which file
+        raise ValueError(f"model.init_lora: cannot read '{f}' as safetensors ({e})") from e
+    saved_r, saved_alpha = header.get("transformer.r"), header.get("transformer.lora_alpha")
+    if saved_r is not None and (saved_r != rank or saved_alpha != alpha):
+        raise ValueError(
+            f"model.init_lora: '{f}' has rank {saved_r} / alpha {saved_alpha}, the model lora_rank {rank} / "
+            f"lora_alpha {alpha}; pass --model.lora-rank {saved_r} --model.lora-alpha {saved_alpha}"
+        )
+    own = {n: p for n, p in transformer.named_parameters() if f".{adapter_name}." in n and "lora_" in n}
+    want = {n.replace(f".{adapter_name}.", "."): p for n, p in own.items()}
+    missing, unexpected = sorted(set(want) - set(sd)), sorted(set(sd) - set(want))
+    if missing or unexpected:
+        raise ValueError(
+            f"model.init_lora: '{f}' does not fit the adapter (missing {missing[:3]}, unexpected {unexpected[:3]}); "
+            "set model.lora_targets as for the run that wrote it"
+        )
+    for k, v in sd.items():
+        if tuple(v.shape) != tuple(want[k].shape):
+            raise ValueError(f"model.init_lora: '{f}' {k} has shape {tuple(v.shape)}, the adapter {tuple(want[k].shape)}")
+    result = set_peft_model_state_dict(transformer, sd, adapter_name=adapter_name)
+    if getattr(result, "unexpected_keys", None):
+        raise ValueError(f"model.init_lora: peft did not place {result.unexpected_keys[:3]} from '{f}'")
+
+
+@contextlib.contextmanager
+def adapters_disabled(transformer: nn.Module) -> Iterator[None]:
+    """The reference policy for the KL: the same transformer with its LoRA adapters switched off."""
+    transformer.disable_adapters()
+    try:
+        yield
+    finally:
+        transformer.enable_adapters()

@@ -53,6 +53,20 @@ def check_inputs(
     return list(metadata)
 
 
+def check_scores(out: RewardOutput, prompts: Sequence[str], reward: str) -> None:
+    """Raise if `out.scores` is not [B] finite: a NaN would make every advantage NaN and the run a silent no-op."""
+    scores = np.asarray(out.scores)
+    if scores.shape != (len(prompts),):
+        raise ValueError(f"reward {reward!r} returned scores of shape {list(scores.shape)} for {len(prompts)} prompts")
+    bad = np.flatnonzero(~np.isfinite(scores))
+    if len(bad):
+        b = int(bad[0])
+        raise ValueError(
+            f"reward {reward!r} returned a non-finite score ({scores[b]}) for prompt {prompts[b]!r} "
+            f"({len(bad)} of {len(scores)} samples); a reward must score every sample or raise"
+        )
+
+
 def concat_outputs(outputs: Sequence[RewardOutput]) -> RewardOutput:
     """Join per-batch outputs in order: scores and components concatenate, `*_count` metrics add up,
     other metrics become the sample-weighted mean over batches."""

@@ -14,6 +14,7 @@ every row's numbers depend on the shapes of the forward, not on the other rows' 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -22,7 +23,7 @@ from fgrpo.core import schedule, sde
 from fgrpo.models.base import Cond, FlowModel, cond_index
 from fgrpo.models.common import module_device
 from fgrpo.policy import transition, transition_log_prob
-from fgrpo.rollout.base import SamplingConfig, Trajectory
+from fgrpo.rollout.base import RolloutEngine, SamplingConfig, Trajectory
 from fgrpo.rollout.seeds import sample_generator
 
 
@@ -205,10 +206,71 @@ def recompute_log_prob(
 
 
 @torch.no_grad()
-def recompute_log_probs(model: FlowModel, traj: Trajectory, cfg: SamplingConfig) -> torch.Tensor:
-    """[B, W] log-probs of the stored transitions, in the rollout's micro-batches (window position-major)."""
-    out = torch.empty_like(traj.log_prob)
+def recompute_log_probs_and_means(
+    model: FlowModel, traj: Trajectory, cfg: SamplingConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, W] log-probs, [B, W, *latent] means) of the stored transitions under the current weights, in the
+    rollout's micro-batches (window position-major)."""
+    log_probs = torch.empty_like(traj.log_prob)
+    means = torch.empty_like(traj.x_next)
     for j in range(traj.window.shape[1]):
         for rows in micro_batches(len(traj), cfg.micro_batch):
-            out[rows, j] = recompute_log_prob(model, traj, cfg, rows, j)[0]
-    return out
+            log_probs[rows, j], means[rows, j], _ = recompute_log_prob(model, traj, cfg, rows, j)
+    return log_probs, means
+
+
+def recompute_log_probs(model: FlowModel, traj: Trajectory, cfg: SamplingConfig) -> torch.Tensor:
+    """[B, W] log-probs of the stored transitions (`recompute_log_probs_and_means` without the means)."""
+    return recompute_log_probs_and_means(model, traj, cfg)[0]
+
+
+def minibatch_rows(
+    n: int, micro_batch: int, rollout_micro_batch: int, num_minibatches: int, generator: torch.Generator
+) -> list[list[torch.Tensor]]:
+    """Split n samples into `num_minibatches` mini-batches, each a list of micro-batch row index tensors.
+
+    With micro_batch == rollout_micro_batch the units shuffled are the rollout's own micro-batches
+    (consecutive rows), so each training forward sees exactly the rows (and prompt padding) of a rollout
+    forward; otherwise single samples are shuffled and cut into micro-batches.
+    """
+    if micro_batch == rollout_micro_batch:
+        units = list(torch.arange(n).split(micro_batch))
+        if len(units) % num_minibatches == 0:
+            order = torch.randperm(len(units), generator=generator).tolist()
+            per = len(units) // num_minibatches
+            return [[units[u] for u in order[k * per : (k + 1) * per]] for k in range(num_minibatches)]
+    perm = torch.randperm(n, generator=generator)
+    return [list(chunk.split(micro_batch)) for chunk in perm.chunk(num_minibatches)]
+
+
+def build_engine(model: FlowModel, engine: str, model_path: str) -> RolloutEngine:
+    """The configured rollout engine: this process's diffusers modules, or vLLM-Omni with its own weights."""
+    if engine == "vllm_omni":
+        from fgrpo.rollout.vllm_omni import VllmOmniEngine
+
+        return VllmOmniEngine(model_path, enable_sleep_mode=True)
+    return DiffusersEngine(model)
+
+
+@torch.no_grad()
+def rollout(
+    engine: RolloutEngine,
+    prompts: list[str],
+    seeds: list[int],
+    cfg: SamplingConfig,
+    device: torch.device,
+    init_seeds: list[int] | None = None,
+) -> Trajectory:
+    """engine.generate, with an engine that shares the GPU (vLLM-Omni) woken for it and put back to sleep."""
+    if hasattr(engine, "wake"):
+        engine.wake()
+    extra = {} if init_seeds is None else {"init_seeds": init_seeds}
+    traj = engine.generate(prompts, seeds, cfg, **extra).to(device)
+    if hasattr(engine, "sleep"):
+        engine.sleep()
+    return traj
+
+
+def validation_sampling(s: SamplingConfig, num_steps: int) -> SamplingConfig:
+    """Deterministic ODE sampling for evaluation (no window: nothing is trained or scored as an action)."""
+    return dataclasses.replace(s, sde_kind="ode", noise_level=0.0, num_steps=num_steps, window_size=0, window_range=(0, 0))

@@ -1,0 +1,182 @@
+"""The run directory `out_dir/exp_name`: one writer at a time, never two runs mixed, a config record that
+matches the run.
+
+- A lock (`flock` on `.lock`, released by the kernel when the process dies) refuses a second writer.
+- A fresh run refuses a directory that already holds a run, naming `--run.resume auto` (continue it) and
+  `--run.overwrite` (move it aside to `<exp_name>.old-<time>`; nothing is deleted).
+- A resumed run compares the recorded `config.json` with the current config: fields that only steer the
+  run's bookkeeping may change (and are printed), any other difference is refused with the list of fields,
+  so `config.json` always describes the run that wrote the checkpoints.
+- `--run.resume auto` picks the newest checkpoint that verifies, says in one line when there is none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from fgrpo import checkpoint
+from fgrpo import logging as flog
+
+# Fields that may differ between a run and its resume: they change what is logged or saved, or how fast the
+# reward is computed, not what is trained. Prefix matches ("run." covers every RunConfig field).
+RESUMABLE_FIELDS = ("run.", "num_steps", "device", "reward.workers", "reward.url", "data.val_num_prompts")
+
+
+_HELD: dict[str, int] = {}  # resolved run dir -> this process's lock fd
+
+
+class RunDirError(RuntimeError):
+    """The run directory cannot be used as asked (in use, already holds a run, config changed on resume)."""
+
+
+def flat_config(cfg: Any) -> dict[str, Any]:
+    """{'grpo.clip_range': 1e-05, ...}: a config dataclass (or its config.json dict) as JSON-plain values keyed
+    by dotted field path."""
+    plain = cfg if isinstance(cfg, dict) else json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+    out: dict[str, Any] = {}
+
+    def walk(prefix: str, d: dict[str, Any]) -> None:
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(f"{prefix}{k}.", v)
+            else:
+                out[f"{prefix}{k}"] = v
+
+    walk("", plain)
+    return out
+
+
+def config_changes(recorded: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """{field: (recorded, current)} for every dotted field that differs (missing on one side counts)."""
+    keys = sorted(set(recorded) | set(current))
+    return {k: (recorded.get(k), current.get(k)) for k in keys if recorded.get(k) != current.get(k)}
+
+
+def _resumable(field: str) -> bool:
+    return any(field == f or (f.endswith(".") and field.startswith(f)) for f in RESUMABLE_FIELDS)
+
+
+class RunDir:
+    """The directory of one run, locked for this process while open (rank 0 only; other ranks just read)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._lock_fd: int | None = None
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    def holds_a_run(self) -> list[str]:
+        """What in the directory belongs to an earlier run (empty: free to start fresh)."""
+        found = []
+        if checkpoint.list_checkpoints(self.checkpoints):
+            found.append(f"{len(checkpoint.list_checkpoints(self.checkpoints))} checkpoint(s)")
+        for name in ("metrics.jsonl", "config.json", "lora"):
+            if (self.path / name).exists():
+                found.append(name)
+        return found
+
+    def lock(self) -> None:
+        """Take the directory for this process or raise RunDirError naming the holder.
+
+        A process that already holds it (a `train()` that raised, called again in the same interpreter) takes
+        it over: its own lock would otherwise refuse it until exit.
+        """
+        self.path.mkdir(parents=True, exist_ok=True)
+        key = str(self.path.resolve())
+        if key in _HELD:
+            self._lock_fd = _HELD[key]
+            return
+        fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise RunDirError(
+                f"run directory {self.path} is in use by {holder}; wait for it, or give this run another "
+                "--exp-name (or --run.out-dir)"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}\n".encode(), 0)
+        self._lock_fd = _HELD[key] = fd
+
+    def drop_metrics_from(self, step: int) -> None:
+        """Remove metrics.jsonl rows of steps >= `step` (a resume redoes them; a fresh start at 0 keeps none)."""
+        path = self.path / "metrics.jsonl"
+        if not path.is_file():
+            return
+        keep = [r for r in flog.read_metrics(path) if r.get("step", 0) < step]
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in keep))
+        os.replace(tmp, path)
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            _HELD.pop(str(self.path.resolve()), None)
+            os.close(self._lock_fd)  # closing releases the flock
+            self._lock_fd = None
+
+    def move_aside(self) -> Path:
+        """Rename the whole directory to `<name>.old-<time>` (the lock is not held yet); returns the new path."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        dest = self.path.with_name(f"{self.path.name}.old-{stamp}")
+        n = 1
+        while dest.exists():
+            dest, n = self.path.with_name(f"{self.path.name}.old-{stamp}-{n}"), n + 1
+        os.rename(self.path, dest)
+        return dest
+
+    def start(self, cfg: Any, *, is_main: bool, say=print) -> Path | None:
+        """Check and take the directory for the run `cfg` asks for; returns the checkpoint to resume or None.
+
+        Rank 0 locks and checks; every rank gets the same answer (the checkpoint is chosen by rank 0's rules
+        from the shared file system, so all ranks see the same newest verified step).
+        """
+        resume, overwrite = cfg.run.resume, cfg.run.overwrite
+        if is_main:
+            if not resume:
+                used = self.holds_a_run() if self.path.exists() else []
+                if used and not overwrite:
+                    raise RunDirError(
+                        f"{self.path} already holds a run ({', '.join(used)}); continue it with --run.resume auto, "
+                        f"or start over with --run.overwrite (moves it to {self.path.name}.old-<time>)"
+                    )
+                if used:
+                    self.lock()  # nobody else may be writing it while it moves
+                    self.unlock()
+                    say(f"moved the earlier run to {self.move_aside()}")
+            self.lock()
+        if not resume:
+            return None
+        path = (
+            checkpoint.latest_valid(self.checkpoints) if resume == "auto" else checkpoint.resolve(resume)
+        )
+        if path is None:
+            say(f"--run.resume auto: no complete checkpoint under {self.checkpoints}; starting from step 0")
+        if is_main and (self.path / "config.json").is_file():
+            self.check_config(cfg, say=say)
+        return path
+
+    def check_config(self, cfg: Any, *, say=print) -> None:
+        """Refuse a resume whose config differs from the recorded one in a field that changes the training."""
+        recorded = json.loads((self.path / "config.json").read_text())
+        changes = config_changes(flat_config(recorded), flat_config(cfg))
+        changes.pop("run.resume", None)
+        refused = {k: v for k, v in changes.items() if not _resumable(k)}
+        if refused:
+            listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in refused.items())
+            raise RunDirError(
+                f"--run.resume: the config differs from the run's {self.path / 'config.json'} in {listed}; "
+                "resume with the recorded values, or start a new run (another --exp-name, or --run.overwrite)"
+            )
+        for k, (a, b) in changes.items():
+            say(f"resume: {k} {a!r} -> {b!r}")
+

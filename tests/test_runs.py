@@ -1,0 +1,194 @@
+"""No run loses or mixes data: the run directory's rules, non-finite rewards, resume with changed settings,
+the metrics row before its checkpoint, a LoRA to start from. In-process tiny runs (tests/train_entry.py)."""
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from train_entry import Config
+
+from fgrpo import checkpoint, runs
+from fgrpo import train as train_mod
+from fgrpo.logging import read_metrics
+from fgrpo.rewards.base import RewardOutput, check_scores
+from fgrpo.runs import RunDir, RunDirError
+
+
+def cfg_for(tmp_path, **run_changes):
+    c = Config()
+    return dataclasses.replace(c, num_steps=2, run=dataclasses.replace(c.run, out_dir=str(tmp_path), **run_changes))
+
+
+def rows(tmp_path):
+    return read_metrics(Path(tmp_path) / "e2e" / "metrics.jsonl")
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """One finished 2-step run (checkpoints at steps 1 and 2); tests work on copies of it."""
+    out = tmp_path_factory.mktemp("finished")
+    train_mod.train(cfg_for(out))
+    return out
+
+
+@pytest.fixture
+def done(finished, tmp_path):
+    shutil.copytree(finished / "e2e", tmp_path / "e2e")
+    return tmp_path
+
+
+def test_fresh_run_refuses_a_used_directory_and_leaves_it_alone(done):
+    tmp_path = done
+    before = (tmp_path / "e2e" / "metrics.jsonl").read_text()
+    ckpts = checkpoint.list_checkpoints(tmp_path / "e2e" / "checkpoints")
+    with pytest.raises(RunDirError, match=r"--run.resume auto.*--run.overwrite"):
+        train_mod.train(dataclasses.replace(cfg_for(tmp_path), seed=7))
+    assert (tmp_path / "e2e" / "metrics.jsonl").read_text() == before
+    assert checkpoint.list_checkpoints(tmp_path / "e2e" / "checkpoints") == ckpts
+
+
+def test_overwrite_moves_the_old_run_aside(done):
+    tmp_path = done
+    old_rows = rows(tmp_path)
+    d = RunDir(tmp_path / "e2e")
+    assert d.start(dataclasses.replace(cfg_for(tmp_path, overwrite=True), seed=7), is_main=True, say=print) is None
+    d.unlock()
+    moved = [p for p in tmp_path.iterdir() if p.name.startswith("e2e.old-")]
+    assert len(moved) == 1
+    assert read_metrics(moved[0] / "metrics.jsonl") == old_rows  # the old run, untouched
+    assert len(checkpoint.list_checkpoints(moved[0] / "checkpoints")) == 2
+    assert d.holds_a_run() == []  # a fresh directory for the new run
+
+
+def test_a_second_writer_is_refused_while_the_first_holds_the_lock(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from fgrpo.runs import RunDir; from pathlib import Path; "
+         "RunDir(Path(sys.argv[1])).lock(); print('locked', flush=True); time.sleep(60)", str(tmp_path / "e2e")],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(RunDirError, match=rf"in use by pid {holder.pid}"):
+            RunDir(tmp_path / "e2e").lock()
+    finally:
+        holder.kill()
+        holder.wait()
+    time.sleep(0.05)
+    d = RunDir(tmp_path / "e2e")
+    d.lock()  # the kernel released the dead holder's lock
+    d.unlock()
+
+
+def test_resume_refuses_a_changed_training_field_and_applies_bookkeeping_ones(done, capsys):
+    tmp_path = done
+    recorded = (tmp_path / "e2e" / "config.json").read_text()
+    changed = dataclasses.replace(cfg_for(tmp_path, resume="auto"), optim=dataclasses.replace(Config().optim, lr=1e-6))
+    with pytest.raises(RunDirError, match=r"optim\.lr: 0\.03 -> 1e-06"):
+        train_mod.train(changed)
+    assert (tmp_path / "e2e" / "config.json").read_text() == recorded  # the record still matches the run
+    longer = dataclasses.replace(cfg_for(tmp_path, resume="auto"), num_steps=3)
+    train_mod.train(longer)
+    assert "resume: num_steps 2 -> 3" in capsys.readouterr().out
+    assert [r["step"] for r in rows(tmp_path)] == [0, 1, 2]
+    assert json.loads((tmp_path / "e2e" / "config.json").read_text())["num_steps"] == 3
+
+
+def test_resume_auto_without_a_checkpoint_says_so_and_keeps_one_row_per_step(tmp_path, capsys):
+    run_dir = tmp_path / "e2e"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 0, "reward/mean": 1.0}\n{"step": 1, "reward/me')  # died mid-row
+    train_mod.train(cfg_for(tmp_path, resume="auto"))
+    assert "no complete checkpoint" in capsys.readouterr().out
+    assert [r["step"] for r in rows(tmp_path)] == [0, 1]
+
+
+def test_resume_falls_back_past_a_corrupt_checkpoint(done):
+    tmp_path = done
+    newest = checkpoint.latest(tmp_path / "e2e" / "checkpoints")
+    data = (newest / "model.safetensors").read_bytes()
+    (newest / "model.safetensors").write_bytes(data[: len(data) // 2])  # truncated
+    with pytest.warns(UserWarning, match="step_000002"):
+        path = RunDir(tmp_path / "e2e").start(cfg_for(tmp_path, resume="auto"), is_main=True, say=print)
+    assert path.name == "step_000001"
+    RunDir(tmp_path / "e2e").unlock()
+
+
+def test_metrics_row_is_written_before_the_checkpoint_that_claims_the_step(tmp_path, monkeypatch):
+    def crash(*a, **k):
+        raise KeyboardInterrupt("killed while checkpointing")
+
+    monkeypatch.setattr(train_mod.checkpoint, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        train_mod.train(cfg_for(tmp_path))
+    assert [r["step"] for r in rows(tmp_path)] == [0]
+
+
+class NanReward:
+    def __call__(self, images, prompts, metadata=None):
+        s = np.ones(len(prompts), dtype=np.float32)
+        s[1] = np.nan
+        return RewardOutput(scores=s)
+
+
+def test_non_finite_reward_stops_the_run_naming_reward_and_prompt(tmp_path, monkeypatch):
+    monkeypatch.setattr(train_mod, "build_reward", lambda spec: NanReward())
+    with pytest.raises(ValueError, match=r"reward 'jpeg_compressibility' returned a non-finite score \(nan\) for prompt"):
+        train_mod.train(cfg_for(tmp_path))
+    assert not checkpoint.list_checkpoints(tmp_path / "e2e" / "checkpoints")  # nothing saved as if trained
+
+
+def test_check_scores_shape_and_values():
+    check_scores(RewardOutput(scores=np.array([0.5, 1.0], dtype=np.float32)), ["a", "b"], "r")
+    with pytest.raises(ValueError, match=r"for prompt 'b' \(1 of 2"):
+        check_scores(RewardOutput(scores=np.array([0.5, np.inf], dtype=np.float32)), ["a", "b"], "r")
+    with pytest.raises(ValueError, match="shape"):
+        check_scores(RewardOutput(scores=np.zeros(3, dtype=np.float32)), ["a", "b"], "r")
+
+
+def test_steps_that_skip_every_update_stop_the_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda params, max_norm: torch.tensor(float("nan")))
+    cfg = dataclasses.replace(cfg_for(tmp_path, max_bad_steps=2), num_steps=4)
+    with pytest.raises(FloatingPointError, match="2 steps in a row"):
+        train_mod.train(cfg)
+
+
+def test_config_changes_lists_every_differing_field():
+    a = runs.flat_config(Config())
+    b = runs.flat_config(dataclasses.replace(Config(), seed=5, grpo=dataclasses.replace(Config().grpo, clip_range=0.1)))
+    assert runs.config_changes(a, b) == {"grpo.clip_range": (0.2, 0.1), "seed": (0, 5)}
+    assert runs.config_changes(a, runs.flat_config(json.loads(json.dumps(dataclasses.asdict(Config()))))) == {}
+
+
+def test_init_lora_starts_from_an_exported_adapter(tmp_path):
+    """An adapter fgrpo exported loads back bit for bit as the starting LoRA; a rank mismatch names the flag."""
+    from fgrpo.models.loading import build_model, setup_trainable
+
+    mcfg = Config().model
+    a = build_model(mcfg, torch.device("cpu"), seed=0)
+    setup_trainable(a.transformer, mcfg)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for n, p in a.transformer.named_parameters():
+            if "lora_" in n:
+                p.normal_()
+    checkpoint.export_lora(tmp_path / "lora", a.transformer)
+    b = build_model(mcfg, torch.device("cpu"), seed=0)
+    setup_trainable(b.transformer, dataclasses.replace(mcfg, init_lora=str(tmp_path / "lora")))
+    pa = {n: p for n, p in a.transformer.named_parameters() if "lora_" in n}
+    pb = {n: p for n, p in b.transformer.named_parameters() if "lora_" in n}
+    assert pa.keys() == pb.keys() and len(pa) > 0
+    assert all(torch.equal(pa[n], pb[n]) for n in pa)
+    assert all(pb[n].requires_grad and pb[n].dtype == torch.float32 for n in pb)
+    c = build_model(mcfg, torch.device("cpu"), seed=0)
+    with pytest.raises(ValueError, match="--model.lora-rank 4 --model.lora-alpha 8"):
+        setup_trainable(c.transformer, dataclasses.replace(mcfg, lora_rank=8, init_lora=str(tmp_path / "lora")))
+    c = build_model(mcfg, torch.device("cpu"), seed=0)
+    with pytest.raises(FileNotFoundError, match="model.init_lora"):
+        setup_trainable(c.transformer, dataclasses.replace(mcfg, init_lora=str(tmp_path / "nothing")))
