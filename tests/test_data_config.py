@@ -103,3 +103,40 @@ def test_group_init_seeds_one_per_group():
     assert s == group_init_seeds(5, 3, ids, group_size=4) and s != group_init_seeds(5, 4, ids, group_size=4)
     assert group_init_seeds(5, 3, ids[4:8], group_size=4) == s[4:8]  # a rank's slice gets its groups' seeds
     assert not set(s) & set(sample_seeds(5, 3, ids))
+
+
+@pytest.mark.parametrize(
+    ("section", "field", "value"),
+    [
+        ("optim", "grad_clip", -1.0),  # clip_grad_norm_ with a negative bound flips every gradient's sign
+        ("optim", "grad_clip", 0.0),  # ... and zero zeroes it
+        ("optim", "lr", 0.0),
+        ("optim", "lr", -1e-4),
+        ("grpo", "clip_range", 0.0),
+        ("grpo", "clip_range", -0.2),
+        ("run", "keep_last", 0),
+        ("grpo", "inner_epochs", 0),
+        ("grpo", "prompts_per_step", 0),
+        ("sampling", "micro_batch", 0),
+        ("grpo", "train_micro_batch", -1),
+        ("sampling", "noise_level", -0.5),
+        ("sampling", "height", 500),  # not a multiple of VAE 8 x patch 2
+        ("sampling", "width", 8),
+        ("optim", "betas", (0.9, 1.0)),
+        ("run", "val_num_steps", 0),
+    ],
+)
+def test_nonsense_values_are_refused_naming_the_field(section, field, value):
+    """Each of these passed validation before and failed (or silently misbehaved) only inside the run."""
+    base = TrainConfig()
+    cfg = dataclasses.replace(base, **{section: dataclasses.replace(getattr(base, section), **{field: value})})
+    with pytest.raises(ValueError, match=rf"^{section}\.{field}=.*--{section}\.{field.replace('_', '-')}"):
+        validate_config(cfg, world_size=1)
+
+
+def test_resolution_multiple_follows_the_model_kind():
+    """The text renderer packs 4x4 pixel patches: 36 px is fine there, not for Qwen-Image's 16."""
+    cfg = dataclasses.replace(TrainConfig(), sampling=SamplingConfig(height=36, width=128))
+    with pytest.raises(ValueError, match="sampling.height=36.*multiple of 16"):
+        validate_config(cfg, world_size=1)
+    validate_config(dataclasses.replace(cfg, model=ModelConfig(kind="textbed")), world_size=1)
