@@ -189,24 +189,17 @@ def test_clear_errors(tmp_path):
 # The toy model, shared by the worker processes and the 1-process check (exec'd in both).
 _TOY = textwrap.dedent(
     """
-    import types
     import torch
+    from peft import LoraConfig, inject_adapter_in_model
     from torch import nn
-
-    class Lora(nn.Module):  # PEFT's layout: base layer + lora_A/lora_B ModuleDicts keyed by adapter
-        def __init__(self, d):
-            super().__init__()
-            self.base_layer = nn.Linear(d, d)
-            self.lora_A = nn.ModuleDict({"default": nn.Linear(d, 2, bias=False)})
-            self.lora_B = nn.ModuleDict({"default": nn.Linear(2, d, bias=False)})
-            self.base_layer.requires_grad_(False)
-        def forward(self, x):
-            return self.base_layer(x) + self.lora_B["default"](self.lora_A["default"](x))
 
     def build(seed):
         torch.manual_seed(seed)
-        m = nn.Sequential(Lora(8), nn.Tanh(), Lora(8), nn.Linear(8, 3))
-        m.peft_config = {"default": types.SimpleNamespace(use_dora=False)}
+        m = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 3))
+        # PEFT's layers: a frozen base_layer + lora_A/lora_B ModuleDicts keyed by adapter; A and B random
+        lora = LoraConfig(r=2, lora_alpha=2, target_modules=["0", "2"], init_lora_weights=False)
+        m = inject_adapter_in_model(lora, m)
+        m[3].requires_grad_(True)  # a fully trained layer beside the adapter
         torch.manual_seed(0)  # identical frozen base on every rank and in every build
         for blk in (m[0], m[2]):
             nn.init.normal_(blk.base_layer.weight)

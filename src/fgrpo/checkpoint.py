@@ -50,6 +50,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from fgrpo.parallel import barrier, initialized, rank, world_size
+
 FORMAT_VERSION = 2  # 2 added the per-file sizes and sha256 to meta.json
 _READABLE_VERSIONS = (1, 2)
 META = "meta.json"
@@ -63,23 +65,6 @@ class CheckpointError(RuntimeError):
 
 # ---------------------------------------------------------------------------------------------------------
 # small file-system helpers
-
-
-def _dist_on() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _dist_on() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if _dist_on() else 1
-
-
-def _barrier() -> None:
-    if _dist_on():
-        dist.barrier()
 
 
 def _fsync_file(path: Path) -> None:
@@ -321,7 +306,7 @@ def _trainable_names(model: nn.Module) -> set[str]:
 def _gather_model(model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    if _dist_on():
+    if initialized():
         # Collective: every rank must call it; only rank 0 gets tensors back (cpu_offload).
         opts = _options(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     else:
@@ -335,7 +320,7 @@ def _gather_model(model: nn.Module) -> dict[str, torch.Tensor]:
 def _gather_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    if _dist_on():
+    if initialized():
         opts = _options(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     else:
         opts = _options(ignore_frozen_params=True)
@@ -440,7 +425,7 @@ def save(
     if not _trainable_names(model):
         raise ValueError("checkpoint.save: model has no parameter with requires_grad=True; nothing to save")
     root = Path(ckpt_dir)
-    rank, world = _rank(), _world()
+    this_rank, world = rank(), world_size()
 
     # Collectives first, on every rank, in the same order.
     model_sd = _gather_model(model)
@@ -450,7 +435,7 @@ def save(
     if optimizer is not None:
         optim_sd = _gather_optimizer(model, optimizer) if optimizer.state else _fresh_optimizer(optimizer)
     rng_t, rng_j = _rng_state()
-    if _dist_on():
+    if initialized():
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, ({k: v.cpu() for k, v in rng_t.items()}, rng_j))
         rngs = gathered
@@ -458,7 +443,7 @@ def save(
         rngs = [(rng_t, rng_j)]
 
     final = root / step_dir_name(step)
-    if rank == 0:
+    if this_rank == 0:
         # NaN in optimizer or scheduler state is a broken run: refuse before writing anything.
         o_t, o_j = _split_optimizer(optim_sd) if optim_sd is not None else ({}, None)
         sched_j = None
@@ -484,7 +469,7 @@ def save(
             }
             _write_json(tmp / META, meta)  # last: a step dir without it is never trusted
         _cleanup(root, keep_last)
-    _barrier()
+    barrier()
     return final
 
 
@@ -580,30 +565,29 @@ def load(
         lr_scheduler.load_state_dict(_read_json(ck / "lr_scheduler.json"))
 
     if restore_rng:
-        rank = _rank()
-        if (ck / f"rng_rank{rank}.safetensors").is_file():
+        r = rank()
+        if (ck / f"rng_rank{r}.safetensors").is_file():
             _set_rng_state(
-                _read_tensors(ck / f"rng_rank{rank}.safetensors"), _read_json(ck / f"rng_rank{rank}.json")
+                _read_tensors(ck / f"rng_rank{r}.safetensors"), _read_json(ck / f"rng_rank{r}.json")
             )
         else:
             warnings.warn(
-                f"checkpoint.load: no RNG state for rank {rank} in {ck} (saved with world size "
+                f"checkpoint.load: no RNG state for rank {r} in {ck} (saved with world size "
                 f"{meta.get('world_size')}); RNG not restored, the resume is not bit-exact",
                 stacklevel=2,
             )
-    _barrier()
+    barrier()
     return int(meta["step"]), meta["extra_state"]
 
 
 # ---------------------------------------------------------------------------------------------------------
-# LoRA export in diffusers' layout
+# LoRA adapters: diffusers' layout (export_lora) and PEFT's (write_adapter, for vLLM-Omni)
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
-_LORA_KEY_RE = re.compile(r"\.(lora_A|lora_B)\.([^.]+)\.")
-# Wrappers that may sit in parameter names: PEFT's PeftModel, activation checkpointing, torch.compile.
-_WRAPPER_PREFIXES = ("base_model.model.",)
-_WRAPPER_INFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+# Module names that wrappers insert into parameter names (activation checkpointing, torch.compile, FSDP1);
+# `base_model.model.` of a PeftModel is a prefix, dropped on its own.
+_WRAPPERS = {"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"}
 
 
 def _peft_config(model: nn.Module, adapter_name: str):
@@ -617,35 +601,49 @@ def _peft_config(model: nn.Module, adapter_name: str):
     return cfgs[adapter_name]
 
 
+def _lora_config_dict(config: Any) -> dict[str, Any]:
+    """A peft.LoraConfig (or its dict) as plain JSON data: sets sorted, enums as their values."""
+    cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    cfg = {
+        k: sorted(v) if isinstance(v, set) else (v.value if hasattr(v, "value") else v)
+        for k, v in cfg.items()
+    }
+    return _jsonable(cfg, "LoraConfig", allow_nan=False)
+
+
 def lora_state_dict(model: nn.Module, *, adapter_name: str = "default") -> dict[str, torch.Tensor]:
     """Full (unsharded, CPU) LoRA tensors keyed as diffusers expects: `<module>.lora_A.weight`.
 
     Collective when torch.distributed is initialised; non-zero ranks get an empty dict.
     """
+    from peft import get_peft_model_state_dict
+
     cfg = _peft_config(model, adapter_name)
     if getattr(cfg, "use_dora", False):
         raise ValueError(
             "export_lora: DoRA adapters are not loadable by diffusers; train with use_dora=False"
         )
+    # PEFT picks (from its layers) and names (adapter name dropped) the adapter's tensors out of the
+    # parameters themselves, possibly sharded, so only those are gathered, one at a time: a state dict
+    # would gather the whole 20B base for a few MB of LoRA. Parameters, not the requires_grad ones: the
+    # adapter may be frozen at export time.
+    picked = get_peft_model_state_dict(
+        model,
+        state_dict=dict(model.named_parameters()),
+        adapter_name=adapter_name,
+        save_embedding_layers=False,
+    )
     out = {}
-    # Filter by name, not requires_grad: the adapter may be frozen at export time. Gather the adapter
-    # DTensors one by one: get_model_state_dict would gather the whole 20B base for a few MB of LoRA.
-    for name, p in model.named_parameters():
-        m = _LORA_KEY_RE.search(name)
-        if m is None or m.group(2) != adapter_name:
-            continue
+    for key, p in picked.items():
         t = p.detach()
         if hasattr(t, "full_tensor"):  # FSDP2 DTensor shard -> full tensor (collective)
             t = t.full_tensor()
-        if _rank() != 0:
-            continue
-        key = name.replace(f".{m.group(1)}.{adapter_name}.", f".{m.group(1)}.")
-        for pre in _WRAPPER_PREFIXES:
-            key = key.removeprefix(pre)
-        for infix in _WRAPPER_INFIXES:
-            key = key.replace(infix, "")
-        out[key] = t.cpu()
-    if _rank() == 0 and not out:
+        if rank() == 0:
+            key = ".".join(
+                part for part in key.removeprefix("base_model.model.").split(".") if part not in _WRAPPERS
+            )
+            out[key] = t.cpu().contiguous()
+    if rank() == 0 and not out:
         raise ValueError(f"export_lora: adapter {adapter_name!r} has no lora_A/lora_B parameters")
     return out
 
@@ -655,49 +653,45 @@ def export_lora(out_dir: str | os.PathLike, model: nn.Module, *, adapter_name: s
     and `transformer.load_lora_adapter(out_dir, use_safetensors=True)` (diffusers 0.40's model-level
     loader only tries safetensors when told so, or given `weight_name="adapter_model.safetensors"`).
 
-    Layout (diffusers 0.40, `QwenImageLoraLoaderMixin`/`SD3LoraLoaderMixin` read it; it is what their
-    own `save_lora_weights` writes): one safetensors file whose keys are `transformer.<module>.lora_A.weight`
-    / `lora_B.weight` (no PEFT adapter name: a `default.` in a key makes diffusers treat the file as a
-    foreign format), with the LoraConfig as JSON under the `lora_adapter_metadata` header key, every
-    field prefixed `transformer.`, so rank, alpha and targets survive exactly. `adapter_config.json` is
-    PEFT's plain config, for people and tools; diffusers reads the header. Keys are not PEFT's
-    `base_model.model.` layout, so `PeftModel.from_pretrained` needs `load_lora_adapter` instead.
+    Written by diffusers' own `save_lora_weights` (0.40): one safetensors file whose keys are
+    `transformer.<module>.lora_A.weight` / `lora_B.weight` (no PEFT adapter name: a `default.` in a key
+    makes diffusers treat the file as a foreign format), with the LoraConfig as JSON under the
+    `lora_adapter_metadata` header key, every field prefixed `transformer.`, so rank, alpha and targets
+    survive exactly. `adapter_config.json` is PEFT's plain config, for people and tools (and the
+    vLLM-Omni engine's `update_lora`); diffusers reads the header. Keys are not PEFT's `base_model.model.`
+    layout, so `PeftModel.from_pretrained` needs `load_lora_adapter` instead.
     Atomic like `save`; collective when torch.distributed is initialised.
     """
+    from diffusers.loaders.lora_pipeline import QwenImageLoraLoaderMixin
+
     cfg = _peft_config(model, adapter_name)
     sd = lora_state_dict(model, adapter_name=adapter_name)
     out = Path(out_dir)
-    if _rank() == 0:
-        cfg_dict = cfg.to_dict()
-        for k, v in cfg_dict.items():
-            if isinstance(v, set):
-                cfg_dict[k] = sorted(v)
-        cfg_dict = _jsonable(
-            {k: (v.value if hasattr(v, "value") else v) for k, v in cfg_dict.items()}, "LoraConfig"
-        )
-        tensors = {f"transformer.{k}": v for k, v in sd.items()}
-        header = {f"transformer.{k}": v for k, v in cfg_dict.items()}
-        metadata = {"format": "pt", "lora_adapter_metadata": json.dumps(header, indent=2, sort_keys=True)}
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.parent / f"{_TMP_PREFIX}{out.name}_{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        try:
-            _write_tensors(tmp / ADAPTER_WEIGHTS, tensors, metadata=metadata)
+    if rank() == 0:
+        cfg_dict = _lora_config_dict(cfg)
+        with _atomic_dir(out) as tmp:
+            # A transformer-only file: SD3's loader reads the same layout (its saver writes the same keys).
+            QwenImageLoraLoaderMixin.save_lora_weights(
+                tmp,
+                transformer_lora_layers=sd,
+                weight_name=ADAPTER_WEIGHTS,
+                transformer_lora_adapter_metadata=cfg_dict,
+            )
+            _fsync_file(tmp / ADAPTER_WEIGHTS)
             _write_json(tmp / ADAPTER_CONFIG, cfg_dict)
-            _fsync_dir(tmp)
-            if out.exists():
-                old = out.parent / f"{_TMP_PREFIX}old_{out.name}_{os.getpid()}"
-                os.rename(out, old)
-                os.rename(tmp, out)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.rename(tmp, out)
-            _fsync_dir(out.parent)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    _barrier()
+    barrier()
+    return out
+
+
+def write_adapter(out_dir: str | os.PathLike, tensors: dict[str, torch.Tensor], config: Any) -> Path:
+    """Write a PEFT adapter directory atomically: `adapter_model.safetensors` holding `tensors` under their
+    names as given, and `adapter_config.json` from `config` (a peft.LoraConfig or its dict). Not collective:
+    the caller holds full tensors."""
+    out = Path(out_dir)
+    cfg = _lora_config_dict(config)
+    with _atomic_dir(out) as tmp:
+        _write_tensors(tmp / ADAPTER_WEIGHTS, dict(tensors), metadata={"format": "pt"})
+        _write_json(tmp / ADAPTER_CONFIG, cfg)
     return out
 
 

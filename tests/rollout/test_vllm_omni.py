@@ -484,7 +484,12 @@ def test_lora_names_follow_vllm_omni_modules(engine, tmp_path):
         "transformer.transformer_blocks.0.attn.to_out.0.lora_B.weight": b,
         "transformer.transformer_blocks.0.img_mlp.net.0.proj.lora_A.weight": a.clone(),
     }
-    cfg = {"r": 2, "lora_alpha": 4, "target_modules": ["to_out.0", "to_q", "img_mlp.net.0.proj"], "peft_type": "LORA"}
+    cfg = {
+        "r": 2,
+        "lora_alpha": 4,
+        "target_modules": ["to_out.0", "to_q", "img_mlp.net.0.proj"],
+        "peft_type": "LORA",
+    }
     renamed, new_cfg = vllm_omni_lora_names(state, cfg)
     assert sorted(renamed) == [
         "transformer.transformer_blocks.0.attn.to_out.lora_A.weight",
@@ -492,10 +497,15 @@ def test_lora_names_follow_vllm_omni_modules(engine, tmp_path):
         "transformer.transformer_blocks.0.img_mlp.net.0.proj.lora_A.weight",  # net.0 of the MLP is unchanged
     ]
     assert renamed["transformer.transformer_blocks.0.attn.to_out.lora_B.weight"] is b
-    assert new_cfg["target_modules"] == ["img_mlp.net.0.proj", "to_out", "to_q"] and cfg["target_modules"][0] == "to_out.0"
+    assert (
+        new_cfg["target_modules"] == ["img_mlp.net.0.proj", "to_out", "to_q"]
+        and cfg["target_modules"][0] == "to_out.0"
+    )
     # both update paths (state dict, and the trainer's exported directory) hand the engine the renamed adapter
     req = engine.update_lora(state, cfg)
-    assert "transformer.transformer_blocks.0.attn.to_out.lora_A.weight" in load_file(f"{req.lora_path}/adapter_model.safetensors")
+    assert "transformer.transformer_blocks.0.attn.to_out.lora_A.weight" in load_file(
+        f"{req.lora_path}/adapter_model.safetensors"
+    )
     exported = tmp_path / "export"
     exported.mkdir()
     from safetensors.torch import save_file
@@ -503,9 +513,16 @@ def test_lora_names_follow_vllm_omni_modules(engine, tmp_path):
     save_file(state, str(exported / "adapter_model.safetensors"))
     (exported / "adapter_config.json").write_text(json.dumps(cfg))
     req = engine.update_lora(exported)
-    assert json.loads(open(f"{req.lora_path}/adapter_config.json").read())["target_modules"] == new_cfg["target_modules"]
-    assert torch.equal(load_file(f"{req.lora_path}/adapter_model.safetensors")[
-        "transformer.transformer_blocks.0.attn.to_out.lora_B.weight"], b)
+    assert (
+        json.loads(open(f"{req.lora_path}/adapter_config.json").read())["target_modules"]
+        == new_cfg["target_modules"]
+    )
+    assert torch.equal(
+        load_file(f"{req.lora_path}/adapter_model.safetensors")[
+            "transformer.transformer_blocks.0.attn.to_out.lora_B.weight"
+        ],
+        b,
+    )
 
 
 def test_lora_update_errors(engine, tmp_path):
@@ -569,3 +586,28 @@ def test_sleep_needs_sleep_mode_and_surfaces_rpc_errors(fake_vllm, tmp_path):
     assert not eng.asleep
     eng.close()
     assert eng.omni.closed
+
+
+def test_peft_dir_write_that_fails_leaves_the_previous_adapter_and_no_temp_dir(tmp_path, monkeypatch):
+    """vLLM-Omni reads the adapter directory by path: a write cut short (disk full) must not leave a
+    half-written adapter under its name, nor litter the work dir."""
+    import safetensors.torch
+    from safetensors.torch import load_file
+
+    from fgrpo import checkpoint
+    from fgrpo.rollout.vllm_omni import write_peft_dir
+
+    cfg = {"r": 2, "lora_alpha": 4, "target_modules": ["to_q"], "peft_type": "LORA"}
+    out = write_peft_dir(tmp_path / "lora", _lora_state(1.0), cfg)
+
+    def disk_full(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    monkeypatch.setattr(checkpoint, "save_file", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        write_peft_dir(out, _lora_state(2.0), cfg)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lora"]
+    key = next(iter(_lora_state(0.0)))
+    assert torch.equal(load_file(out / "adapter_model.safetensors")[key], torch.full((2, 8), 1.0))
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == 2

@@ -175,12 +175,13 @@ def unpack_outputs(outputs: Sequence[Any], prompts: Sequence[str], seeds: Sequen
 
 
 def write_peft_dir(path: str | os.PathLike[str], state_dict: Mapping[str, torch.Tensor], config: Any) -> Path:
-    """Write a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) atomically.
+    """Write a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) atomically, through
+    the trainer's adapter writer (fgrpo.checkpoint.write_adapter).
 
     state_dict: PEFT-named LoRA tensors (`peft.get_peft_model_state_dict(transformer)`, gathered to full
     tensors when sharded). config: a `peft.LoraConfig` or its dict.
     """
-    from safetensors.torch import save_file
+    from fgrpo.checkpoint import write_adapter
 
     bad = [k for k in state_dict if not k.endswith((".lora_A.weight", ".lora_B.weight"))]
     if bad:
@@ -188,21 +189,12 @@ def write_peft_dir(path: str | os.PathLike[str], state_dict: Mapping[str, torch.
             f"LoRA state dict key {bad[0]!r} is not PEFT-named (*.lora_A.weight / *.lora_B.weight); "
             "pass peft.get_peft_model_state_dict(transformer)"
         )
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    cfg = {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg.items()}
-    (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=2, default=str))
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
-    save_file(tensors, str(tmp / "adapter_model.safetensors"))
-    shutil.rmtree(path, ignore_errors=True)
-    tmp.rename(path)
-    return path
+    return write_adapter(path, dict(state_dict), config)
 
 
-def vllm_omni_lora_names(state_dict: Mapping[str, torch.Tensor], config: Any) -> tuple[dict[str, torch.Tensor], dict]:
+def vllm_omni_lora_names(
+    state_dict: Mapping[str, torch.Tensor], config: Any
+) -> tuple[dict[str, torch.Tensor], dict]:
     """A diffusers/PEFT Qwen-Image LoRA renamed to vllm-omni's module names: (state_dict, config dict).
 
     vllm-omni's Qwen-Image block holds the attention output projection as `attn.to_out` (a Linear), where
