@@ -3,8 +3,7 @@ per-prompt reward-statistics tracker. Pure torch, fp32 (fp64 for the tracker's r
 
 from __future__ import annotations
 
-import math
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import torch
 
@@ -68,12 +67,11 @@ def clipped_policy_loss(
     mean: torch.Tensor | None = None,
     old_mean: torch.Tensor | None = None,
     std: torch.Tensor | None = None,
-    weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's clipped surrogate for one denoising step of B samples.
 
     rho = exp(log_prob - old_log_prob),  A <- clamp(A, -adv_clip_max, adv_clip_max),
-    loss = mean_b w_b * max(-A rho, -A clip(rho, 1 - eps, 1 + eps)),   w = 1 unless `weight` is given.
+    loss = mean_b max(-A rho, -A clip(rho, 1 - eps, 1 + eps)).
     Its gradient is -A rho grad(log_prob) / B where the unclipped term is active and exactly 0 where the
     clip binds (A > 0 and rho > 1 + eps, or A < 0 and rho < 1 - eps).
 
@@ -83,8 +81,7 @@ def clipped_policy_loss(
     removes the bias and rescales by the step's std:
         log rho <- (log_prob - old_log_prob + mean((mean - old_mean)^2) / (2 std^2)) * std.
     It needs mean, old_mean ([B, ...]) and std (broadcastable, constant over non-batch dims, as every kind of
-    sde.step_mean_std returns). GRPO-Guard also reweights steps by 1 / (sigma - sigma_next): pass that as
-    `weight`. Both assume log_prob used reduce="mean".
+    sde.step_mean_std returns). It assumes log_prob used reduce="mean".
 
     Args:
         log_prob: [B] log-prob of the stored x_next under the current policy (differentiable).
@@ -93,7 +90,6 @@ def clipped_policy_loss(
         clip_range: eps > 0.
         adv_clip_max: bound on |A|.
         ratio_norm, mean, old_mean, std: GRPO-Guard's ratio normalisation, see above.
-        weight: optional [B] per-sample loss weight.
 
     Returns:
         loss: scalar. metrics: detached scalars ratio_mean/min/max, clip_frac (share of samples whose rho is
@@ -122,10 +118,7 @@ def clipped_policy_loss(
     adv = advantages.float().clamp(-adv_clip_max, adv_clip_max)
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1 - clip_range, 1 + clip_range)
-    per_sample = torch.maximum(unclipped, clipped)
-    if weight is not None:
-        per_sample = per_sample * weight.float()
-    loss = per_sample.mean()
+    loss = torch.maximum(unclipped, clipped).mean()
     with torch.no_grad():
         r = ratio.detach()
         metrics = {
@@ -178,88 +171,3 @@ def gaussian_kl(
             raise ValueError("kind='flow_grpo' needs step_size=sigma - sigma_next ([B])")
         kl = kl * step_size.float()
     return kl
-
-
-class RewardStats(NamedTuple):
-    """Running per-prompt reward statistics, one slot per prompt id (fp64 sums: they run over many steps)."""
-
-    count: torch.Tensor  # [P] float64, number of rewards seen
-    mean: torch.Tensor  # [P] float64
-    m2: torch.Tensor  # [P] float64, sum of squared deviations from the mean (Welford)
-    min: torch.Tensor  # [P] float64, +inf before the first reward
-    max: torch.Tensor  # [P] float64, -inf before the first reward
-
-
-def reward_stats_init(num_prompts: int, device: torch.device | str | None = None) -> RewardStats:
-    """Empty statistics for prompt ids 0..num_prompts-1 (flow_grpo's tracker after clear())."""
-    if num_prompts < 1:
-        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
-    z = torch.zeros(num_prompts, dtype=torch.float64, device=device)
-    return RewardStats(z, z.clone(), z.clone(), torch.full_like(z, math.inf), torch.full_like(z, -math.inf))
-
-
-def reward_stats_update(state: RewardStats, prompt_ids: torch.Tensor, rewards: torch.Tensor) -> RewardStats:
-    """New statistics after seeing rewards[b] for prompt prompt_ids[b] (Chan et al.'s parallel Welford merge).
-
-    Args:
-        state: current RewardStats (not modified).
-        prompt_ids: [B] int64 in [0, P).
-        rewards: [B].
-
-    Returns:
-        The merged RewardStats; equal (to fp64 rounding) to statistics of all rewards seen so far per prompt.
-    """
-    P = state.count.shape[0]
-    if prompt_ids.shape != rewards.shape or prompt_ids.ndim != 1:
-        raise ValueError(
-            f"prompt_ids {tuple(prompt_ids.shape)} and rewards {tuple(rewards.shape)} must be [B]"
-        )
-    if prompt_ids.numel() and (int(prompt_ids.min()) < 0 or int(prompt_ids.max()) >= P):
-        raise ValueError(f"prompt_ids must lie in [0, {P}); raise num_prompts in reward_stats_init")
-    ids = prompt_ids.long().to(state.count.device)
-    r = rewards.to(device=state.count.device, dtype=torch.float64)
-    n_b = torch.zeros_like(state.count).index_add_(0, ids, torch.ones_like(r))
-    mean_b = torch.zeros_like(state.count).index_add_(0, ids, r) / n_b.clamp_min(1)
-    m2_b = torch.zeros_like(state.count).index_add_(0, ids, (r - mean_b[ids]) ** 2)
-    n = state.count + n_b
-    delta = mean_b - state.mean
-    safe_n = n.clamp_min(1)
-    new_mean = state.mean + delta * n_b / safe_n
-    new_m2 = state.m2 + m2_b + delta**2 * state.count * n_b / safe_n
-    new_min = state.min.scatter_reduce(0, ids, r, "amin")
-    new_max = state.max.scatter_reduce(0, ids, r, "amax")
-    return RewardStats(n, new_mean, new_m2, new_min, new_max)
-
-
-def per_prompt_advantages(
-    state: RewardStats,
-    prompt_ids: torch.Tensor,
-    rewards: torch.Tensor,
-    *,
-    std: Literal["prompt", "global"] = "prompt",
-    eps: float = 1e-4,
-) -> torch.Tensor:
-    """A_b = (r_b - mean_p) / (s_p + eps) with mean_p, s_p the tracked statistics of sample b's prompt.
-
-    Call it with the state *after* reward_stats_update on this batch (flow_grpo adds the batch to the history
-    first, then normalises). s_p is the prompt's population std ("prompt") or the std of this batch's rewards
-    ("global", flow_grpo's global_std). A prompt whose tracked rewards are all equal gets exactly 0.
-
-    Returns:
-        [B] fp32.
-    """
-    if std not in ("prompt", "global"):
-        raise ValueError(f"std must be 'prompt' or 'global', got {std!r}")
-    ids = prompt_ids.long().to(state.count.device)
-    if bool((state.count[ids] == 0).any()):
-        raise ValueError("a prompt id has no tracked rewards; call reward_stats_update with this batch first")
-    r = rewards.to(device=state.count.device, dtype=torch.float64)
-    var_p = state.m2[ids] / state.count[ids]
-    if std == "prompt":
-        scale = var_p.clamp_min(0).sqrt() + eps
-    else:
-        scale = r.std(correction=0) + eps
-    adv = (r - state.mean[ids]) / scale
-    # Identical rewards: 0 exactly, not the rounding residue of r - mean over a tiny std.
-    constant = state.max[ids] == state.min[ids]
-    return torch.where(constant, torch.zeros_like(adv), adv).float()

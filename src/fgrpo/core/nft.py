@@ -19,7 +19,7 @@ _MIN_ADAPTIVE_WEIGHT = 1e-5
 def optimality_prob(advantages: torch.Tensor, *, adv_clip: float = 5.0) -> torch.Tensor:
     """The optimality probability r = 0.5 + 0.5 * clip(A / adv_clip, -1, 1) in [0, 1].
 
-    A is the group-normalised reward (grpo.group_advantages or per_prompt_advantages); r = 1/2 for an average
+    A is the group-normalised reward (grpo.group_advantages); r = 1/2 for an average
     sample, 1 (0) for one adv_clip standard deviations above (below) its group's mean. This is DiffusionNFT's
     r = 1/2 + 1/2 clip((r_raw - E r_raw) / Z, -1, 1) with Z = adv_clip * std (Algorithm 1 of the paper, as
     the reference code computes it).
