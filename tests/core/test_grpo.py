@@ -245,6 +245,3 @@ def test_flow_grpo_kl_omits_the_sqrt_dt_factor():
     torch.testing.assert_close(got, expected)
     with pytest.raises(ValueError, match="step_size"):
         grpo.gaussian_kl(mean, ref_mean, std, kind="flow_grpo")
-
-
-# --- per-prompt tracker -----------------------------------------------------------------------------------
