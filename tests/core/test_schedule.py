@@ -166,3 +166,18 @@ def test_sliding_window_bad_inputs(kwargs, match):
     step = args.pop("step")
     with pytest.raises(ValueError, match=match):
         schedule.sliding_window(step, **args)
+
+
+def test_stratified_steps_one_per_stratum():
+    """[2, 12) in K=4 strata: [2, 4), [4, 7), [7, 9), [9, 12) (edges 2 + s*10//4 = 2, 4, 7, 9, 12)."""
+    g = torch.Generator().manual_seed(0)
+    got = schedule.stratified_steps(1000, 4, 2, 12, g, shared=False)
+    assert got.shape == (1000, 4) and got.dtype == torch.long
+    for s, (a, b) in enumerate([(2, 4), (4, 7), (7, 9), (9, 12)]):
+        assert set(got[:, s].tolist()) == set(range(a, b))  # every step of the stratum occurs, nothing else
+    everything = schedule.stratified_steps(3, 5, 0, 5, g, shared=False)
+    assert torch.equal(everything, torch.arange(5).expand(3, 5))  # K = n: each step once
+    shared = schedule.stratified_steps(6, 3, 0, 9, g, shared=True)
+    assert (shared == shared[0]).all()
+    with pytest.raises(ValueError, match="1 <= k <= hi - lo"):
+        schedule.stratified_steps(2, 4, 0, 3, g, shared=True)

@@ -343,3 +343,15 @@ def test_dpmpp_2m_bad_inputs():
         sde.dpmpp_2m_step(x, x, x, None, s, s / 2)
     with pytest.raises(ValueError, match="same shape"):
         sde.dpmpp_2m_step(x, x[:, :1], None, None, s, s / 2)
+
+
+def test_forward_noise_endpoints_and_velocity_target():
+    """x_t = (1 - s) x0 + s noise: x0 at s = 0, noise at s = 1, and the exact velocity noise - x0 points back to x0."""
+    g = torch.Generator().manual_seed(0)
+    x0, noise = torch.randn(3, 2, 4, generator=g), torch.randn(3, 2, 4, generator=g)
+    sigma = torch.tensor([0.0, 0.3, 1.0])
+    x_t = sde.forward_noise(x0, noise, sigma)
+    assert torch.equal(x_t[0], x0[0]) and torch.equal(x_t[2], noise[2])
+    torch.testing.assert_close(x_t[1], 0.7 * x0[1] + 0.3 * noise[1])
+    torch.testing.assert_close(sde.x0_prediction(x_t, noise - x0, sigma), x0)
+    assert sde.forward_noise(x0.bfloat16(), noise, sigma).dtype == torch.float32

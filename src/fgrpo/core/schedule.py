@@ -166,6 +166,34 @@ def sample_windows(
     return start[:, None] + torch.arange(window_size)  # [B, W]
 
 
+def stratified_steps(
+    batch: int, k: int, lo: int, hi: int, generator: torch.Generator, *, shared: bool
+) -> torch.Tensor:
+    """K grid-step indices per sample for the forward-process algorithms (NFT, AWM): [lo, hi) is cut into K
+    strata of (nearly) equal size and one index is drawn uniformly from each, so every draw covers the range.
+
+    stratum s = [lo + floor(s n / K), lo + floor((s + 1) n / K)),  n = hi - lo;  K = n takes every step once.
+
+    Args:
+        batch: B.
+        k: K in [1, hi - lo].
+        lo, hi: the allowed step range.
+        generator: CPU torch.Generator.
+        shared: one draw for the whole batch (AWM's reference) or one per sample (NFT's).
+
+    Returns:
+        [B, K] int64, increasing along K.
+    """
+    n = hi - lo
+    if lo < 0 or not 1 <= k <= n:
+        raise ValueError(f"stratified_steps needs 0 <= lo and 1 <= k <= hi - lo; got lo={lo}, hi={hi}, k={k}")
+    edges = lo + torch.arange(k + 1) * n // k  # [K + 1]
+    width = edges[1:] - edges[:-1]  # [K], every stratum holds >= 1 step
+    u = torch.rand(1 if shared else batch, k, generator=generator, dtype=torch.float64)
+    steps = edges[:-1] + (u * width).long().clamp_max(width - 1)
+    return steps.expand(batch, k).clone() if shared else steps
+
+
 def window_mask(windows: torch.Tensor, num_steps: int) -> torch.Tensor:
     """[B, W] step indices -> [B, num_steps] bool, True where step i is in sample b's window."""
     if windows.numel() and (int(windows.min()) < 0 or int(windows.max()) >= num_steps):

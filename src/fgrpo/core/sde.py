@@ -168,6 +168,25 @@ def x0_prediction(x_t: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor) -> to
     return x_t - sigma * v
 
 
+def forward_noise(x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """A point of the forward (noising) process: x_t = (1 - sigma) x0 + sigma noise, fp32.
+
+    What NFT and AWM train on: the rollout's clean sample x0 noised afresh to a grid time; v = noise - x0 is the
+    velocity target there.
+
+    Args:
+        x0: [B, ...] clean sample.
+        noise: [B, ...] standard normal draw.
+        sigma: [B] (or 0-dim) noise level of each sample.
+
+    Returns:
+        [B, ...] fp32.
+    """
+    x0, noise = x0.float(), noise.float()
+    sigma = _per_sample(torch.as_tensor(sigma, device=x0.device), x0)
+    return (1 - sigma) * x0 + sigma * noise
+
+
 def _half_log_snr(sigma: torch.Tensor) -> torch.Tensor:
     """lambda = log(alpha / sigma) with alpha = 1 - sigma: -inf at sigma = 1, +inf at sigma = 0."""
     return torch.log(1 - sigma) - torch.log(sigma)
