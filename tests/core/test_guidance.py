@@ -1,10 +1,14 @@
-"""fgrpo.core.guidance: analytic CFG cases and bit-equality with QwenImagePipeline's true-CFG lines."""
+"""fgrpo.core.guidance: analytic CFG cases and bit-equality with QwenImagePipeline's own true CFG."""
 
+import contextlib
 import math
+from types import SimpleNamespace
 
 import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 
 from fgrpo.core import guidance
+from fgrpo.models import qwen_image
 
 
 def test_cfg_endpoints_and_linearity():
@@ -32,16 +36,62 @@ def test_true_cfg_keeps_each_token_norm_and_the_cfg_direction():
     torch.testing.assert_close(cos, torch.ones(2, 16))
 
 
+class _FixedVelocity(torch.nn.Module):
+    """A stand-in Qwen-Image transformer: v_cond for the prompt's embeddings (ones), v_uncond for the negative's."""
+
+    def __init__(self, v_cond: torch.Tensor, v_uncond: torch.Tensor):
+        super().__init__()
+        self.v_cond, self.v_uncond = v_cond, v_uncond
+        self.device = torch.device(
+            "cpu"
+        )  # what the pipeline asks its components for (diffusers' ModelMixin.device)
+        self.config = SimpleNamespace(in_channels=v_cond.shape[-1], guidance_embeds=False)
+
+    def cache_context(self, name: str):
+        return contextlib.nullcontext()
+
+    def forward(self, *, encoder_hidden_states: torch.Tensor, **kwargs) -> tuple[torch.Tensor]:
+        return (self.v_cond if bool(encoder_hidden_states.gt(0).all()) else self.v_uncond,)
+
+
 def test_true_cfg_equals_qwen_image_pipeline_bit_for_bit():
+    """QwenImagePipeline.__call__ itself guides the two velocities; we read what it hands the scheduler."""
     g = torch.Generator().manual_seed(1)
-    noise_pred, neg_noise_pred = torch.randn(2, 256, 64, generator=g), torch.randn(2, 256, 64, generator=g)
-    true_cfg_scale = 4.0
-    # diffusers 0.40 QwenImagePipeline.__call__, denoising loop:
-    comb_pred = neg_noise_pred + true_cfg_scale * (noise_pred - neg_noise_pred)
-    cond_norm = torch.norm(noise_pred, dim=-1, keepdim=True)
-    noise_norm = torch.norm(comb_pred, dim=-1, keepdim=True)
-    ref = comb_pred * (cond_norm / noise_norm)
-    assert torch.equal(guidance.true_cfg(noise_pred, neg_noise_pred, true_cfg_scale), ref)
+    B, seq, D, scale = 2, 256, 64, 4.0  # 256 x 256 px: (256 / 16)^2 tokens of 4 x 16 channels
+    v_cond, v_uncond = torch.randn(B, seq, D, generator=g), torch.randn(B, seq, D, generator=g)
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(qwen_image.SCHEDULER_CONFIG)
+    guided = []
+    step = scheduler.step
+
+    def record(model_output, *args, **kwargs):
+        guided.append(model_output)
+        return step(model_output, *args, **kwargs)
+
+    scheduler.step = record
+    pipe = QwenImagePipeline(
+        scheduler=scheduler,
+        vae=None,  # pyright: ignore[reportArgumentType]
+        text_encoder=None,  # pyright: ignore[reportArgumentType]
+        tokenizer=None,  # pyright: ignore[reportArgumentType]
+        transformer=_FixedVelocity(v_cond, v_uncond),  # pyright: ignore[reportArgumentType]
+    )
+    pipe.set_progress_bar_config(disable=True)
+    mask = torch.ones(B, 3, dtype=torch.long)
+    pipe(
+        prompt_embeds=torch.ones(B, 3, 8),
+        prompt_embeds_mask=mask,
+        negative_prompt_embeds=torch.zeros(B, 3, 8),
+        negative_prompt_embeds_mask=mask,
+        true_cfg_scale=scale,
+        height=256,
+        width=256,
+        num_inference_steps=2,
+        latents=torch.zeros(B, seq, D),
+        output_type="latent",
+    )
+    ours = guidance.true_cfg(v_cond, v_uncond, scale)
+    assert len(guided) == 2 and all(torch.equal(v, ours) for v in guided)
+    assert not torch.equal(ours, guidance.cfg(v_cond, v_uncond, scale))  # the rescale did something
 
 
 def test_true_cfg_token_dim():
