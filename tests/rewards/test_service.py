@@ -237,3 +237,74 @@ def test_service_killed_mid_batch_then_restart_is_picked_up():
     finally:
         proc.kill()
         proc.wait(10)
+
+
+# ------------------------------------------------------------------------------- request size limits
+
+
+def _post(url: str, body: bytes) -> tuple[int, dict]:
+    req = urllib.request.Request(url + "/score", data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _png_b64(size: tuple[int, int], mode: str = "1") -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new(mode, size).save(buf, format="PNG")  # uniform: tiny on disk whatever its pixel count
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_image_over_the_pixel_cap_is_refused_from_its_header_without_decoding(monkeypatch):
+    from PIL import ImageFile
+
+    huge = _png_b64((9000, 9000))
+    assert len(huge) < 100_000  # ~81 MP behind a few kB: only the header tells
+
+    real_load = ImageFile.ImageFile.load
+
+    def no_decoding(self):
+        assert self.size != (9000, 9000), "the huge image was decoded"
+        return real_load(self)
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", no_decoding)
+    with serve_in_thread(make_app(SlowMeanPixel(0.0))) as url:
+        t0 = time.perf_counter()
+        status, body = _post(
+            url, json.dumps({"images": [_png_b64((8, 8)), huge], "prompts": ["a", "b"]}).encode()
+        )
+        assert time.perf_counter() - t0 < 2.0
+    assert status == 422
+    assert "image 1 is 9000x9000" in body["error"] and "--max-pixels" in body["error"]
+
+
+def test_too_many_images_or_too_large_a_body_is_413_with_a_json_error():
+    small = _png_b64((8, 8), "RGB")
+    with serve_in_thread(make_app(SlowMeanPixel(0.0), max_images=2, max_request_bytes=20_000)) as url:
+        status, body = _post(url, json.dumps({"images": [small] * 3, "prompts": ["p"] * 3}).encode())
+        assert status == 413 and "3 images" in body["error"] and "--max-images 2" in body["error"]
+        status, body = _post(url, json.dumps({"images": [small], "prompts": ["x" * 30_000]}).encode())
+        assert status == 413 and "--max-request-mb" in body["error"]
+        status, _ = _post(url, json.dumps({"images": [small] * 2, "prompts": ["p"] * 2}).encode())
+        assert status == 200
+        with pytest.raises(NonRetryableError, match="HTTP 413.*batch_size"):  # the client says what to change
+            client(url, batch_size=3)(IMAGES[:3], PROMPTS[:3])
+        limits = client(url, batch_size=2).health()
+        with pytest.raises(RewardServiceError, match="at most 2 images per request.*batch_size=3"):
+            client(url, batch_size=3).health()  # before the first rollout, not at the first score
+    assert limits["max_images"] == 2 and limits["max_request_bytes"] == 20_000
+    assert limits["max_pixels"] == 2048 * 2048
+
+
+def test_limits_must_be_positive():
+    from fgrpo.rewards.serve import main
+
+    with pytest.raises(ValueError, match="--max-images"):
+        main(["--reward", "jpeg_compressibility", "--port", "9", "--max-images", "0"])

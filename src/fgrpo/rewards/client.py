@@ -66,7 +66,8 @@ class HttpReward:
         self.batch_size, self.max_concurrency, self.image_format = batch_size, max_concurrency, image_format
 
     def health(self, timeout_s: float = 5.0) -> dict[str, Any]:
-        """GET /health once; raises RewardServiceError (with how to start the service) when it is not up."""
+        """GET /health once; raises RewardServiceError (with how to start the service) when it is not up,
+        or when the service takes fewer images per request than this client's batch_size."""
 
         async def get() -> dict[str, Any]:
             async with aiohttp.ClientSession() as s:
@@ -76,12 +77,20 @@ class HttpReward:
                     return json.loads(await r.text())
 
         try:
-            return run_sync(get)
+            status = run_sync(get)
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
             raise RewardServiceError(
                 f"reward service at {self.url} is not up ({type(e).__name__}: {e}); start it with "
                 f"python -m fgrpo.rewards.serve --reward <spec> --port <port>"
             ) from e
+        max_images = status.get("max_images") if isinstance(status, dict) else None
+        if isinstance(max_images, int) and self.batch_size > max_images:
+            raise RewardServiceError(
+                f"reward service at {self.url} takes at most {max_images} images per request, this client "
+                f"sends batch_size={self.batch_size}; lower batch_size or restart the service with "
+                f"--max-images {self.batch_size}"
+            )
+        return status
 
     async def _score(
         self, images: np.ndarray, prompts: list[str], metadata: list[dict[str, Any]]

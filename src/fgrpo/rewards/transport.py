@@ -4,7 +4,8 @@ bounded retry loop for POSTs.
 Wire format of the reward service (JSON, images as base64 PNG or JPEG bytes):
   POST /score   {"images": [b64, ...], "prompts": [str, ...], "metadata": [dict, ...] | null}
            ->   {"scores": [float, ...], "components": {name: [float | null, ...]}, "metrics": {name: float}}
-  GET  /health  -> {"status": "ok", "reward": str}
+  GET  /health  -> {"status": "ok", "reward": str, "requests": int, "images": int,
+                     "max_images": int, "max_pixels": int, "max_request_bytes": int}
 NaN (an excluded MultiReward member) travels as null, since JSON has no NaN.
 """
 
@@ -36,6 +37,14 @@ class NonRetryableError(RewardServiceError):
     """The server understood the request and rejected it (4xx): retrying cannot help."""
 
 
+class TooManyImages(ValueError):
+    """A request holds more images than the service takes at once (the service answers HTTP 413)."""
+
+
+class ImageTooLarge(ValueError):
+    """An image's header declares more pixels than the service decodes (the service answers HTTP 422)."""
+
+
 # ---------------------------------------------------------------------------------------------- images
 
 
@@ -51,9 +60,20 @@ def encode_image(image: np.ndarray, fmt: str = "png") -> bytes:
     return buf.getvalue()
 
 
-def decode_image(data: bytes) -> np.ndarray:
-    """PNG/JPEG bytes -> uint8 RGB [H, W, 3]."""
-    with Image.open(io.BytesIO(data)) as im:
+def decode_image(data: bytes, max_pixels: int | None = None) -> np.ndarray:
+    """PNG/JPEG bytes -> uint8 RGB [H, W, 3].
+
+    max_pixels: refuse (ImageTooLarge) an image whose header declares more pixels, before any pixel is
+    decoded: a uniform PNG of 9000x9000 is a few kB on the wire and 243 MB decoded.
+    """
+    try:
+        im = Image.open(io.BytesIO(data))  # reads the header only
+    except Image.DecompressionBombError as e:  # PIL's own cap, 2 * Image.MAX_IMAGE_PIXELS
+        raise ImageTooLarge(f"over PIL's decompression-bomb limit ({e})") from None
+    with im:
+        w, h = im.size
+        if max_pixels is not None and w * h > max_pixels:
+            raise ImageTooLarge(f"{w}x{h} = {w * h:,} pixels, over the limit of {max_pixels:,}")
         return np.asarray(im.convert("RGB"), dtype=np.uint8)
 
 
@@ -78,8 +98,14 @@ def request_to_json(
     }
 
 
-def request_from_json(body: Any) -> tuple[np.ndarray, list[str], list[dict[str, Any]] | None]:
-    """Parse and validate a /score request body -> (images [B, H, W, 3] uint8, prompts, metadata)."""
+def request_from_json(
+    body: Any, *, max_images: int | None = None, max_pixels: int | None = None
+) -> tuple[np.ndarray, list[str], list[dict[str, Any]] | None]:
+    """Parse and validate a /score request body -> (images [B, H, W, 3] uint8, prompts, metadata).
+
+    Raises TooManyImages (more than max_images, before decoding any), ImageTooLarge (an image over
+    max_pixels, from its header), ValueError (anything else malformed).
+    """
     if not isinstance(body, dict):
         raise ValueError("request body must be a JSON object with 'images' and 'prompts'")
     images, prompts, metadata = body.get("images"), body.get("prompts"), body.get("metadata")
@@ -91,10 +117,16 @@ def request_from_json(body: Any) -> tuple[np.ndarray, list[str], list[dict[str, 
         isinstance(metadata, list) and all(isinstance(x, dict) for x in metadata)
     ):
         raise ValueError("'metadata' must be null or a list of objects")
-    try:
-        arrays = [decode_image(base64.b64decode(x, validate=True)) for x in images]
-    except Exception as e:
-        raise ValueError(f"'images' holds something that is not base64 PNG/JPEG: {e}") from e
+    if max_images is not None and len(images) > max_images:
+        raise TooManyImages(f"the request holds {len(images)} images, over the limit of {max_images}")
+    arrays = []
+    for i, x in enumerate(images):
+        try:
+            arrays.append(decode_image(base64.b64decode(x, validate=True), max_pixels))
+        except ImageTooLarge as e:
+            raise ImageTooLarge(f"image {i} is {e}") from None
+        except Exception as e:
+            raise ValueError(f"'images' holds something that is not base64 PNG/JPEG: {e}") from e
     if not arrays:
         return np.zeros((0, 1, 1, 3), np.uint8), prompts, metadata
     shapes = {a.shape for a in arrays}
