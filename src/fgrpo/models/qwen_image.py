@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from einops import rearrange
 
 from fgrpo.core import guidance, schedule
 from fgrpo.models.base import Cond
@@ -106,16 +107,12 @@ def schedule_kwargs(scheduler_config: Mapping[str, Any]) -> dict[str, Any]:
 
 def pack(x: torch.Tensor) -> torch.Tensor:
     """[B, C, h, w] -> [B, (h/2)(w/2), 4C]: 2x2 patches as tokens, channel-major inside a token."""
-    B, C, h, w = x.shape
-    x = x.view(B, C, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(B, (h // 2) * (w // 2), C * 4)
+    return rearrange(x, "b c (h p) (w q) -> b (h w) (c p q)", p=2, q=2)
 
 
 def unpack(x: torch.Tensor, h: int, w: int) -> torch.Tensor:
     """Inverse of `pack`: [B, (h/2)(w/2), 4C] -> [B, C, h, w]."""
-    B, _, D = x.shape
-    x = x.view(B, h // 2, w // 2, D // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return x.reshape(B, D // 4, h, w)
+    return rearrange(x, "b (h w) (c p q) -> b c (h p) (w q)", h=h // 2, w=w // 2, p=2, q=2)
 
 
 class QwenImage:

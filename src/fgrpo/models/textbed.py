@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 from diffusers import QwenImageTransformer2DModel
+from einops import rearrange
 from torch import nn
 from transformers import BertConfig, BertModel
 
@@ -145,16 +146,14 @@ def tokenize(prompts: Sequence[str], max_len: int) -> tuple[torch.Tensor, torch.
 
 def patchify(images: torch.Tensor, patch: int) -> torch.Tensor:
     """[B, H, W] pixels -> [B, (H/p)(W/p), p*p] tokens, row-major over the patch grid."""
-    b, h, w = images.shape
-    x = images.reshape(b, h // patch, patch, w // patch, patch)
-    return x.permute(0, 1, 3, 2, 4).reshape(b, (h // patch) * (w // patch), patch * patch)
+    return rearrange(images, "b (h p) (w q) -> b (h w) (p q)", p=patch, q=patch)
 
 
 def unpatchify(tokens: torch.Tensor, height: int, width: int, patch: int) -> torch.Tensor:
     """Inverse of `patchify`: [B, seq, p*p] -> [B, H, W]."""
-    b = tokens.shape[0]
-    x = tokens.reshape(b, height // patch, width // patch, patch, patch)
-    return x.permute(0, 1, 3, 2, 4).reshape(b, height, width)
+    return rearrange(
+        tokens, "b (h w) (p q) -> b (h p) (w q)", h=height // patch, w=width // patch, p=patch, q=patch
+    )
 
 
 def prompt_for(word: str) -> str:
