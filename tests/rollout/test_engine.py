@@ -24,7 +24,13 @@ from fgrpo.models.qwen_image import QwenImage, pack
 from fgrpo.models.sd3 import SD3
 from fgrpo.policy import transition
 from fgrpo.rollout.base import SamplingConfig
-from fgrpo.rollout.engine import DiffusersEngine, micro_batches, recompute_log_prob, recompute_log_probs
+from fgrpo.rollout.engine import (
+    DiffusersEngine,
+    micro_batches,
+    recompute_log_prob,
+    recompute_log_probs,
+    recompute_log_probs_and_means,
+)
 from fgrpo.rollout.seeds import sample_generator
 
 PROMPTS = ["a cat", "a cat", "a photo of a dog on a red square", "hello", "x"]
@@ -155,7 +161,11 @@ def test_recomputed_log_probs_equal_the_rollouts_bit_exactly(models, kind, guida
     )
     traj = DiffusersEngine(model).generate(PROMPTS, SEEDS, cfg)
     assert torch.isfinite(traj.log_prob).all()
-    assert torch.equal(recompute_log_probs(model, traj, cfg), traj.log_prob)
+    log_probs, means = recompute_log_probs_and_means(model, traj, cfg)
+    assert torch.equal(log_probs, traj.log_prob)
+    assert torch.equal(means, traj.mean)  # Flow-DPPO's old mean needs no recompute pass
+    decoded = torch.cat([model.decode(traj.x0[r], cfg.height, cfg.width) for r in micro_batches(len(traj), cfg.micro_batch)])
+    assert torch.equal(decoded, traj.images)  # x0: the latents the rollout decoded (in its micro-batches)
 
 
 @pytest.mark.parametrize("kind", ["qwen", "sd3"])

@@ -142,6 +142,8 @@ class DiffusersEngine:
         x_t = torch.zeros(B, W, *shape, device=device)
         x_next = torch.zeros(B, W, *shape, device=device)
         log_prob = torch.zeros(B, W, device=device)
+        means = torch.zeros(B, W, *shape, device=device)
+        x0 = torch.zeros(B, *shape, device=device)
         images = []
         for rows in micro_batches(B, cfg.micro_batch):
             x = x_init[rows].to(device)
@@ -173,8 +175,9 @@ class DiffusersEngine:
                 for k in sde_rows.nonzero().flatten().tolist():
                     b = rows.start + k
                     j = i - int(window[b, 0])  # windows are consecutive steps
-                    x_t[b, j], x_next[b, j], log_prob[b, j] = x[k], x_new[k], lp[k]
+                    x_t[b, j], x_next[b, j], log_prob[b, j], means[b, j] = x[k], x_new[k], lp[k], mean[k]
                 x = x_new
+            x0[rows] = x
             images.append(model.decode(x, cfg.height, cfg.width))
 
         return Trajectory(
@@ -187,6 +190,8 @@ class DiffusersEngine:
             log_prob=log_prob,
             cond=cond,
             images=torch.cat(images),
+            mean=means,
+            x0=x0,
         )
 
 
