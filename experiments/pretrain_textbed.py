@@ -43,8 +43,11 @@ import numpy as np
 import torch
 import tyro
 
+from fgrpo import logging as flog
 from fgrpo.core.schedule import lr_multiplier
 from fgrpo.models import textbed as tb
+from fgrpo.rewards.ocr import is_exact
+from fgrpo.rewards.runner import ParallelReward
 
 FONT_CANDIDATES = (
     "/usr/share/fonts/truetype/dejavu/DejaVuSans-Bold.ttf",  # Debian/Ubuntu fonts-dejavu-core
@@ -248,34 +251,6 @@ def render_bank(words: list[str], cfg: Config, font: str) -> tuple[torch.Tensor,
     return torch.from_numpy(np.concatenate([p[0] for p in parts])), torch.from_numpy(
         np.concatenate([p[1] for p in parts])
     )
-
-
-# ---------------------------------------------------------------- OCR eval (worker processes)
-
-_OCR = None
-
-
-def _ocr_init(det_limit_side_len: int) -> None:
-    global _OCR
-    from fgrpo.rewards.ocr import RapidOcrEngine
-
-    _OCR = RapidOcrEngine(det_limit_side_len=det_limit_side_len, num_threads=1)
-
-
-def _ocr_read(images: np.ndarray) -> list[str]:
-    return _OCR.recognize(images)
-
-
-def ocr_read_all(images: np.ndarray, cfg: Config) -> list[str]:
-    """Recognized text of every uint8 [B, H, W, 3] image, in parallel processes (onnxruntime is 1-thread each)."""
-    from concurrent.futures import ProcessPoolExecutor
-    from multiprocessing import get_context
-
-    workers = cfg.eval.ocr_workers or min(os.cpu_count() or 1, 12)
-    chunks = np.array_split(images, max(1, min(len(images), workers * 4)))
-    # spawn: the parent holds a CUDA context, which must not be forked.
-    with ProcessPoolExecutor(workers, get_context("spawn"), _ocr_init, (cfg.eval.det_limit_side_len,)) as ex:
-        return [t for part in ex.map(_ocr_read, chunks) for t in part]
 
 
 # ---------------------------------------------------------------- training
@@ -490,8 +465,6 @@ def out_of_time(mine: bool, sync_point: bool, device: torch.device, world: int) 
 
 def evaluate(cfg: Config, snapshots) -> list[dict]:
     """Render held-out and train words with each snapshot and score them with the fgrpo OCR reward."""
-    from fgrpo.rewards.ocr import ocr_score
-
     device = torch.device(cfg.device)
     heldout = tb.read_words("heldout", cfg.words_dir)[: cfg.eval.heldout_words]
     trainw = tb.read_words("train", cfg.words_dir)[
@@ -526,16 +499,18 @@ def evaluate(cfg: Config, snapshots) -> list[dict]:
     real = tb.upscale(torch.from_numpy(real)[..., None].expand(-1, -1, -1, 3), cfg.eval.upscale)
     flat = torch.cat([*images, real]).numpy()
     t0 = time.perf_counter()
-    texts = ocr_read_all(flat, cfg)
-    real_ocr = float(np.mean([ocr_score(r, w) for r, w in zip(texts[-len(heldout) :], heldout)]))
+    # One 1-thread onnxruntime per process: rapidocr's per-image loop scales with processes, not threads.
+    spec = {"name": "ocr", "det_limit_side_len": cfg.eval.det_limit_side_len, "num_threads": 1}
+    with ParallelReward(spec, cfg.eval.ocr_workers or min(os.cpu_count() or 1, 12)) as reward:
+        scores = reward(flat, [tb.prompt_for(w) for w in words * len(snapshots) + heldout]).scores
+    real_ocr = float(scores[-len(heldout) :].mean())
     print(f"OCR ceiling (real renders of the held-out words): {real_ocr:.3f}", flush=True)
     print(f"OCR of {len(flat)} images in {time.perf_counter() - t0:.1f}s", flush=True)
     results = []
     n_h = len(heldout)
     for k, (elapsed, step, _) in enumerate(snapshots):
-        tx = texts[k * len(words) : (k + 1) * len(words)]
-        s = np.array([ocr_score(r, w) for r, w in zip(tx, words)])
-        exact = np.array([r.replace(" ", "").upper() == w for r, w in zip(tx, words)])
+        s = scores[k * len(words) : (k + 1) * len(words)].astype(np.float64)
+        exact = is_exact(s)
         results.append(
             {
                 "step": step,
@@ -545,7 +520,6 @@ def evaluate(cfg: Config, snapshots) -> list[dict]:
                 "train_ocr": float(s[n_h:].mean()) if len(s) > n_h else float("nan"),
                 "train_exact": float(exact[n_h:].mean()) if len(s) > n_h else float("nan"),
                 "real_renders_heldout_ocr": real_ocr,
-                "examples": [f"{w}->{r}" for w, r in list(zip(words, tx))[:12]],
             }
         )
         print(
@@ -553,29 +527,20 @@ def evaluate(cfg: Config, snapshots) -> list[dict]:
             f"exact {results[-1]['heldout_exact']:.2f} | train OCR {results[-1]['train_ocr']:.3f}",
             flush=True,
         )
-    grid_path = Path(cfg.out_dir) / "samples.png"
-    _save_grid([im[:32] for im in images], grid_path)
+    # The first (up to) 32 held-out samples of every snapshot, 8 a row, each captioned with its OCR score.
+    n = min(32, n_h)
+    flog.save_image_grid(
+        Path(cfg.out_dir) / "samples.png",
+        np.concatenate([im[:n].numpy() for im in images]),
+        [
+            f"step {step}: {w} {scores[k * len(words) + i]:.2f}"
+            for k, (_, step, _) in enumerate(snapshots)
+            for i, w in enumerate(words[:n])
+        ],
+        ncols=min(8, n),
+        caption_lines=1,
+    )
     return results
-
-
-def _save_grid(rows: list[torch.Tensor], path: Path) -> None:
-    """One row band per snapshot: the first 32 held-out samples as a 4 x 8 tile."""
-    from PIL import Image
-
-    tiles = []
-    for im in rows:
-        im = im.numpy()
-        n, h, w, _ = im.shape
-        cols = 8
-        pad = np.zeros(((-n) % cols, h, w, 3), np.uint8)
-        im = (
-            np.concatenate([im, pad])
-            .reshape(-1, cols, h, w, 3)
-            .transpose(0, 2, 1, 3, 4)
-            .reshape(-1, cols * w, 3)
-        )
-        tiles.append(np.pad(im, ((0, 6), (0, 0), (0, 0)), constant_values=128))
-    Image.fromarray(np.concatenate(tiles)).save(path)
 
 
 def choose(results: list[dict], band: tuple[float, float]) -> tuple[int, int]:
