@@ -12,10 +12,10 @@ benchmarks/RESULTS.md).
 
 How it deviates from a "real" pretraining: the data is an on-device bank of pre-rendered images (each
 seen a few times) rather than a stream; no torch.compile (one-shot GPU budget: compile time is
-unmeasured risk, eager bf16 already trains it in minutes). Multi-GPU is plain data parallelism with
-one flat gradient all-reduce a step, no DDP wrapper (the loop calls the model's denoise/embed_ids, not
-forward) and no FSDP (7 M parameters): every rank draws the same global batch from the same generator
-and trains on its slice, so N ranks take the same steps as one process with the whole batch.
+unmeasured risk, eager bf16 already trains it in minutes). Multi-GPU is DDP (no FSDP: 7 M parameters):
+every rank draws the same global batch from the same generator and trains on its slice, so N ranks take
+the same steps as one process with the whole batch. The EMA is torch's `AveragedModel`; the snapshots are
+scored by fgrpo's OCR reward in a process pool (`ParallelReward`).
 
 Commands:
   words (once; writes src/fgrpo/assets/textbed/words_*.txt from flow_grpo's OCR prompts):
@@ -34,7 +34,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,8 +41,12 @@ from pathlib import Path
 import numpy as np
 import torch
 import tyro
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from fgrpo import logging as flog
+from fgrpo import parallel
 from fgrpo.core.schedule import lr_multiplier
 from fgrpo.models import textbed as tb
 from fgrpo.rewards.ocr import is_exact
@@ -242,7 +245,7 @@ def render_bank(words: list[str], cfg: Config, font: str) -> tuple[torch.Tensor,
         )
         for c in range(n_chunks)
     ]
-    workers = cfg.data.workers or max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", "1")))
+    workers = cfg.data.workers or max(1, (os.cpu_count() or 1) // parallel.world_size())
     if workers == 1 or n_chunks == 1:
         parts = [_render_chunk(j) for j in jobs]
     else:
@@ -261,6 +264,32 @@ def ema_decay(cfg: Config, step: int) -> float:
     return min(cfg.ema, (1 + step) / (10 + step))
 
 
+def make_ema(model: nn.Module) -> AveragedModel:
+    """An EMA copy of `model`'s parameters that starts at its current (init) weights."""
+    ema = AveragedModel(model)  # its step counter stays on the CPU: reading it costs no device sync a step
+    ema.update_parameters(model)  # the first update copies; every later one averages
+    return ema
+
+
+def update_ema(ema: AveragedModel, model: nn.Module, cfg: Config, step: int) -> None:
+    """ema <- d * ema + (1 - d) * model, d = ema_decay(cfg, step), after optimizer step `step` (0-based)."""
+    ema.multi_avg_fn = get_ema_multi_avg_fn(ema_decay(cfg, step))
+    ema.update_parameters(model)
+
+
+class Denoiser(nn.Module):
+    """The training forward (prompt ids -> text embedding -> velocity) as one module call, so DDP sees it."""
+
+    def __init__(self, model: tb.TextbedModel):
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self, x_t: torch.Tensor, t: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        return self.model.denoise(x_t, t, self.model.embed_ids(ids, mask), mask)
+
+
 def check_config(cfg: Config) -> None:
     """One-line errors for settings that would waste a GPU run."""
     if cfg.optim.schedule not in ("constant", "linear", "cosine"):
@@ -274,49 +303,15 @@ def check_config(cfg: Config) -> None:
         raise ValueError(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} must be in [0, 1]")
 
 
-def rank_and_world() -> tuple[int, int]:
-    """(rank, world size) as torchrun sets them; a plain run is rank 0 of 1."""
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def init_distributed(cfg: Config) -> torch.device:
-    """This rank's device; joins the process group when torchrun started several ranks."""
-    rank, world = rank_and_world()
-    if world == 1:
-        return torch.device(cfg.device)
-    import torch.distributed as dist
-
-    if cfg.batch_size % world:
-        raise ValueError(
-            f"--batch-size {cfg.batch_size} is not divisible by the {world} ranks; make it a multiple"
-        )
-    device = torch.device(cfg.device)
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return device
-
-
-def average_gradients(params: list[torch.nn.Parameter], world: int) -> None:
-    """Mean of every rank's gradients, in place, through one flat all-reduce (the loss is each rank's mean
-    over its equal-sized slice, so this is the gradient of the global batch mean)."""
-    import torch.distributed as dist
-
-    grads = [p.grad for p in params if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat /= world
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
 def train(cfg: Config) -> list[tuple[float, int, dict[str, torch.Tensor]]]:
     """Train; returns the EMA snapshots [(train seconds, step, fp32 state dict)] (empty on ranks > 0)."""
-    rank, world = rank_and_world()
-    device = init_distributed(cfg)
+    if cfg.batch_size % parallel.world_size():
+        n = parallel.world_size()
+        raise ValueError(
+            f"--batch-size {cfg.batch_size} is not divisible by the {n} ranks; make it a multiple"
+        )
+    d = parallel.init_distributed(cfg.device)
+    rank, world, device = d.rank, d.world_size, d.device
     torch.manual_seed(cfg.seed)
     font = cfg.data.font or next((f for f in FONT_CANDIDATES if Path(f).is_file()), "")
     if not font:
@@ -327,8 +322,8 @@ def train(cfg: Config) -> list[tuple[float, int, dict[str, torch.Tensor]]]:
 
     t0 = time.perf_counter()
     bank, bank_word = render_bank(words, cfg, font)
-    log = print if rank == 0 else (lambda *a, **k: None)
-    log(f"bank: {len(bank)} renders of {len(words)} words in {time.perf_counter() - t0:.1f}s", flush=True)
+    log = flog.print0
+    log(f"bank: {len(bank)} renders of {len(words)} words in {time.perf_counter() - t0:.1f}s")
     bank, bank_word = bank.to(device), bank_word.to(device)
     word_ids, word_mask = (
         t.to(device) for t in tb.tokenize([tb.prompt_for(w) for w in words], cfg.model.max_text_len)
@@ -339,8 +334,7 @@ def train(cfg: Config) -> list[tuple[float, int, dict[str, torch.Tensor]]]:
     params = [p for p in model.parameters() if p.requires_grad]
     log(
         f"params: transformer {sum(p.numel() for p in model.transformer.parameters()) / 1e6:.2f}M, "
-        f"text encoder {sum(p.numel() for p in model.text_encoder.parameters()) / 1e6:.2f}M",
-        flush=True,
+        f"text encoder {sum(p.numel() for p in model.text_encoder.parameters()) / 1e6:.2f}M"
     )
     # No weight decay on norms, biases and embeddings' 1-D params (standard AdamW practice).
     decay = [p for p in params if p.ndim >= 2]
@@ -354,7 +348,12 @@ def train(cfg: Config) -> list[tuple[float, int, dict[str, torch.Tensor]]]:
         betas=cfg.optim.betas,
         fused=device.type == "cuda",
     )
-    ema = [p.detach().clone().float() for p in params]
+    ema = make_ema(model)
+    # The last block's text-stream output feeds nothing (no gradient, ever): a static graph lets DDP skip
+    # those parameters without searching the graph every step.
+    ddp = DistributedDataParallel(
+        Denoiser(model), device_ids=[device.index] if device.type == "cuda" else None, static_graph=True
+    )
     # Same seed on every rank: all ranks draw the same global batch and each keeps its slice [lo, lo + b).
     gen = torch.Generator(device).manual_seed(cfg.seed + 1)
     snapshots = []
@@ -362,14 +361,7 @@ def train(cfg: Config) -> list[tuple[float, int, dict[str, torch.Tensor]]]:
     def snapshot(elapsed: float, step: int) -> None:
         if rank:
             return
-        backup = [p.detach().clone() for p in params]
-        with torch.no_grad():
-            for p, e in zip(params, ema):
-                p.copy_(e)
-        snapshots.append((elapsed, step, tb.state_dict_for_save(model, torch.float32)))
-        with torch.no_grad():
-            for p, b in zip(params, backup):
-                p.copy_(b)
+        snapshots.append((elapsed, step, tb.state_dict_for_save(ema.module, torch.float32)))
         print(f"snapshot at step {step} ({elapsed:.0f}s)", flush=True)
 
     B, b = cfg.batch_size, cfg.batch_size // world
@@ -399,16 +391,13 @@ def train(cfg: Config) -> list[tuple[float, int, dict[str, torch.Tensor]]]:
         for g in opt.param_groups:
             g["lr"] = lr
         with torch.autocast(device.type, torch.bfloat16, enabled=cfg.amp):
-            v = model.denoise(x_t, t, model.embed_ids(ids, mask), mask)
+            v = ddp(x_t, t, ids, mask)
         loss = torch.nn.functional.mse_loss(v.float(), target)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if world > 1:
-            average_gradients(params, world)
+        loss.backward()  # DDP averages the gradients over the ranks: the gradient of the global batch mean
         gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
         opt.step()
-        with torch.no_grad():
-            torch._foreach_lerp_(ema, [p.detach().float() for p in params], 1 - ema_decay(cfg, step))
+        update_ema(ema, model, cfg, step)
         step += 1
         seen += B
 
@@ -421,8 +410,7 @@ def train(cfg: Config) -> list[tuple[float, int, dict[str, torch.Tensor]]]:
             now = time.perf_counter()
             log(
                 f"step {step} loss {loss_v:.4f} gnorm {gn:.2f} lr {lr:.2e} {seen / (now - t_log):.0f} img/s "
-                f"({now - t_start:.0f}s)",
-                flush=True,
+                f"({now - t_start:.0f}s)"
             )
             seen, t_log = 0, now
         elapsed = time.perf_counter() - t_start
@@ -431,22 +419,12 @@ def train(cfg: Config) -> list[tuple[float, int, dict[str, torch.Tensor]]]:
             next_snap += cfg.eval.every_s
         if out_of_time(elapsed >= cfg.time_budget_s, step % cfg.log_every == 0, device, world):
             if cfg.optim.schedule != "constant":
-                log(
-                    f"time budget hit at step {step} of {cfg.max_steps}: the LR decay did not finish",
-                    flush=True,
-                )
+                log(f"time budget hit at step {step} of {cfg.max_steps}: the LR decay did not finish")
             break
     if not rank and (not snapshots or snapshots[-1][1] != step):
         snapshot(time.perf_counter() - t_start, step)
-    if world > 1:
-        import gc
-
-        import torch.distributed as dist
-
-        del opt, model, bank
-        gc.collect()
-        dist.barrier()  # every rank is done with its collectives before the group goes away
-        dist.destroy_process_group()
+    del ddp, opt, bank  # the reducer and optimizer state go before the process group
+    parallel.shutdown()
     return snapshots
 
 
@@ -557,11 +535,9 @@ def choose(results: list[dict], band: tuple[float, float]) -> tuple[int, int]:
 def main(cfg: Config) -> dict:
     check_config(cfg)
     out = Path(cfg.out_dir)
-    rank = rank_and_world()[0]
+    rank = parallel.rank()
     if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2, default=str))
-        shutil.copy(__file__, out / "pretrain_textbed.py")
+        flog.save_run_metadata(out, cfg, __file__)
     snapshots = train(cfg)
     if rank != 0:
         return {}
