@@ -29,8 +29,8 @@ from _textbed import load_renderer, preset_rollout
 
 from fgrpo.data import load_prompts
 from fgrpo.rewards import build_reward
-from fgrpo.rollout.engine import DiffusersEngine
-from fgrpo.train import validation_sampling
+from fgrpo.rewards.ocr import is_exact
+from fgrpo.rollout.engine import DiffusersEngine, validation_sampling
 
 INK_CONTRAST = 80  # gray levels below the image's median (its background) that count as ink
 
@@ -78,13 +78,13 @@ def main() -> None:
     for lo, hi in [(0, 0.5), (0.5, 0.6), (0.6, 0.7), (0.7, 0.8), (0.8, 0.9), (0.9, 1.01)]:
         m = (cover >= lo) & (cover < hi)
         if m.any():
-            print(f"| [{lo:.1f}, {min(hi, 1):.1f}) | {m.sum()} | {scores[m].mean():.3f} | {(scores[m] >= 0.999).mean():.2f} "
+            print(f"| [{lo:.1f}, {min(hi, 1):.1f}) | {m.sum()} | {scores[m].mean():.3f} | {is_exact(scores[m]).mean():.2f} "
                   f"| {edge[m].mean():.2f} |")
     S, C = scores.reshape(-1, args.seeds), cover.reshape(-1, args.seeds)
     within = [np.corrcoef(S[i], C[i])[0, 1] for i in range(len(S)) if S[i].std() > 0 and C[i].std() > 0]
     print("\n| mean | exact | best of N | within-word std | between-word std | corr(score, cover) | "
           "same, within words | mean cover |\n|---|---|---|---|---|---|---|---|")
-    print(f"| {scores.mean():.3f} | {(scores >= 0.999).mean():.2f} | {S.max(1).mean():.3f} | {S.std(1).mean():.3f} "
+    print(f"| {scores.mean():.3f} | {is_exact(scores).mean():.2f} | {S.max(1).mean():.3f} | {S.std(1).mean():.3f} "
           f"| {S.mean(1).std():.3f} | {np.corrcoef(scores, cover)[0, 1]:.2f} | "
           f"{f'{np.mean(within):.2f} ({len(within)} words)' if within else '-'} | {cover.mean():.2f} |")
 
