@@ -4,8 +4,8 @@ order's generator seed comes from the one seed mixer."""
 import pytest
 import torch
 
-from fgrpo.data import PROMPT_ORDER_KEY, load_prompts, step_prompt_indices
-from fgrpo.rollout.seeds import sample_seed
+from fgrpo.data import load_prompts, step_prompt_indices
+from fgrpo.rollout.seeds import PROMPT_ORDER, sample_seed
 
 
 @pytest.mark.parametrize("quoted", ['""', '" "', '"\t"'])
@@ -68,12 +68,12 @@ def test_jsonl_blank_quoted_target_is_refused(tmp_path):
 
 
 def test_prompt_order_uses_the_seed_mixer():
-    """Epoch e of run seed s is the permutation of the generator seeded with sample_seed(s, e, key)."""
+    """Epoch e of run seed s is the permutation of the generator seeded with sample_seed(s, e, 0, PROMPT_ORDER)."""
     n, per, seed = 7, 3, 5
     got = torch.cat([step_prompt_indices(n, s, per, seed) for s in range(7)])  # 21 = epochs 0, 1, 2
     want = torch.cat(
         [
-            torch.randperm(n, generator=torch.Generator().manual_seed(sample_seed(seed, e, PROMPT_ORDER_KEY)))
+            torch.randperm(n, generator=torch.Generator().manual_seed(sample_seed(seed, e, 0, PROMPT_ORDER)))
             for e in range(3)
         ]
     )

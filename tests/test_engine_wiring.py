@@ -13,6 +13,7 @@ from train_entry import Config  # noqa: E402
 
 import fgrpo.train as train_mod  # noqa: E402
 from fgrpo.rollout.engine import DiffusersEngine  # noqa: E402
+from fgrpo.rollout.seeds import group_init_seeds  # noqa: E402
 
 
 class RecordingEngine:
@@ -42,7 +43,7 @@ class RecordingEngine:
 def test_out_of_process_engine_is_woken_synced_and_slept(tmp_path, monkeypatch):
     engines = []
 
-    def build(model, cfg):
+    def build(model, engine, path):
         engines.append(RecordingEngine(model))
         return engines[0]
 
@@ -67,11 +68,11 @@ def test_group_init_noise_reaches_the_engine(tmp_path, monkeypatch):
             seen.append(init_seeds)
             return super().generate(prompts, seeds, cfg, init_seeds=init_seeds)
 
-    monkeypatch.setattr(train_mod, "build_engine", lambda model, cfg: Capturing(model))
+    monkeypatch.setattr(train_mod, "build_engine", lambda model, engine, path: Capturing(model))
     base = Config()
     cfg = dataclasses.replace(base, num_steps=1, grpo=dataclasses.replace(base.grpo, group_init_noise=True),
                               run=dataclasses.replace(base.run, out_dir=str(tmp_path), val_every=1, ckpt_every=0))
     train_mod.train(cfg)
     G, n = cfg.grpo.group_size, cfg.grpo.group_size * cfg.grpo.prompts_per_step
-    assert [s for s in seen if s is not None] == [train_mod.group_init_seeds(cfg.seed, 0, torch.arange(n), G)]
+    assert [s for s in seen if s is not None] == [group_init_seeds(cfg.seed, 0, torch.arange(n), G)]
     assert seen.count(None) >= 1  # validation draws its own fixed noise

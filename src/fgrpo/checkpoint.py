@@ -410,12 +410,15 @@ def save(
     optimizer: torch.optim.Optimizer | None = None,
     lr_scheduler: Any | None = None,
     extra_state: dict[str, Any] | None = None,
+    rank_tensors: dict[str, torch.Tensor] | None = None,
     keep_last: int | None = None,
 ) -> Path:
     """Write `<ckpt_dir>/step_<step>/` atomically; keep only the newest `keep_last` (None: keep all).
 
     Collective when torch.distributed is initialised: every rank must call it with the same arguments.
-    `extra_state` must be JSON-able (data position, reward-tracker state, config). Returns the path.
+    `extra_state` must be JSON-able (data position, reward-tracker state, config). `rank_tensors` are this
+    rank's own tensors (e.g. an EMA of its parameter shards), written per rank like the RNG state: they
+    resume with the same world size. Returns the path.
     """
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"checkpoint.save: step must be a non-negative int, got {step!r}")
@@ -435,12 +438,13 @@ def save(
     if optimizer is not None:
         optim_sd = _gather_optimizer(model, optimizer) if optimizer.state else _fresh_optimizer(optimizer)
     rng_t, rng_j = _rng_state()
+    own = {k: v.detach().cpu() for k, v in (rank_tensors or {}).items()}
     if initialized():
         gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, ({k: v.cpu() for k, v in rng_t.items()}, rng_j))
+        dist.all_gather_object(gathered, ({k: v.cpu() for k, v in rng_t.items()}, rng_j, own))
         rngs = gathered
     else:
-        rngs = [(rng_t, rng_j)]
+        rngs = [(rng_t, rng_j, own)]
 
     final = root / step_dir_name(step)
     if this_rank == 0:
@@ -456,9 +460,11 @@ def save(
                 _write_json(tmp / "optimizer.json", o_j)
             if sched_j is not None:
                 _write_json(tmp / "lr_scheduler.json", sched_j)
-            for r, (t, j) in enumerate(rngs):
+            for r, (t, j, own_r) in enumerate(rngs):
                 _write_tensors(tmp / f"rng_rank{r}.safetensors", t)
                 _write_json(tmp / f"rng_rank{r}.json", j)
+                if own_r:
+                    _write_tensors(tmp / f"tensors_rank{r}.safetensors", own_r)
             meta = {
                 "format_version": FORMAT_VERSION,
                 "step": step,
@@ -506,9 +512,11 @@ def load(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     lr_scheduler: Any | None = None,
+    rank_tensors: dict[str, torch.Tensor] | None = None,
     restore_rng: bool = True,
 ) -> tuple[int, dict[str, Any]]:
     """Restore a checkpoint written by `save` into live objects; returns (step, extra_state).
+    `rank_tensors` (the same keys as saved) are filled in place from this rank's file.
 
     `path` is a step directory or the checkpoint root (the newest one that verifies is used: see
     `latest_valid`). Every file is checked against meta.json first; a missing, truncated, corrupt or
@@ -563,6 +571,20 @@ def load(
                 f"checkpoint.load: {ck} has no lr_scheduler state; pass lr_scheduler=None"
             )
         lr_scheduler.load_state_dict(_read_json(ck / "lr_scheduler.json"))
+
+    if rank_tensors:
+        f = ck / f"tensors_rank{rank()}.safetensors"
+        if meta.get("world_size") != world_size() or not f.is_file():
+            raise ValueError(
+                f"checkpoint.load: {ck} holds no per-rank tensors for rank {rank()} of {world_size()} (saved with world "
+                f"size {meta.get('world_size')}); resume with the world size that saved it"
+            )
+        saved = _read_tensors(f)
+        if set(saved) != set(rank_tensors):
+            raise ValueError(f"checkpoint.load: {f} holds {sorted(saved)[:3]}..., expected {sorted(rank_tensors)[:3]}...")
+        with torch.no_grad():
+            for k, t in rank_tensors.items():
+                t.copy_(saved[k])
 
     if restore_rng:
         r = rank()

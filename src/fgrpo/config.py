@@ -81,6 +81,37 @@ class GRPOConfig:
 
 
 @dataclass(frozen=True)
+class AlgoConfig:
+    name: Literal["grpo", "dppo", "mixgrpo", "nft", "awm"] = "grpo"
+    """The update rule (fgrpo/algorithms.py): Flow-GRPO, Flow-DPPO, MixGRPO, DiffusionNFT or Advantage Weighted
+    Matching. The grpo section's group, batch, clip, advantage-clip and KL fields apply to all of them."""
+    dppo_tau: float = 1e-5
+    """dppo: a transition's term is dropped once its KL to the rollout policy reaches tau (and grows)."""
+    window_iters: int = 25
+    """mixgrpo: training steps the shared SDE window stays at one position."""
+    window_stride: int = 1
+    """mixgrpo: steps the window moves each time (0 keeps it at sampling.window_range's start)."""
+    train_steps: int = 2
+    """nft/awm: K forward-process points per sample and step, one per stratum of the grid steps."""
+    train_steps_lo: int = 0
+    """nft/awm: first grid step whose sigma a training point may take."""
+    train_steps_hi: int = 0
+    """nft/awm: end (exclusive) of that range; 0 = sampling.num_steps."""
+    nft_beta: float = 0.1
+    """nft: how far the implicit positive/negative policies sit from the old one (the OCR recipe's 0.1)."""
+    sample_from_ema: bool = True
+    """nft: roll out with the EMA old policy (the reference) rather than the trained one."""
+    ema_rate: float = 0.0075
+    """nft: EMA decay ramp per optimizer step (core.ema.ema_decay; the OCR recipe's schedule)."""
+    ema_max_decay: float = 0.999
+    """nft: ceiling of the EMA decay."""
+    ema_delay: int = 75
+    """nft: optimizer steps during which the old policy is a plain copy (decay 0)."""
+    awm_p: float = 0.25
+    """awm: power of the generalised-Huber log-weight (core.awm.awm_log_weight)."""
+
+
+@dataclass(frozen=True)
 class OptimConfig:
     lr: float = 3e-4
     """AdamW learning rate."""
@@ -176,6 +207,7 @@ class TrainConfig:
     rollout_engine: Literal["diffusers", "vllm_omni"] = "diffusers"
     """Rollout engine: in-process diffusers (the trainer's own kernels) or vLLM-Omni (extra `vllm`; Qwen-Image
     + LoRA only; needs grpo.old_log_prob='recompute' because its kernels differ from the trainer's)."""
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
@@ -201,6 +233,9 @@ class TrainConfig:
 # Max per-step |rollout - trainer| log-prob gap with regional compile on an H200 (RESULTS.md, "Compiled Flow-GRPO
 # step"): the no-grad and the grad forward compile to different kernels. Eager, the two are bit-identical.
 COMPILED_LOGPROB_GAP = 1e-4
+
+# Algorithms that sample with the ODE and train at fresh forward-process points (no SDE window, no log-probs).
+FORWARD_PROCESS_ALGOS = ("nft", "awm")
 
 # Pixels per latent token side: VAE downsampling x transformer patch (Qwen-Image and SD3: 8 x 2, as their
 # tiny test versions); the text renderer packs 4x4 pixel patches.
@@ -269,14 +304,27 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
             f"grpo.optimizer_steps_per_step={g.optimizer_steps_per_step} does not divide the {local} samples "
             "per rank; pick a divisor"
         )
-    if s.sde_kind == "ode" or s.window_size < 1:
-        raise ValueError("sampling.sde_kind='ode' / window_size<1 leaves nothing to train; use flow_sde, cps or dance_sde")
-    lo, hi = s.window_range
-    if not (0 <= lo and lo + s.window_size <= hi <= s.num_steps):
-        raise ValueError(
-            f"sampling.window_range={s.window_range} with window_size={s.window_size} must satisfy "
-            f"0 <= lo, lo + window_size <= hi <= num_steps={s.num_steps}"
-        )
+    a = cfg.algo
+    if a.name in FORWARD_PROCESS_ALGOS:
+        hi = a.train_steps_hi or s.num_steps
+        if not 0 <= a.train_steps_lo < hi <= s.num_steps or not 1 <= a.train_steps <= hi - a.train_steps_lo:
+            raise ValueError(
+                f"algo.train_steps={a.train_steps} in grid steps [algo.train_steps_lo={a.train_steps_lo}, "
+                f"algo.train_steps_hi={hi}) must satisfy 0 <= lo < hi <= sampling.num_steps={s.num_steps} and "
+                "1 <= train_steps <= hi - lo"
+            )
+        for ok, name, value in ((a.nft_beta > 0, "algo.nft_beta", a.nft_beta), (a.awm_p > 0, "algo.awm_p", a.awm_p),
+                                (0 <= a.ema_max_decay <= 1, "algo.ema_max_decay", a.ema_max_decay),
+                                (a.ema_rate >= 0, "algo.ema_rate", a.ema_rate), (a.ema_delay >= 0, "algo.ema_delay", a.ema_delay)):
+            if not ok:
+                raise ValueError(f"{name}={value} is out of range; see --help for its meaning")
+        if g.old_log_prob != "rollout" or g.ratio_norm or g.group_init_noise:
+            raise ValueError(f"algo.name={a.name!r} has no transition log-probs: drop --grpo.old-log-prob, "
+                             "--grpo.ratio-norm and --grpo.group-init-noise")
+        if cfg.rollout_engine != "diffusers":
+            raise ValueError(f"algo.name={a.name!r} needs the rollout's clean latents: use rollout_engine='diffusers'")
+    else:
+        _validate_window(cfg)
     if m.compile and g.old_log_prob == "rollout" and g.clip_range < 10 * COMPILED_LOGPROB_GAP:
         raise ValueError(
             f"model.compile=True with grpo.old_log_prob='rollout': compiled rollout and training forwards differ "
@@ -303,3 +351,21 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
             raise ValueError("grpo.group_init_noise is in-process only; drop --grpo.group-init-noise or use diffusers")
         if world_size > 1:
             raise ValueError("rollout_engine='vllm_omni' is wired for one trainer process; use diffusers on N ranks")
+
+
+def _validate_window(cfg: TrainConfig) -> None:
+    """Checks of the algorithms that train the SDE window's transitions (grpo, dppo, mixgrpo)."""
+    a, s = cfg.algo, cfg.sampling
+    if a.name == "mixgrpo" and (a.window_iters < 1 or a.window_stride < 0):
+        raise ValueError(f"algo.window_iters={a.window_iters} must be >= 1 and algo.window_stride="
+                         f"{a.window_stride} >= 0")
+    if a.name == "dppo" and a.dppo_tau < 0:
+        raise ValueError(f"algo.dppo_tau={a.dppo_tau}: must be >= 0")
+    if s.sde_kind == "ode" or s.window_size < 1:
+        raise ValueError("sampling.sde_kind='ode' / window_size<1 leaves nothing to train; use flow_sde, cps or dance_sde")
+    lo, hi = s.window_range
+    if not (0 <= lo and lo + s.window_size <= hi <= s.num_steps):
+        raise ValueError(
+            f"sampling.window_range={s.window_range} with window_size={s.window_size} must satisfy "
+            f"0 <= lo, lo + window_size <= hi <= num_steps={s.num_steps}"
+        )

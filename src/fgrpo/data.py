@@ -8,11 +8,7 @@ from pathlib import Path
 import torch
 
 from fgrpo.rewards.ocr import extract_target
-from fgrpo.rollout.seeds import sample_seed
-
-# The last key of the prompt order's seed: negative, so it never equals a sample index (the trainer's
-# per-sample seeds are sample_seed(seed, step, index >= 0), also three keys).
-PROMPT_ORDER_KEY = -2
+from fgrpo.rollout.seeds import PROMPT_ORDER, stream_generator
 
 
 def load_prompts(
@@ -87,7 +83,7 @@ def _jsonl_prompt(line: str, where: str) -> str:
 
 def step_prompt_indices(num_prompts: int, step: int, per_step: int, seed: int) -> torch.Tensor:
     """Indices of the prompts used at `step`: consecutive slices of per-epoch random permutations, epoch e
-    drawn from the generator seeded with sample_seed(seed, e, PROMPT_ORDER_KEY).
+    drawn from rollout.seeds.stream_generator(seed, e, PROMPT_ORDER).
 
     A pure function of (step, seed), so a resumed run sees exactly the prompts it would have seen, and
     every rank computes the same list without communicating.
@@ -96,8 +92,7 @@ def step_prompt_indices(num_prompts: int, step: int, per_step: int, seed: int) -
     out = []
     while len(out) < per_step:
         epoch, offset = divmod(start + len(out), num_prompts)
-        g = torch.Generator().manual_seed(sample_seed(seed, epoch, PROMPT_ORDER_KEY))
-        perm = torch.randperm(num_prompts, generator=g)
+        perm = torch.randperm(num_prompts, generator=stream_generator(seed, epoch, PROMPT_ORDER))
         take = min(per_step - len(out), num_prompts - offset)
         out.extend(perm[offset : offset + take].tolist())
     return torch.tensor(out, dtype=torch.long)

@@ -28,33 +28,25 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections import defaultdict
 from functools import partial
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from fgrpo import checkpoint, parallel
+from fgrpo import algorithms, checkpoint, parallel
 from fgrpo import logging as flog
 from fgrpo.config import TrainConfig, validate_config
 from fgrpo.core import grpo
 from fgrpo.core.schedule import lr_multiplier
 from fgrpo.data import load_prompts, step_prompt_indices
-from fgrpo.models.base import FlowModel, cond_index
-from fgrpo.models.loading import adapters_disabled, build_model, setup_trainable
-from fgrpo.policy import transition
+from fgrpo.models.loading import build_model, setup_trainable
 from fgrpo.rewards import build_reward
 from fgrpo.rewards.base import check_scores
 from fgrpo.rewards.ocr import is_exact
 from fgrpo.rewards.runner import ParallelReward
 from fgrpo.rollout import seeds as rs
-from fgrpo.rollout.base import Trajectory
 from fgrpo.rollout.engine import (
     build_engine,
-    minibatch_rows,
-    recompute_log_prob,
-    recompute_log_probs_and_means,
     rollout,
     validation_sampling,
 )
@@ -88,11 +80,12 @@ def train(cfg: TrainConfig, *, experiment_source: str | Path | None = None) -> d
         lr_multiplier, warmup=o.warmup_steps, schedule=o.schedule, decay_steps=cfg.lr_decay_steps,
         min_ratio=o.min_lr_ratio))
     engine = build_engine(model, cfg.rollout_engine, cfg.model.path)
+    algo = algorithms.build(cfg, params)
 
     start_step = 0
     if resume_from is not None:
         start_step, _ = checkpoint.load(resume_from, model=model.transformer, optimizer=optimizer,
-                                        lr_scheduler=lr_scheduler)
+                                        lr_scheduler=lr_scheduler, rank_tensors=algo.state())
         flog.print0(f"resumed from {resume_from} at step {start_step}")
     if d.is_main:  # rows of steps after the checkpoint are redone below: drop them, keep the file one row a step
         run.drop_metrics_from(start_step)
@@ -118,8 +111,8 @@ def train(cfg: TrainConfig, *, experiment_source: str | Path | None = None) -> d
         init_seeds = rs.group_init_seeds(cfg.seed, step, sample_ids, G) if cfg.grpo.group_init_noise else None
 
         # 2. rollout
-        with timer("rollout"):
-            traj = rollout(engine, prompts, seeds, cfg.sampling, d.device, init_seeds)
+        with timer("rollout"), algo.sampling_weights():
+            traj = rollout(engine, prompts, seeds, algo.sampling(step), d.device, init_seeds)
 
         # 3. rewards -> all ranks -> group advantages
         with timer("reward"):
@@ -134,7 +127,8 @@ def train(cfg: TrainConfig, *, experiment_source: str | Path | None = None) -> d
         # 4. policy update
         with timer("train"):
             order = rs.stream_generator(cfg.seed, step, rs.MINIBATCH_ORDER)  # the same on resume
-            train_metrics = policy_update(model, params, optimizer, lr_scheduler, traj, local_adv, cfg, order)
+            train_metrics = algo.update(model, params, optimizer, lr_scheduler, traj, local_adv, order)
+            train_metrics.update(algo.after_update(step))
         with timer("sync"):
             if hasattr(engine, "update_lora"):  # an engine with its own copy of the weights (vLLM-Omni)
                 engine.update_lora(checkpoint.export_lora(run.path / "engine_lora", model.transformer))
@@ -158,6 +152,7 @@ def train(cfg: TrainConfig, *, experiment_source: str | Path | None = None) -> d
         if cfg.num_steps == step + 1 or (cfg.run.ckpt_every and (step + 1) % cfg.run.ckpt_every == 0):
             checkpoint.save(run.checkpoints, step + 1, model=model.transformer, optimizer=optimizer,
                             lr_scheduler=lr_scheduler, extra_state={"exp_name": cfg.exp_name},
+                            rank_tensors=algo.state(),
                             keep_last=cfg.run.keep_last)
         bad_steps = bad_steps + 1 if train_metrics["skipped_steps"] == train_metrics["optimizer_steps"] else 0
         if bad_steps >= cfg.run.max_bad_steps:
@@ -178,103 +173,6 @@ def train(cfg: TrainConfig, *, experiment_source: str | Path | None = None) -> d
     del engine, optimizer, params, model
     parallel.shutdown()
     return metrics
-
-
-def policy_update(
-    model: FlowModel,
-    params: list[torch.nn.Parameter],
-    optimizer: torch.optim.Optimizer,
-    lr_scheduler: torch.optim.lr_scheduler.LRScheduler,
-    traj: Trajectory,
-    advantages: torch.Tensor,
-    cfg: TrainConfig,
-    generator: torch.Generator,
-) -> dict[str, float]:
-    """Inner epochs x mini-batches of the clipped Flow-GRPO objective on this rank's samples.
-
-    Gradients are scaled so that the update equals that of one big batch: each micro-batch adds
-    (its elements / elements of the mini-batch on this rank) of its mean loss, and FSDP averages
-    equal-sized rank shards.
-
-    Deviation from flow_grpo, which shuffles single samples: when the training micro-batch equals the
-    rollout's, we shuffle whole rollout micro-batches. Each training forward then sees exactly the rows
-    (and prompt padding) of a rollout forward, so at unchanged weights its log-probs are bit-identical
-    to the rollout's and the first update's ratio is exactly 1.
-    """
-    g, s = cfg.grpo, cfg.sampling
-    B, W = traj.window.shape
-    mb = g.train_micro_batch or s.micro_batch
-    stats: dict[str, list[float]] = defaultdict(list)
-    gap_per_step: dict[int, list[float]] = defaultdict(list)
-    old_log_prob, old_mean = traj.log_prob, None
-    first_update = True
-
-    # GRPO-Guard's ratio normalisation needs the rollout policy's means; they are recomputed with the
-    # unchanged weights rather than stored (a trajectory would double in size for one option).
-    if g.old_log_prob == "recompute" or g.ratio_norm:
-        recomputed, old_mean = recompute_log_probs_and_means(model, traj, s)
-        if g.old_log_prob == "recompute":
-            old_log_prob = recomputed
-            _record_gap(gap_per_step, traj.window, recomputed, traj.log_prob)
-            first_update = False  # the gap is measured; training starts from the trainer's own numbers
-
-    for _epoch in range(g.inner_epochs):
-        for chunk in minibatch_rows(B, mb, s.micro_batch, g.optimizer_steps_per_step, generator):
-            n_elems = sum(len(rows) for rows in chunk) * W
-            for j in range(W):
-                for rows in chunk:
-                    rows = rows.to(traj.x_t.device)
-                    log_prob, mean, std = recompute_log_prob(model, traj, s, rows, j)
-                    old = old_log_prob[rows, j]
-                    if first_update:  # weights still equal the rollout's: the gap is the numerics alone
-                        _record_gap(gap_per_step, traj.window[rows, j : j + 1], log_prob.detach()[:, None],
-                                   old[:, None])
-                    loss, metrics = grpo.clipped_policy_loss(
-                        log_prob, old, advantages[rows], clip_range=g.clip_range, adv_clip_max=g.adv_clip_max,
-                        ratio_norm=g.ratio_norm, mean=mean, std=std,
-                        old_mean=old_mean[rows, j] if old_mean is not None else None,
-                    )
-                    if g.kl_coef > 0:
-                        steps = traj.window[rows, j]
-                        sigma, sigma_next = traj.sigmas[steps], traj.sigmas[steps + 1]
-                        with torch.no_grad(), adapters_disabled(model.transformer):
-                            ref_mean, _ = transition(model, traj.x_t[rows, j], sigma, sigma_next,
-                                                     cond_index(traj.cond, rows), s)
-                        kl = grpo.gaussian_kl(mean, ref_mean, std, kind=g.kl_kind, step_size=sigma - sigma_next)
-                        loss = loss + g.kl_coef * kl.mean()
-                        stats["kl"].append(kl.mean().item())
-                    (loss * (len(rows) * 1.0 / n_elems)).backward()
-                    for k, v in metrics.items():
-                        stats[k].append(float(v))
-                    stats["loss"].append(loss.item())
-            first_update = False
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
-            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-            stats["grad_norm"].append(grad_norm)
-            if math.isfinite(grad_norm):
-                optimizer.step()
-                stats["skipped_steps"].append(0.0)
-            else:  # one bad batch must not poison AdamW's moments
-                stats["skipped_steps"].append(1.0)
-            optimizer.zero_grad(set_to_none=True)
-            lr_scheduler.step()
-
-    out = {k: float(np.mean(v)) for k, v in stats.items() if k not in ("skipped_steps", "ratio_min", "ratio_max")}
-    out["ratio_min"] = float(np.min(stats["ratio_min"]))
-    out["ratio_max"] = float(np.max(stats["ratio_max"]))
-    out["skipped_steps"] = float(np.sum(stats["skipped_steps"]))
-    out["optimizer_steps"] = float(len(stats["skipped_steps"]))
-    for i, gaps in sorted(gap_per_step.items()):
-        out[f"logprob_gap/step{i}"] = float(np.max(gaps))
-    if gap_per_step:
-        out["logprob_gap/max"] = max(out[f"logprob_gap/step{i}"] for i in gap_per_step)
-    return out
-
-
-def _record_gap(gaps: dict[int, list[float]], window: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> None:
-    """Append |new - old| log-prob per denoising-step index (window: [m, W'] step ids of the [m, W'] values)."""
-    for i, gap in zip(window.flatten().tolist(), (new - old).abs().flatten().tolist()):
-        gaps[i].append(gap)
 
 
 @torch.no_grad()

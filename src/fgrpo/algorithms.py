@@ -1,0 +1,418 @@
+"""The algorithms, as what differs between them; the loop in train.py asks, it never branches on a name.
+
+| algo    | rollout (what it samples)                      | trained points                            | loss (core)            |
+|---------|------------------------------------------------|-------------------------------------------|------------------------|
+| grpo    | SDE in a window drawn per sample, from theta   | the window's transitions (log-probs)      | grpo.clipped_policy_loss |
+| dppo    | as grpo; the rollout's transition means kept   | as grpo                                   | dppo.dppo_loss         |
+| mixgrpo | SDE in one window for the batch that slides    | as grpo                                   | grpo.clipped_policy_loss |
+|         | with the training step, ODE elsewhere          |                                           |                        |
+| nft     | ODE, from the EMA "old" weights                | x0 noised afresh at K grid times a sample | nft.nft_loss           |
+| awm     | ODE, from theta                                | x0 noised afresh at K grid times (shared) | awm.awm_loss           |
+
+Two update functions serve them: `window_update` (the Flow-GRPO family: recompute the log-prob of stored
+transitions) and `forward_process_update` (NFT, AWM: velocity at fresh forward-process points). A new
+algorithm is a core loss, an `Algorithm` subclass that says what to sample and which update to run, and a
+preset in an experiment file.
+
+Deviations from the reference code, each for a reason:
+- NFT and AWM roll out with the Euler ODE step on the model's own schedule (NVlabs' NFT uses a 2nd-order DPM
+  solver, AWM an SA-solver): one sampler for every algorithm keeps the comparison about the update rule.
+- NFT's old policy is an EMA of theta kept as a copy of the trainable tensors (swapped into the module to
+  sample and to evaluate v_old) rather than a second adapter: it works the same for LoRA and full weights and
+  is saved with the checkpoint, so a resume is exact.
+- AWM's old log-weights come from a no-grad pass with the pre-update weights over the same points (the
+  reference keeps the pre-epoch model); its KL to the EMA policy is not implemented (only the KL to the
+  reference, through grpo.kl_coef).
+- MixGRPO's window slides from sampling.window_range's start to the last step that keeps it whole
+  (core.schedule.sliding_window); the DPM-Solver++ tail of MixGRPO-Flash is in the core
+  (sde.dpmpp_2m_step) but not wired into the rollout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections import defaultdict
+from collections.abc import Iterator
+from functools import partial
+
+import numpy as np
+import torch
+
+from fgrpo.config import TrainConfig
+from fgrpo.core import awm, dppo, ema, grpo, nft, schedule, sde
+from fgrpo.models.base import FlowModel, cond_index
+from fgrpo.models.loading import adapters_disabled
+from fgrpo.policy import transition
+from fgrpo.rollout.base import SamplingConfig, Trajectory
+from fgrpo.rollout.engine import (
+    micro_batches,
+    minibatch_rows,
+    recompute_log_prob,
+    recompute_log_probs_and_means,
+    validation_sampling,
+)
+
+Stats = dict[str, list[float]]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The rank's own shard of an FSDP2 (DTensor) parameter, or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class EmaWeights:
+    """An exponential moving average of the trainable tensors (this rank's shards), swapped in to sample or
+    evaluate the "old" policy. decay(k) = core.ema.ema_decay(k optimizer steps done, rate, max_decay, delay)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], *, rate: float, max_decay: float, delay: int):
+        self.params = params
+        self.tensors = [_local(p).detach().clone() for p in params]
+        self.decay = partial(ema.ema_decay, rate=rate, max_decay=max_decay, delay=delay)
+
+    def update(self, optimizer_steps_done: int) -> float:
+        d = self.decay(optimizer_steps_done)
+        ema.ema_update_(self.tensors, [_local(p).detach() for p in self.params], d)
+        return d
+
+    @contextlib.contextmanager
+    def swapped_in(self) -> Iterator[None]:
+        """The module computes with the EMA weights inside the block, with its own weights again after it."""
+        own = [_local(p).detach().clone() for p in self.params]
+        with torch.no_grad():
+            torch._foreach_copy_([_local(p) for p in self.params], self.tensors)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_([_local(p) for p in self.params], own)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {f"ema/{i}": t for i, t in enumerate(self.tensors)}
+
+
+class Algorithm:
+    """Flow-GRPO: PPO's clipped surrogate on the log-probs of the SDE window's transitions."""
+
+    needs_old_mean = False  # the loss reads the rollout's transition means (ratio norm, DPPO)
+
+    def __init__(self, cfg: TrainConfig, params: list[torch.nn.Parameter]):
+        self.cfg = cfg
+        self.ema: EmaWeights | None = None
+
+    def sampling(self, step: int) -> SamplingConfig:
+        """How this step's rollout samples."""
+        return self.cfg.sampling
+
+    def sampling_weights(self) -> contextlib.AbstractContextManager:
+        """The weights the rollout samples with (theta unless an algorithm samples an old policy)."""
+        return contextlib.nullcontext()
+
+    def loss(self, log_prob, old_log_prob, mean, old_mean, std, advantages):
+        g = self.cfg.grpo
+        return grpo.clipped_policy_loss(log_prob, old_log_prob, advantages, clip_range=g.clip_range,
+                                        adv_clip_max=g.adv_clip_max, ratio_norm=g.ratio_norm, mean=mean, std=std,
+                                        old_mean=old_mean)
+
+    def update(self, model, params, optimizer, lr_scheduler, traj, advantages, generator) -> dict[str, float]:
+        return window_update(model, params, optimizer, lr_scheduler, traj, advantages, self.cfg, generator, self)
+
+    def after_update(self, step: int) -> dict[str, float]:
+        """Bookkeeping after the step's optimizer steps (the EMA of the old policy)."""
+        return {}
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Tensors the checkpoint must keep beside the model and optimizer (this rank's EMA shards)."""
+        return self.ema.state() if self.ema is not None else {}
+
+
+class FlowDPPO(Algorithm):
+    """Flow-DPPO: the policy-gradient term of a transition is dropped once its KL to the rollout policy passes
+    tau and the update would push it further; no ratio clip."""
+
+    needs_old_mean = True
+
+    def loss(self, log_prob, old_log_prob, mean, old_mean, std, advantages):
+        return dppo.dppo_loss(log_prob, old_log_prob, mean, old_mean, std, advantages, tau=self.cfg.algo.dppo_tau)
+
+
+class MixGRPO(Algorithm):
+    """MixGRPO: one SDE window for the whole batch that slides along the trajectory as training proceeds."""
+
+    def sampling(self, step: int) -> SamplingConfig:
+        s, a = self.cfg.sampling, self.cfg.algo
+        w = schedule.sliding_window(step, num_steps=s.num_steps, window_size=s.window_size,
+                                    iters_per_window=a.window_iters, stride=a.window_stride, lo=s.window_range[0])
+        return dataclasses.replace(s, window_range=(w[0], w[-1] + 1))  # a range of exactly W steps: no draw left
+
+
+class ForwardProcessAlgorithm(Algorithm):
+    """Algorithms that sample with the ODE and train the velocity at fresh forward-process points."""
+
+    shared_steps = False  # one set of grid steps for the whole batch (AWM) or one per sample (NFT)
+
+    def sampling(self, step: int) -> SamplingConfig:
+        return validation_sampling(self.cfg.sampling, self.cfg.sampling.num_steps)
+
+    def update(self, model, params, optimizer, lr_scheduler, traj, advantages, generator) -> dict[str, float]:
+        return forward_process_update(model, params, optimizer, lr_scheduler, traj, advantages, self.cfg,
+                                      generator, self)
+
+    def old_pass(self, model: FlowModel, traj: Trajectory, points: TrainingPoints) -> torch.Tensor:
+        """The old policy's numbers at every training point ([B, K, ...]), before any update of the step."""
+        raise NotImplementedError
+
+    def point_loss(self, v, x_t, x0, noise, sigma, old, advantages):
+        raise NotImplementedError
+
+
+class DiffusionNFT(ForwardProcessAlgorithm):
+    """DiffusionNFT: fit implicit positive and negative policies around an EMA old policy, weighted by the
+    optimality probability of each sample's reward."""
+
+    def __init__(self, cfg: TrainConfig, params: list[torch.nn.Parameter]):
+        super().__init__(cfg, params)
+        a = cfg.algo
+        self.ema = EmaWeights(params, rate=a.ema_rate, max_decay=a.ema_max_decay, delay=a.ema_delay)
+
+    def sampling_weights(self) -> contextlib.AbstractContextManager:
+        return self.ema.swapped_in() if self.cfg.algo.sample_from_ema else contextlib.nullcontext()
+
+    @torch.no_grad()
+    def old_pass(self, model, traj, points):
+        """v_old [B, K, *latent]: the EMA policy's velocity at every training point."""
+        with self.ema.swapped_in():
+            return _velocities(model, traj, points, self.cfg.sampling.micro_batch)
+
+    def point_loss(self, v, x_t, x0, noise, sigma, old, advantages):
+        g = self.cfg.grpo
+        r = nft.optimality_prob(advantages, adv_clip=g.adv_clip_max)
+        return nft.nft_loss(v, old, x_t, x0, sigma, r, beta=self.cfg.algo.nft_beta, scale=g.adv_clip_max)
+
+    def after_update(self, step: int) -> dict[str, float]:
+        g = self.cfg.grpo
+        return {"ema_decay": self.ema.update((step + 1) * g.inner_epochs * g.optimizer_steps_per_step)}
+
+
+class AWM(ForwardProcessAlgorithm):
+    """Advantage Weighted Matching: PPO's clipped surrogate on a flow-matching log-weight of fresh
+    forward-process points, one set of grid times for the batch."""
+
+    shared_steps = True
+
+    @torch.no_grad()
+    def old_pass(self, model, traj, points):
+        """Old log-weights [B, K] under the pre-update weights, in the rollout's micro-batches (the training
+        forwards' rows): the first mini-batch's ratio is exactly 1."""
+        out = torch.empty(len(traj), points.k, device=traj.x0.device)
+        for k in range(points.k):
+            for rows in micro_batches(len(traj), self.cfg.sampling.micro_batch):
+                x_t, x0, noise, sigma = points.at(rows, k)
+                v = model.velocity(x_t, sigma, cond_index(traj.cond, rows), guidance_scale=1.0)
+                out[rows, k] = awm.awm_log_weight(v, x0, noise, sigma, p=self.cfg.algo.awm_p)
+        return out
+
+    def point_loss(self, v, x_t, x0, noise, sigma, old, advantages):
+        g = self.cfg.grpo
+        log_weight = awm.awm_log_weight(v, x0, noise, sigma, p=self.cfg.algo.awm_p)
+        return awm.awm_loss(log_weight, old, advantages, adv_clip=g.adv_clip_max, clip_range=g.clip_range)
+
+
+ALGORITHMS: dict[str, type[Algorithm]] = {
+    "grpo": Algorithm, "dppo": FlowDPPO, "mixgrpo": MixGRPO, "nft": DiffusionNFT, "awm": AWM,
+}
+
+
+def build(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> Algorithm:
+    return ALGORITHMS[cfg.algo.name](cfg, params)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The two update functions
+
+
+def optimizer_step(params, optimizer, lr_scheduler, grad_clip: float, stats: Stats) -> None:
+    """Clip, step (unless the gradient is not finite: one bad batch must not poison AdamW's moments), zero."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    stats["grad_norm"].append(grad_norm)
+    finite = math.isfinite(grad_norm)
+    if finite:
+        optimizer.step()
+    stats["skipped_steps"].append(0.0 if finite else 1.0)
+    optimizer.zero_grad(set_to_none=True)
+    lr_scheduler.step()
+
+
+def summarize(stats: Stats) -> dict[str, float]:
+    """Per-step metrics: means, except the ratio extremes, and counts of (skipped) optimizer steps."""
+    out = {k: float(np.mean(v)) for k, v in stats.items() if k not in ("skipped_steps", "ratio_min", "ratio_max")}
+    if "ratio_min" in stats:
+        out["ratio_min"] = float(np.min(stats["ratio_min"]))
+        out["ratio_max"] = float(np.max(stats["ratio_max"]))
+    out["skipped_steps"] = float(np.sum(stats["skipped_steps"]))
+    out["optimizer_steps"] = float(len(stats["skipped_steps"]))
+    return out
+
+
+def window_update(
+    model: FlowModel,
+    params: list[torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler,
+    traj: Trajectory,
+    advantages: torch.Tensor,
+    cfg: TrainConfig,
+    generator: torch.Generator,
+    algo: Algorithm,
+) -> dict[str, float]:
+    """Inner epochs x mini-batches of `algo.loss` on the log-probs of this rank's stored window transitions.
+
+    Gradients are scaled so that the update equals that of one big batch: each micro-batch adds
+    (its elements / elements of the mini-batch on this rank) of its mean loss, and FSDP averages
+    equal-sized rank shards.
+
+    Deviation from flow_grpo, which shuffles single samples: when the training micro-batch equals the
+    rollout's, we shuffle whole rollout micro-batches. Each training forward then sees exactly the rows
+    (and prompt padding) of a rollout forward, so at unchanged weights its log-probs are bit-identical
+    to the rollout's and the first update's ratio is exactly 1.
+    """
+    g, s = cfg.grpo, cfg.sampling
+    B, W = traj.window.shape
+    mb = g.train_micro_batch or s.micro_batch
+    stats: Stats = defaultdict(list)
+    gap_per_step: dict[int, list[float]] = defaultdict(list)
+    old_log_prob, old_mean = traj.log_prob, traj.mean
+    first_update = True
+    needs_mean = algo.needs_old_mean or g.ratio_norm
+    if g.old_log_prob == "recompute" or (needs_mean and old_mean is None):
+        recomputed, old_mean = recompute_log_probs_and_means(model, traj, s)
+        if g.old_log_prob == "recompute":
+            old_log_prob = recomputed
+            _record_gap(gap_per_step, traj.window, recomputed, traj.log_prob)
+            first_update = False  # the gap is measured; training starts from the trainer's own numbers
+
+    for _epoch in range(g.inner_epochs):
+        for chunk in minibatch_rows(B, mb, s.micro_batch, g.optimizer_steps_per_step, generator):
+            n_elems = sum(len(rows) for rows in chunk) * W
+            for j in range(W):
+                for rows in chunk:
+                    rows = rows.to(traj.x_t.device)
+                    log_prob, mean, std = recompute_log_prob(model, traj, s, rows, j)
+                    old = old_log_prob[rows, j]
+                    if first_update:  # weights still equal the rollout's: the gap is the numerics alone
+                        _record_gap(gap_per_step, traj.window[rows, j : j + 1], log_prob.detach()[:, None],
+                                    old[:, None])
+                    loss, metrics = algo.loss(log_prob, old, mean, old_mean[rows, j] if needs_mean else None, std,
+                                              advantages[rows])
+                    if g.kl_coef > 0:
+                        steps = traj.window[rows, j]
+                        sigma, sigma_next = traj.sigmas[steps], traj.sigmas[steps + 1]
+                        with torch.no_grad(), adapters_disabled(model.transformer):
+                            ref_mean, _ = transition(model, traj.x_t[rows, j], sigma, sigma_next,
+                                                     cond_index(traj.cond, rows), s)
+                        kl = grpo.gaussian_kl(mean, ref_mean, std, kind=g.kl_kind, step_size=sigma - sigma_next)
+                        loss = loss + g.kl_coef * kl.mean()
+                        stats["kl"].append(kl.mean().item())
+                    (loss * (len(rows) * 1.0 / n_elems)).backward()
+                    for k, v in metrics.items():
+                        stats[k].append(float(v))
+                    stats["loss"].append(loss.item())
+            first_update = False
+            optimizer_step(params, optimizer, lr_scheduler, cfg.optim.grad_clip, stats)
+
+    out = summarize(stats)
+    for i, gaps in sorted(gap_per_step.items()):
+        out[f"logprob_gap/step{i}"] = float(np.max(gaps))
+    if gap_per_step:
+        out["logprob_gap/max"] = max(out[f"logprob_gap/step{i}"] for i in gap_per_step)
+    return out
+
+
+def _record_gap(gaps: dict[int, list[float]], window: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> None:
+    """Append |new - old| log-prob per denoising-step index (window: [m, W'] step ids of the [m, W'] values)."""
+    for i, gap in zip(window.flatten().tolist(), (new - old).abs().flatten().tolist()):
+        gaps[i].append(gap)
+
+
+@dataclasses.dataclass
+class TrainingPoints:
+    """The K forward-process points per sample of one step: x_t = (1 - sigma) x0 + sigma noise."""
+
+    x0: torch.Tensor  # [B, *latent] the rollout's clean latents
+    noise: torch.Tensor  # [B, K, *latent]
+    sigma: torch.Tensor  # [B, K] the schedule's sigma at the drawn grid steps
+
+    @property
+    def k(self) -> int:
+        return self.sigma.shape[1]
+
+    def at(self, rows, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(x_t, x0, noise, sigma) of point k of `rows`."""
+        x0, noise, sigma = self.x0[rows], self.noise[rows, k], self.sigma[rows, k]
+        return sde.forward_noise(x0, noise, sigma), x0, noise, sigma
+
+
+def _velocities(model: FlowModel, traj: Trajectory, points: TrainingPoints, micro_batch: int) -> torch.Tensor:
+    """[B, K, *latent] velocities (no CFG) at every training point, in the rollout's micro-batches."""
+    B = len(traj)
+    out = torch.empty(B, points.k, *traj.x0.shape[1:], device=traj.x0.device)
+    for k in range(points.k):
+        for rows in micro_batches(B, micro_batch):
+            x_t, _, _, sigma = points.at(rows, k)
+            out[rows, k] = model.velocity(x_t, sigma, cond_index(traj.cond, rows), guidance_scale=1.0).float()
+    return out
+
+
+def forward_process_update(
+    model: FlowModel,
+    params: list[torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler,
+    traj: Trajectory,
+    advantages: torch.Tensor,
+    cfg: TrainConfig,
+    generator: torch.Generator,
+    algo: ForwardProcessAlgorithm,
+) -> dict[str, float]:
+    """Inner epochs x mini-batches of `algo.point_loss` at K forward-process points x_t = (1 - t) x0 + t noise
+    per sample, t = the schedule's sigma at grid steps drawn by core.schedule.stratified_steps.
+
+    The points (steps and noise) are drawn once per step from `generator`; `algo.old_pass` evaluates the old
+    policy on all of them before any update; the training velocity has no CFG (NFT's and AWM's recipes).
+    Gradient scaling and mini-batching as in `window_update`.
+    """
+    g, s, a = cfg.grpo, cfg.sampling, cfg.algo
+    if traj.x0 is None:
+        raise ValueError(f"algo.name={a.name!r} trains on the rollout's clean latents; this engine returns none")
+    B, K = len(traj), a.train_steps
+    steps = schedule.stratified_steps(B, K, a.train_steps_lo, a.train_steps_hi or s.num_steps, generator,
+                                      shared=algo.shared_steps).to(traj.x0.device)  # [B, K]
+    noise = torch.randn(B, K, *traj.x0.shape[1:], generator=generator).to(traj.x0.device)
+    points = TrainingPoints(traj.x0, noise, traj.sigmas[steps])
+    old = algo.old_pass(model, traj, points)  # [B, K, ...]
+    mb = g.train_micro_batch or s.micro_batch
+    stats: Stats = defaultdict(list)
+    for _epoch in range(g.inner_epochs):
+        for chunk in minibatch_rows(B, mb, s.micro_batch, g.optimizer_steps_per_step, generator):
+            n_points = sum(len(rows) for rows in chunk) * K
+            for k in range(K):
+                for rows in chunk:
+                    rows = rows.to(traj.x0.device)
+                    x_t, x0, eps, sigma = points.at(rows, k)
+                    cond = cond_index(traj.cond, rows)
+                    v = model.velocity(x_t, sigma, cond, guidance_scale=1.0).float()
+                    loss, metrics = algo.point_loss(v, x_t, x0, eps, sigma, old[rows, k], advantages[rows])
+                    if g.kl_coef > 0:  # the references' KL to the frozen model: mean((v - v_ref)^2)
+                        with torch.no_grad(), adapters_disabled(model.transformer):
+                            v_ref = model.velocity(x_t, sigma, cond, guidance_scale=1.0).float()
+                        kl = ((v - v_ref) ** 2).mean()
+                        loss = loss + g.kl_coef * kl
+                        stats["kl"].append(kl.item())
+                    (loss * (len(rows) * 1.0 / n_points)).backward()
+                    for key, value in metrics.items():
+                        stats[key].append(float(value))
+                    stats["loss"].append(loss.item())
+            optimizer_step(params, optimizer, lr_scheduler, cfg.optim.grad_clip, stats)
+    return summarize(stats)
