@@ -14,7 +14,7 @@ from fgrpo import parallel
 from fgrpo.config import GRPOConfig, ModelConfig, TrainConfig
 from fgrpo.core import grpo
 from fgrpo.models.loading import configure_transformer
-from fgrpo.models.tiny import tiny_qwen_image
+from fgrpo.models.tiny import tiny_qwen_image, tiny_sd3
 from fgrpo.rollout.base import SamplingConfig
 from fgrpo.rollout.engine import DiffusersEngine
 from fgrpo.models.loading import setup_trainable
@@ -52,5 +52,23 @@ def test_compiled_blocks_train_with_varying_prompt_lengths():
             assert m["skipped_steps"] == 0.0
         # the variants really exceed dynamo's default limit of 8: without the raised limit this test fails
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 8
+    finally:
+        torch._dynamo.reset()
+
+
+def test_sd3_regional_compile_keeps_the_velocity():
+    """diffusers 0.40's SD3Transformer2DModel names no repeated block; SD3 names its layers' class, so the
+    trainer's compile_repeated_blocks compiles them (without it: ValueError "_repeated_blocks attribute is empty")."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = tiny_sd3(seed=0)
+    cond = model.encode(["a cat", "a red square"], negative_prompt=" ")
+    x = torch.randn(2, *model.latent_shape(64, 64), generator=torch.Generator().manual_seed(0))
+    sigma = torch.tensor([0.7, 0.4])
+    ref = model.velocity(x, sigma, cond, guidance_scale=3.0)
+    try:
+        configure_transformer(model.transformer, compile_blocks=True, compile_backend="eager")
+        assert torch.equal(model.velocity(x, sigma, cond, guidance_scale=3.0), ref)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # the blocks ran compiled
     finally:
         torch._dynamo.reset()

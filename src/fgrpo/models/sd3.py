@@ -47,6 +47,10 @@ class SD3:
             raise ValueError(
                 "SD3 needs three text encoders and tokenizers (CLIP-L, CLIP-G, T5; T5 may be None)"
             )
+        if not getattr(transformer, "_repeated_blocks", None):
+            # diffusers 0.40's SD3Transformer2DModel names no repeated block, so its compile_repeated_blocks
+            # (the trainer's regional compile) would raise; the repeated block is the class of its layers.
+            transformer._repeated_blocks = [type(transformer.transformer_blocks[0]).__name__]
         self.transformer = transformer
         self.vae = vae
         self.text_encoders = list(text_encoders)
