@@ -13,11 +13,10 @@ import torch
 from fgrpo import parallel
 from fgrpo.config import GRPOConfig, ModelConfig, TrainConfig
 from fgrpo.core import grpo
-from fgrpo.models.loading import configure_transformer
+from fgrpo.models.loading import configure_transformer, setup_trainable
 from fgrpo.models.tiny import tiny_qwen_image, tiny_sd3
 from fgrpo.rollout.base import SamplingConfig
 from fgrpo.rollout.engine import DiffusersEngine
-from fgrpo.models.loading import setup_trainable
 from fgrpo.train import policy_update
 
 
@@ -27,11 +26,26 @@ def test_compiled_blocks_train_with_varying_prompt_lengths():
     parallel.init_distributed("cpu")
     torch.manual_seed(0)
     model = tiny_qwen_image(seed=0)
-    s = SamplingConfig(height=32, width=32, num_steps=4, guidance_scale=4.0, negative_prompt=" ",
-                       noise_level=1.2, window_size=2, window_range=(0, 3), micro_batch=4)
-    mcfg = ModelConfig(kind="tiny_qwen_image", dtype="fp32", lora_rank=4, lora_alpha=8, gradient_checkpointing=True)
-    cfg = dataclasses.replace(TrainConfig(), model=mcfg, sampling=s,
-                              grpo=GRPOConfig(group_size=4, prompts_per_step=2, optimizer_steps_per_step=2))
+    s = SamplingConfig(
+        height=32,
+        width=32,
+        num_steps=4,
+        guidance_scale=4.0,
+        negative_prompt=" ",
+        noise_level=1.2,
+        window_size=2,
+        window_range=(0, 3),
+        micro_batch=4,
+    )
+    mcfg = ModelConfig(
+        kind="tiny_qwen_image", dtype="fp32", lora_rank=4, lora_alpha=8, gradient_checkpointing=True
+    )
+    cfg = dataclasses.replace(
+        TrainConfig(),
+        model=mcfg,
+        sampling=s,
+        grpo=GRPOConfig(group_size=4, prompts_per_step=2, optimizer_steps_per_step=2),
+    )
     params = setup_trainable(model.transformer, mcfg)
     configure_transformer(model.transformer, compile_blocks=True, compile_backend="eager")
     parallel.shard_transformer(model.transformer, param_dtype=None)
