@@ -10,6 +10,8 @@ Presets (tyro subcommands; every field can still be overridden with a flag):
             QwenImageTransformer2DModel over pixels, see src/fgrpo/assets/textbed/), sampled without CFG,
             the offline PP-OCR reward, its held-out words as validation prompts.
     tiny-gpu  the text renderer on one GPU, 32 words x 16 images a step.
+    dppo, mixgrpo, nft, awm (and each with -tiny / -tiny-gpu)  the same presets trained by Flow-DPPO, MixGRPO,
+            DiffusionNFT or Advantage Weighted Matching instead of Flow-GRPO (see `with_algo`).
 
 How we deviate from flow_grpo's recipe: rewards are all-gathered so a prompt's G samples may live on
 any rank; per-sample seeds make rollouts independent of batch layout; the SDE window is drawn per
@@ -82,17 +84,16 @@ def tiny() -> Config:
         device="cpu",
         model=ModelConfig(kind="textbed", path="", dtype="fp32", lora_rank=32, lora_alpha=64,
                           gradient_checkpointing=False),
-        # No CFG: sampled without guidance the renderer starts at held-out OCR 0.64 (0.83 with CFG 3) and
-        # Flow-GRPO learns to follow the prompt on its own, a direction every word shares, so the ~640 images
-        # a 2-core CPU affords in 10 minutes show it (0.64 -> 0.75 +- 0.04 over 4 seeds). With CFG 3 the same
-        # budget moved the first renderer's score by less than run-to-run noise (RESULTS.md, runs C-F).
-        # No CFG also halves every forward.
+        # No CFG: sampled without guidance the renderer starts low enough for the OCR reward to have room, and
+        # what Flow-GRPO learns first (following the prompt without the guidance crutch) is shared by every word,
+        # so the ~640 images a 2-core CPU affords in 10 minutes show it; with CFG 3 that budget moved the score
+        # by less than run-to-run noise (RESULTS.md). No CFG also halves every forward.
         sampling=SamplingConfig(height=32, width=128, num_steps=10, guidance_scale=1.0, negative_prompt="",
                                 sde_kind="flow_sde", noise_level=0.8, window_size=2, window_range=(0, 5),
                                 micro_batch=16),
         grpo=GRPOConfig(group_size=8, prompts_per_step=4, clip_range=2e-3, adv_std="global",
                         optimizer_steps_per_step=1),
-        # 3e-4 gained more on 2 of 3 seeds but collapsed on the third (RESULTS.md): 1.5e-4 is the safe side.
+        # the larger 3e-4 collapsed on one of three seeds (RESULTS.md): 1.5e-4 is the safe side
         optim=OptimConfig(lr=1.5e-4, weight_decay=1e-4),
         data=DataConfig(train_prompts="textbed:train", val_prompts="textbed:heldout", val_num_prompts=32),
         reward=RewardConfig(name="ocr"),
@@ -108,19 +109,51 @@ def tiny_gpu() -> Config:
         num_steps=150,
         device="cuda",
         model=dataclasses.replace(t.model, dtype="bf16"),
-        # No CFG, as on the CPU (measured, RESULTS.md): with CFG 3, none of 23 runs from a renderer snapshot
-        # that started at 0.71 held more than 0.88, the policy mostly learning to draw the text larger; without
-        # CFG the fully pretrained renderer starts at 0.63 and Flow-GRPO, which learns to follow the prompt
-        # without the guidance crutch, passes 0.9 by step 60-100 (3 seeds) and ends at 0.92-0.94.
+        # No CFG, as on the CPU: with CFG the policy mostly learned to draw the word larger and stalled below 0.9
+        # (RESULTS.md, the CFG-3 records); without it, it learns the letters.
         sampling=dataclasses.replace(t.sampling, micro_batch=256),
         grpo=dataclasses.replace(t.grpo, group_size=16, prompts_per_step=32, optimizer_steps_per_step=2),
-        # measured (RESULTS.md): at a constant lr, 1e-3 / 5e-4 / 2.5e-4 rise for ~10 steps, then fall back or
-        # oscillate (0.73-0.83); decaying 2.5e-4 linearly to 0 over the run climbs steadily to 0.87
+        # a constant lr rose for ~10 steps and then oscillated; a linear decay to 0 climbs steadily (RESULTS.md)
         optim=OptimConfig(lr=2.5e-4, weight_decay=1e-4, schedule="linear"),
         data=dataclasses.replace(t.data, val_num_prompts=256),
         reward=RewardConfig(name='{"name": "ocr", "num_threads": 1}', workers=15),
         run=RunConfig(wandb="disabled", val_every=10, val_num_steps=10, ckpt_every=40, log_images_every=20),
     )
+
+
+def with_algo(base: Config, name: str, *, size: str) -> Config:
+    """`base` trained by another algorithm (fgrpo/algorithms.py), with that algorithm's reference values.
+
+    The data, model, batch (prompts x group size), optimizer steps per step, lr and schedule stay the base
+    preset's, so on one budget the algorithms differ in their update rule alone. Recipe values come from the
+    reference code: Flow-DPPO and DiffusionNFT from verl-omni's / NVlabs' Qwen-Image and SD3 OCR scripts, AWM
+    from its SD3 OCR recipe, MixGRPO from its FLUX scripts (there is no Qwen-Image one).
+    `size`: "recipe" (real model) or "tiny" (the text renderer, CPU or GPU).
+    """
+    tiny_size = size == "tiny"
+    g, s, a = base.grpo, base.sampling, base.algo
+    if name == "dppo":  # no ratio clip: the KL mask is the trust region (tau 1e-5, both references)
+        return dataclasses.replace(base, algo=dataclasses.replace(a, name="dppo", dppo_tau=1e-5))
+    if name == "mixgrpo":
+        # The shared window starts at the first step and moves one step every window_iters training steps;
+        # tiny runs are short, so the window moves sooner to cover the early steps where OCR is decided.
+        iters = max(1, base.num_steps // 8) if tiny_size else 25
+        return dataclasses.replace(base, algo=dataclasses.replace(a, name="mixgrpo", window_iters=iters, window_stride=1))
+    # NFT and AWM sample with the ODE and without CFG (both references) and train at K forward-process points
+    # a sample. The recipes train 9 of 10 grid steps (NFT) or 6 (AWM); the tiny presets train 2 points a sample,
+    # the compute of the base preset's 2-step SDE window, and leave out the reference-KL forward, as the base does.
+    sampling = dataclasses.replace(s, guidance_scale=1.0)
+    if name == "nft":
+        algo = dataclasses.replace(a, name="nft", nft_beta=0.1, train_steps=2 if tiny_size else 9, sample_from_ema=True,
+                                   ema_rate=0.0075, ema_max_decay=0.999, ema_delay=75)
+        grpo = dataclasses.replace(g, kl_coef=0.0 if tiny_size else 1e-4)
+    elif name == "awm":
+        # the first grid step (sigma = 1: x_t is pure noise) is left out, as in the reference
+        algo = dataclasses.replace(a, name="awm", awm_p=0.25, train_steps=2 if tiny_size else 6, train_steps_lo=1)
+        grpo = dataclasses.replace(g, clip_range=1.0, kl_coef=0.0 if tiny_size else 3e-3)
+    else:
+        raise ValueError(f"unknown algorithm {name!r}")
+    return dataclasses.replace(base, sampling=sampling, grpo=grpo, algo=algo)
 
 
 def main(cfg: Config) -> dict[str, float]:
@@ -129,10 +162,19 @@ def main(cfg: Config) -> dict[str, float]:
     return train(cfg, experiment_source=Path(__file__))
 
 
-if __name__ == "__main__":
-    presets = {
+def presets() -> dict[str, tuple[str, Config]]:
+    out = {
         "recipe": ("The published Qwen-Image OCR LoRA recipe (GPUs, real weights).", Config()),
         "tiny": ("Minutes on a CPU: the tiny text renderer, offline OCR reward.", tiny()),
         "tiny-gpu": ("The tiny text renderer on one GPU: 32 words x 16 images per step.", tiny_gpu()),
     }
-    main(tyro.extras.overridable_config_cli(presets))
+    names = {"dppo": "Flow-DPPO", "mixgrpo": "MixGRPO", "nft": "DiffusionNFT", "awm": "AWM"}
+    for algo, title in names.items():
+        out[f"{algo}"] = (f"{title} on the recipe's model and batch.", with_algo(Config(), algo, size="recipe"))
+        out[f"{algo}-tiny"] = (f"{title} on the CPU main job's budget.", with_algo(tiny(), algo, size="tiny"))
+        out[f"{algo}-tiny-gpu"] = (f"{title} on the tiny-gpu budget.", with_algo(tiny_gpu(), algo, size="tiny"))
+    return out
+
+
+if __name__ == "__main__":
+    main(tyro.extras.overridable_config_cli(presets()))

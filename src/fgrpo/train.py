@@ -1,15 +1,18 @@
-"""The Flow-GRPO training loop: thin, top to bottom, owning all state.
+"""The training loop: thin, top to bottom, owning all state. Flow-GRPO's algorithm box, with the parts
+that differ between algorithms asked of `algo` (fgrpo/algorithms.py: Flow-GRPO, Flow-DPPO, MixGRPO,
+DiffusionNFT, AWM):
 
     for step in steps:
         (every N-th step) validate the current weights: ODE samples of held-out prompts, fixed seeds
         prompts  <- deterministic slice of the prompt order (each rank a shard of the P*G samples)
-        traj     <- engine.generate(prompts, seeds)        # SDE inside each sample's window, ODE outside
+        traj     <- engine.generate(prompts, seeds, algo.sampling(step))   # with algo.sampling_weights()
+                    (Flow-GRPO: SDE inside each sample's window, ODE outside; NFT/AWM: the ODE)
         rewards  <- reward(traj.images)  -> all-gather -> group advantages (core)
-        for epoch, mini-batch, window step, micro-batch:
-            log_prob <- policy.transition_log_prob(...)    # the same kernel the rollout used
-            loss     <- clipped_policy_loss (+ KL to the LoRA-disabled reference)
-            backward (scaled so the gradient does not depend on the split)
-        optimizer step per mini-batch; LoRA sync to an out-of-process engine; log; checkpoint
+        algo.update: for epoch, mini-batch, trained point, micro-batch:
+            Flow-GRPO: log_prob <- policy.transition_log_prob(...)   # the same kernel the rollout used
+                       loss     <- clipped_policy_loss (+ KL to the LoRA-disabled reference)
+            backward (scaled so the gradient does not depend on the split); optimizer step per mini-batch
+        algo.after_update (the EMA old policy); LoRA sync to an out-of-process engine; log; checkpoint
 
 Deviations from flow_grpo, and why:
 - Every rank samples an arbitrary slice of the P*G samples (the G samples of a prompt may live on

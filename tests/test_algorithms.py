@@ -1,0 +1,159 @@
+"""The algorithms in the loop (fgrpo/algorithms.py): each one trains end to end, samples what it says, keeps
+its exactness promises (the first update's ratio is 1, Flow-DPPO needs no recompute pass), and NFT's EMA old
+policy behaves as core.ema says and resumes exactly. Tiny random Qwen-Image on the CPU (tests/train_entry.py)."""
+
+import dataclasses
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from train_entry import Config
+
+from fgrpo import algorithms, checkpoint
+from fgrpo import train as train_mod
+from fgrpo.config import validate_config
+from fgrpo.core import schedule
+from fgrpo.rollout.engine import DiffusersEngine
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cfg_for(tmp_path, name, num_steps=2, **algo):
+    c = Config()
+    grpo = dataclasses.replace(c.grpo, clip_range=1.0) if name == "awm" else c.grpo
+    return dataclasses.replace(c, num_steps=num_steps, grpo=grpo, algo=dataclasses.replace(c.algo, name=name, **algo),
+                               run=dataclasses.replace(c.run, out_dir=str(tmp_path)))
+
+
+class Recording(DiffusersEngine):
+    """The in-process engine, remembering each rollout's sampling config and trajectory."""
+
+    seen: list = []
+
+    def generate(self, prompts, seeds, cfg, **kw):
+        traj = super().generate(prompts, seeds, cfg, **kw)
+        Recording.seen.append((cfg, traj))
+        return traj
+
+
+@pytest.fixture
+def recording(monkeypatch):
+    Recording.seen = []
+    monkeypatch.setattr(train_mod, "build_engine", lambda model, engine, path: Recording(model))
+    return Recording.seen
+
+
+@pytest.mark.parametrize("name", ["dppo", "mixgrpo", "nft", "awm"])
+def test_each_algorithm_trains_end_to_end(tmp_path, name, recording):
+    """Two steps: the weights move, the losses are finite, and the first update of the on-policy ones is exact."""
+    m = train_mod.train(cfg_for(tmp_path, name, window_iters=1))
+    assert m["train/skipped_steps"] == 0 and m["train/optimizer_steps"] == 2
+    assert all(torch.isfinite(torch.tensor(v)) for k, v in m.items() if k.startswith("train/"))
+    w1 = checkpoint._read_tensors(checkpoint.latest(tmp_path / "e2e" / "checkpoints") / "model.safetensors")
+    assert max(t.abs().max().item() for k, t in w1.items() if "lora_B" in k) > 0  # B starts at 0: it trained
+    cfgs = [c for c, _ in recording]
+    if name in ("nft", "awm"):  # ODE rollouts, no window, clean latents kept
+        assert all(c.window_size == 0 and c.sde_kind == "ode" for c in cfgs)
+        assert all(t.x0 is not None for _, t in recording)
+    if name == "mixgrpo":  # one window for the whole batch, at sliding_window's position for each step
+        for step, (_cfg, traj) in enumerate(recording):
+            want = schedule.sliding_window(step, num_steps=4, window_size=2, iters_per_window=1, lo=0)
+            assert traj.window.tolist() == [want] * len(traj)
+
+
+@pytest.mark.parametrize("name", ["awm", "dppo"])
+def test_first_update_is_exactly_on_policy(tmp_path, name, monkeypatch):
+    """AWM's old log-weights come from a no-grad pass over the training forwards' rows, Flow-DPPO's old means from
+    the rollout itself (a recompute pass would be the only other source: it is made to fail here)."""
+    def no_recompute(*a, **k):
+        raise AssertionError("Flow-DPPO recomputed the old means")
+
+    monkeypatch.setattr(algorithms, "recompute_log_probs_and_means", no_recompute)
+    cfg = cfg_for(tmp_path, name, num_steps=1)
+    m = train_mod.train(dataclasses.replace(cfg, grpo=dataclasses.replace(cfg.grpo, optimizer_steps_per_step=1)))
+    assert m["train/ratio_min"] == m["train/ratio_max"] == 1.0
+    if name == "dppo":
+        assert m["train/masked_frac"] == 0.0  # D = 0 < tau everywhere at unchanged weights
+
+
+def test_nft_samples_with_the_ema_and_the_ema_follows_core_ema(tmp_path, monkeypatch):
+    """old <- d old + (1 - d) theta after each step with d = ema_decay(optimizer steps done): 0.2 after step 0
+    (2 optimizer steps, rate 0.1), 0.4 after step 1; step 1's rollout samples with the old weights."""
+    sampled = []
+
+    class Weighing(DiffusersEngine):
+        def generate(self, prompts, seeds, cfg, **kw):
+            ps = [p for p in self.model.transformer.parameters() if p.requires_grad]
+            sampled.append([algorithms._local(p).detach().clone() for p in ps])
+            return super().generate(prompts, seeds, cfg, **kw)
+
+    monkeypatch.setattr(train_mod, "build_engine", lambda model, engine, path: Weighing(model))
+    calls = []
+    real_update = algorithms.EmaWeights.update
+
+    def spy(self, done):
+        before = [t.clone() for t in self.tensors]
+        d = real_update(self, done)
+        theta = [algorithms._local(p).detach().clone() for p in self.params]
+        calls.append((done, d, before, [t.clone() for t in self.tensors], theta))
+        return d
+
+    monkeypatch.setattr(algorithms.EmaWeights, "update", spy)
+    train_mod.train(cfg_for(tmp_path, "nft", num_steps=2, ema_rate=0.1, ema_max_decay=0.9, ema_delay=0))
+    assert [(c[0], c[1]) for c in calls] == [(2, pytest.approx(0.2)), (4, pytest.approx(0.4))]
+    for _done, d, before, after, theta in calls:
+        for b, a, t in zip(before, after, theta):
+            torch.testing.assert_close(a, d * b + (1 - d) * t)
+    assert all(torch.equal(s, b) for s, b in zip(sampled[0], calls[0][2]))  # step 0: the EMA = the initial theta
+    assert all(torch.equal(s, a) for s, a in zip(sampled[1], calls[0][3]))  # step 1: the EMA after step 0
+    assert any(not torch.equal(s, t) for s, t in zip(sampled[1], calls[0][4]))  # ... which is not theta
+
+
+def test_nft_resume_is_exact_including_the_ema(tmp_path):
+    """2 steps straight = 1 step, then a resume for the second: the EMA is restored from the checkpoint."""
+    straight = cfg_for(tmp_path / "a", "nft", num_steps=2, ema_rate=0.3, ema_max_decay=0.9, ema_delay=1)
+    train_mod.train(straight)
+    first = dataclasses.replace(cfg_for(tmp_path / "b", "nft", num_steps=1, ema_rate=0.3, ema_max_decay=0.9,
+                                        ema_delay=1))
+    train_mod.train(first)
+    resumed = dataclasses.replace(straight, run=dataclasses.replace(straight.run, out_dir=str(tmp_path / "b"),
+                                                                     resume="auto"))
+    train_mod.train(resumed)
+    a = checkpoint.latest(tmp_path / "a" / "e2e" / "checkpoints")
+    b = checkpoint.latest(tmp_path / "b" / "e2e" / "checkpoints")
+    for f in ("model.safetensors", "tensors_rank0.safetensors"):
+        ta, tb = checkpoint._read_tensors(a / f), checkpoint._read_tensors(b / f)
+        assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta), f
+
+
+def test_forward_process_settings_are_checked(tmp_path):
+    base = cfg_for(tmp_path, "nft")
+    bad = dataclasses.replace(base, algo=dataclasses.replace(base.algo, train_steps=9, train_steps_hi=3))
+    with pytest.raises(ValueError, match="algo.train_steps=9"):
+        validate_config(bad, world_size=1)
+    with pytest.raises(ValueError, match="--grpo.ratio-norm"):
+        validate_config(dataclasses.replace(base, grpo=dataclasses.replace(base.grpo, ratio_norm=True)), world_size=1)
+    # an ODE sampling config is fine for NFT (nothing trains the window) and refused for Flow-GRPO
+    ode = dataclasses.replace(base.sampling, sde_kind="ode", window_size=0)
+    validate_config(dataclasses.replace(base, sampling=ode), world_size=1)
+    with pytest.raises(ValueError, match="nothing to train"):
+        validate_config(dataclasses.replace(base, sampling=ode, algo=Config().algo), world_size=1)
+
+
+def test_every_algorithm_preset_validates_and_keeps_the_base_budget():
+    spec = importlib.util.spec_from_file_location("qwen_image_ocr", ROOT / "experiments" / "qwen_image_ocr.py")
+    m = importlib.util.module_from_spec(spec)
+    sys.modules["qwen_image_ocr"] = m
+    spec.loader.exec_module(m)
+    presets = m.presets()
+    for algo in ("dppo", "mixgrpo", "nft", "awm"):
+        for suffix, base in (("", m.Config()), ("-tiny", m.tiny()), ("-tiny-gpu", m.tiny_gpu())):
+            cfg = presets[algo + suffix][1]
+            assert cfg.algo.name == algo
+            validate_config(cfg, world_size=1)
+            same = lambda c: (c.num_steps, c.grpo.group_size, c.grpo.prompts_per_step,  # noqa: E731
+                              c.grpo.optimizer_steps_per_step, c.optim, c.model, c.data, c.sampling.num_steps)
+            assert same(cfg) == same(base)
+    assert set(algorithms.ALGORITHMS) == {"grpo", "dppo", "mixgrpo", "nft", "awm"}
