@@ -132,6 +132,8 @@ def tiny() -> Config:
 class Velocity(nn.Module):
     """v(x_t, sigma): an MLP on x_t and a few Fourier features of sigma."""
 
+    freqs: torch.Tensor  # a registered buffer (nn.Module's attribute lookup types it as Tensor | Module)
+
     def __init__(self, hidden: int):
         super().__init__()
         self.register_buffer("freqs", torch.tensor([1.0, 2.0, 4.0, 8.0]) * math.pi, persistent=False)

@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 
 from fgrpo.core import sde
-from fgrpo.models.base import Cond, FlowModel
+from fgrpo.models.base import Cond, VelocityModel
 from fgrpo.rollout.base import SamplingConfig
 
 
 def transition(
-    model: FlowModel,
+    model: VelocityModel,
     x_t: torch.Tensor,
     sigma: torch.Tensor,
     sigma_next: torch.Tensor,
@@ -35,7 +35,7 @@ def transition(
 
 
 def transition_log_prob(
-    model: FlowModel,
+    model: VelocityModel,
     x_t: torch.Tensor,
     x_next: torch.Tensor,
     sigma: torch.Tensor,

@@ -213,6 +213,12 @@ def test_sd3_batched_cfg_equals_two_separate_forwards(sd3):
     torch.testing.assert_close(sd3.velocity(x, sigma, cond, guidance_scale=1.0), v_cond, rtol=1e-6, atol=1e-6)
 
 
+def test_sd3_without_a_clip_encoder_is_a_clear_error(sd3_parts):
+    c = sd3_parts
+    with pytest.raises(ValueError, match="CLIP-L and CLIP-G"):
+        SD3(c["transformer"], c["vae"], [c["text_encoder"], None, None], [c["tokenizer"]] * 3)
+
+
 @pytest.mark.parametrize("model_name", ["qwen", "sd3"])
 def test_cfg_without_negative_prompt_is_a_clear_error(model_name, request):
     model = request.getfixturevalue(model_name)

@@ -23,11 +23,25 @@ def cond_index(cond: Cond, idx: torch.Tensor | slice) -> Cond:
     return {k: v[idx] for k, v in cond.items()}
 
 
+class VelocityModel(Protocol):
+    """What a transition step needs of a model: its velocity (fgrpo.policy.transition)."""
+
+    def velocity(
+        self, x_t: torch.Tensor, sigma: torch.Tensor, cond: Cond, *, guidance_scale: float
+    ) -> torch.Tensor:
+        """Predicted velocity, fp32, shape of x_t. sigma: [B]. CFG (true-CFG or plain) happens here."""
+        ...
+
+
 @runtime_checkable
-class FlowModel(Protocol):
+class FlowModel(VelocityModel, Protocol):
     """A text-to-image rectified-flow model: x_t = (1 - sigma) * x0 + sigma * noise, v = noise - x0."""
 
-    transformer: nn.Module  # the module that LoRA wraps, FSDP shards and the optimizer trains
+    @property
+    def transformer(self) -> nn.Module:
+        """The module that LoRA wraps, FSDP shards and the optimizer trains (read-only here, so a model may
+        declare it as its own diffusers class)."""
+        ...
 
     def encode(self, prompts: Sequence[str], *, negative_prompt: str | None = None) -> Cond:
         """Text conditioning for `prompts` ([B] rows); with `negative_prompt`, also the `neg_*` rows."""
@@ -39,10 +53,6 @@ class FlowModel(Protocol):
 
     def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
         """The sampling schedule, [num_steps + 1] fp32, from 1 (or shifted near 1) down to 0."""
-        ...
-
-    def velocity(self, x_t: torch.Tensor, sigma: torch.Tensor, cond: Cond, *, guidance_scale: float) -> torch.Tensor:
-        """Predicted velocity, fp32, shape of x_t. sigma: [B]. CFG (true-CFG or plain) happens here."""
         ...
 
     def decode(self, x0: torch.Tensor, height: int, width: int) -> torch.Tensor:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any
 
 import torch
 
@@ -38,6 +39,14 @@ class PromptCache:
 
     def clear(self) -> None:
         self._store.clear()
+
+
+def complete_scheduler_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A flow-match scheduler config (a model's scheduler_config.json) with diffusers' defaults for the keys it
+    omits: what the FlowMatchEulerDiscreteScheduler a pipeline builds from that file holds."""
+    from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
+
+    return {**FlowMatchEulerDiscreteScheduler().config, **config}
 
 
 def pad_stack(seqs: list[torch.Tensor], length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,6 +28,7 @@ from fgrpo.models.base import Cond
 from fgrpo.models.common import (
     PromptCache,
     check_resolution,
+    complete_scheduler_config,
     module_device,
     module_dtype,
     pad_stack,
@@ -39,7 +40,8 @@ from fgrpo.models.common import (
 if (
     TYPE_CHECKING
 ):  # diffusers is imported where a model is built, so fgrpo.config can read the constants below
-    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+    from diffusers.models.autoencoders.autoencoder_kl_qwenimage import AutoencoderKLQwenImage
+    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
 
 PROMPT_TEMPLATE = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
@@ -89,14 +91,12 @@ _SCHEDULE_KEYS = {
 }
 
 
-def schedule_kwargs(scheduler_config: Mapping[str, Any]) -> dict[str, Any]:
+def schedule_kwargs(config: Mapping[str, Any]) -> dict[str, Any]:
     """core.schedule.qwen_image_sigmas's keywords from a diffusers scheduler config.
 
     A key the config omits takes FlowMatchEulerDiscreteScheduler's default, as in the pipeline's scheduler.
     """
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    full = FlowMatchEulerDiscreteScheduler.from_config(dict(scheduler_config)).config
+    full = complete_scheduler_config(config)
     if not full["use_dynamic_shifting"] or full["time_shift_type"] != "exponential":
         raise ValueError(
             f"scheduler config has use_dynamic_shifting={full['use_dynamic_shifting']}, time_shift_type="
@@ -135,12 +135,15 @@ class QwenImage:
         self.tokenizer = tokenizer
         self.schedule_kwargs = schedule_kwargs(scheduler_config)
         self.max_sequence_length = max_sequence_length
+        # diffusers annotates ConfigMixin.config as dict[str, Any]; it is a FrozenDict with attribute access.
+        tcfg: Any = transformer.config
+        vcfg: Any = vae.config
         self.vae_scale = 2 ** len(vae.temperal_downsample)
-        self.patch = transformer.config.patch_size
-        self.latent_channels = vae.config.z_dim
-        if transformer.config.in_channels != self.latent_channels * self.patch**2:
+        self.patch = tcfg.patch_size
+        self.latent_channels = vcfg.z_dim
+        if tcfg.in_channels != self.latent_channels * self.patch**2:
             raise ValueError(
-                f"transformer in_channels={transformer.config.in_channels} != VAE z_dim {self.latent_channels} "
+                f"transformer in_channels={tcfg.in_channels} != VAE z_dim {self.latent_channels} "
                 f"x patch {self.patch}^2; the transformer and VAE do not belong together"
             )
         self.prompt_cache = PromptCache(self._encode_one, prompt_cache_size)
@@ -158,11 +161,9 @@ class QwenImage:
         **kwargs,
     ) -> QwenImage:
         """Load a diffusers-format Qwen-Image directory or hub id (subfolders transformer, vae, ...)."""
-        from diffusers import (
-            AutoencoderKLQwenImage,
-            FlowMatchEulerDiscreteScheduler,
-            QwenImageTransformer2DModel,
-        )
+        from diffusers.models.autoencoders.autoencoder_kl_qwenimage import AutoencoderKLQwenImage
+        from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
+        from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
         from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
         path = str(path)
@@ -176,14 +177,13 @@ class QwenImage:
                 path, subfolder="text_encoder", dtype=text_encoder_dtype or dtype
             )
         tokenizer = Qwen2Tokenizer.from_pretrained(path, subfolder="tokenizer")
-        scheduler_config = FlowMatchEulerDiscreteScheduler.load_config(path, subfolder="scheduler")
         return cls.from_modules(
             transformer,
             vae,
             text_encoder,
             tokenizer,
             device=device,
-            scheduler_config=scheduler_config,
+            scheduler_config=FlowMatchEulerDiscreteScheduler.load_config(path, subfolder="scheduler"),
             **kwargs,
         )
 
@@ -281,7 +281,7 @@ class QwenImage:
     @torch.no_grad()
     def decode(self, x0: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """Clean latents [B, C, h, w] -> uint8 [B, H, W, 3]: undo the VAE's latent normalisation, decode."""
-        cfg = self.vae.config
+        cfg: Any = self.vae.config
         vdtype = module_dtype(self.vae)
         z = x0.to(vdtype)[:, :, None]  # [B, C, 1, h, w]: the VAE is a video VAE with one frame
         mean = torch.tensor(cfg.latents_mean, device=z.device, dtype=vdtype).view(1, -1, 1, 1, 1)

@@ -11,16 +11,25 @@ never depends on its batch-mates), and skip-layer guidance is not supported (pla
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
+from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
+from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 
 from fgrpo.core import guidance, schedule
 from fgrpo.models.base import Cond
-from fgrpo.models.common import PromptCache, check_resolution, module_device, module_dtype, to_uint8
+from fgrpo.models.common import (
+    PromptCache,
+    check_resolution,
+    complete_scheduler_config,
+    module_device,
+    module_dtype,
+    to_uint8,
+)
 
 CLIP_MAX_LENGTH = 77
 T5_MAX_LENGTH = 256
@@ -39,7 +48,7 @@ class SD3:
         text_encoders: Sequence[torch.nn.Module | None],
         tokenizers: Sequence,
         *,
-        shift: float = SCHEDULER_CONFIG["shift"],
+        scheduler_config: Mapping[str, Any] = SCHEDULER_CONFIG,
         max_sequence_length: int = T5_MAX_LENGTH,
         prompt_cache_size: int = 1024,
     ):
@@ -47,19 +56,26 @@ class SD3:
             raise ValueError(
                 "SD3 needs three text encoders and tokenizers (CLIP-L, CLIP-G, T5; T5 may be None)"
             )
+        clip_l, clip_g, t5 = text_encoders
+        if clip_l is None or clip_g is None:
+            raise ValueError("SD3 needs the CLIP-L and CLIP-G text encoders; only T5 may be None")
         if not getattr(transformer, "_repeated_blocks", None):
             # diffusers 0.40's SD3Transformer2DModel names no repeated block, so its compile_repeated_blocks
             # (the trainer's regional compile) would raise; the repeated block is the class of its layers.
             transformer._repeated_blocks = [type(transformer.transformer_blocks[0]).__name__]
         self.transformer = transformer
         self.vae = vae
-        self.text_encoders = list(text_encoders)
+        self.clips, self.t5 = (clip_l, clip_g), t5
         self.tokenizers = list(tokenizers)
-        self.shift = shift
+        self.shift = complete_scheduler_config(scheduler_config)["shift"]
         self.max_sequence_length = max_sequence_length
-        self.vae_scale = 2 ** (len(vae.config.block_out_channels) - 1)
-        self.patch = transformer.config.patch_size
-        self.latent_channels = transformer.config.in_channels
+        # diffusers annotates ConfigMixin.config as dict[str, Any]; it is a FrozenDict with attribute access.
+        tcfg: Any = transformer.config
+        vcfg: Any = vae.config
+        self.vae_scale = 2 ** (len(vcfg.block_out_channels) - 1)
+        self.patch = tcfg.patch_size
+        self.latent_channels = tcfg.in_channels
+        self.joint_dim = tcfg.joint_attention_dim
         self.prompt_cache = PromptCache(self._encode_one, prompt_cache_size)
 
     # ------------------------------------------------------------------------------------------------
@@ -92,8 +108,10 @@ class SD3:
             AutoTokenizer.from_pretrained(path, subfolder=s)
             for s in ("tokenizer", "tokenizer_2", "tokenizer_3")
         ]
-        shift = FlowMatchEulerDiscreteScheduler.from_pretrained(path, subfolder="scheduler").config["shift"]
-        return cls.from_modules(transformer, vae, encoders, tokenizers, device=device, shift=shift, **kwargs)
+        scheduler_config = FlowMatchEulerDiscreteScheduler.load_config(path, subfolder="scheduler")
+        return cls.from_modules(
+            transformer, vae, encoders, tokenizers, device=device, scheduler_config=scheduler_config, **kwargs
+        )
 
     @classmethod
     def from_modules(cls, transformer, vae, text_encoders, tokenizers, *, device=None, **kwargs) -> SD3:
@@ -115,7 +133,7 @@ class SD3:
 
     # ------------------------------------------------------------------------------------------------
     def _clip(self, i: int, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
-        tok, enc = self.tokenizers[i], self.text_encoders[i]
+        tok, enc = self.tokenizers[i], self.clips[i]
         ids = tok(
             [prompt], padding="max_length", max_length=CLIP_MAX_LENGTH, truncation=True, return_tensors="pt"
         )
@@ -123,9 +141,9 @@ class SD3:
         return out.hidden_states[-2][0], out[0][0]  # [77, D_i] penultimate layer, [P_i] projected pooled
 
     def _t5(self, prompt: str) -> torch.Tensor:
-        enc = self.text_encoders[2]
+        enc = self.t5
         if enc is None:  # SD3 runs without T5 on zeros, as the pipeline does
-            return torch.zeros(self.max_sequence_length, self.transformer.config.joint_attention_dim)
+            return torch.zeros(self.max_sequence_length, self.joint_dim)
         ids = self.tokenizers[2](
             [prompt],
             padding="max_length",
@@ -198,6 +216,6 @@ class SD3:
     @torch.no_grad()
     def decode(self, x0: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """Clean latents [B, C, h, w] -> uint8 [B, H, W, 3]."""
-        cfg = self.vae.config
+        cfg: Any = self.vae.config
         z = x0.to(module_dtype(self.vae)) / cfg.scaling_factor + cfg.shift_factor
         return to_uint8(self.vae.decode(z, return_dict=False)[0])

@@ -16,13 +16,11 @@ import json
 from pathlib import Path
 
 import torch
-from diffusers import (
-    AutoencoderKL,
-    AutoencoderKLQwenImage,
-    FlowMatchEulerDiscreteScheduler,
-    QwenImageTransformer2DModel,
-    SD3Transformer2DModel,
-)
+from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
+from diffusers.models.autoencoders.autoencoder_kl_qwenimage import AutoencoderKLQwenImage
+from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
+from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
+from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
     CLIPTextConfig,
@@ -72,7 +70,8 @@ def tiny_qwen_tokenizer() -> Qwen2Tokenizer:
         ]
     )
     vocab, merges = _train_bpe(PROMPT_TEMPLATE.format(_EXTRA_TEXT), specials, pre)
-    tok = Qwen2Tokenizer(vocab=vocab, merges=merges)
+    # transformers annotates merges as list[str]; its tokenizers backend takes the (a, b) pairs we pass.
+    tok = Qwen2Tokenizer(vocab=vocab, merges=merges)  # pyright: ignore[reportArgumentType]
     tok.add_special_tokens({"additional_special_tokens": specials[1:]})
     prefix = PROMPT_TEMPLATE.split("{}")[0]
     n = len(tok(prefix)["input_ids"])
@@ -136,7 +135,7 @@ def tiny_qwen_image_components(seed: int = 0) -> dict:
         vision_config = dict(
             depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=hidden
         )
-        config = Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config, vocab_size=vocab)
+        config = Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config)
         text_encoder = Qwen2_5_VLForConditionalGeneration(config)
         transformer = QwenImageTransformer2DModel(
             patch_size=2,
@@ -187,7 +186,7 @@ def save_tiny_qwen_image(path: str | Path, seed: int = 0) -> Path:
 
     QwenImagePipeline.from_pretrained(path) and vLLM-Omni load it like the real Qwen/Qwen-Image.
     """
-    from diffusers import QwenImagePipeline
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
 
     path = Path(path)
     QwenImagePipeline(**tiny_qwen_image_components(seed)).save_pretrained(path)
@@ -215,9 +214,10 @@ def tiny_sd3_components(seed: int = 0) -> dict:
                     num_attention_heads=2,
                     max_position_embeddings=CLIP_MAX_LENGTH,
                     projection_dim=proj,
-                    bos_token_id=clip_tok.bos_token_id,
-                    eos_token_id=clip_tok.eos_token_id,
-                    pad_token_id=clip_tok.pad_token_id,
+                    # ints here; transformers types a tokenizer's *_token_id as int | str | list | None
+                    bos_token_id=clip_tok.bos_token_id,  # pyright: ignore[reportArgumentType]
+                    eos_token_id=clip_tok.eos_token_id,  # pyright: ignore[reportArgumentType]
+                    pad_token_id=clip_tok.pad_token_id,  # pyright: ignore[reportArgumentType]
                 )
             )
 
@@ -231,9 +231,8 @@ def tiny_sd3_components(seed: int = 0) -> dict:
                 d_ff=32,
                 num_layers=2,
                 num_heads=4,
-                pad_token_id=t5_tok.pad_token_id,
-                eos_token_id=t5_tok.eos_token_id,
-                decoder_start_token_id=t5_tok.pad_token_id,
+                pad_token_id=t5_tok.pad_token_id,  # pyright: ignore[reportArgumentType]
+                eos_token_id=t5_tok.eos_token_id,  # pyright: ignore[reportArgumentType]
             )
         )
         transformer = SD3Transformer2DModel(
@@ -253,9 +252,10 @@ def tiny_sd3_components(seed: int = 0) -> dict:
         vae = AutoencoderKL(
             in_channels=3,
             out_channels=3,
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
-            block_out_channels=(8, 8, 16, 16),
+            # diffusers annotates these as tuple[str] / tuple[int] (one element); any length is meant
+            down_block_types=("DownEncoderBlock2D",) * 4,  # pyright: ignore[reportArgumentType]
+            up_block_types=("UpDecoderBlock2D",) * 4,  # pyright: ignore[reportArgumentType]
+            block_out_channels=(8, 8, 16, 16),  # pyright: ignore[reportArgumentType]
             layers_per_block=1,
             latent_channels=4,
             norm_num_groups=4,
