@@ -1,15 +1,16 @@
-"""One full Flow-GRPO step of the Qwen-Image OCR LoRA recipe at real size, phase by phase.
+"""One full training step of the Qwen-Image OCR LoRA recipe at real size, phase by phase (any --algo).
 
 Real-size QwenImageTransformer2DModel (20 B) and AutoencoderKLQwenImage with random weights built on
 the GPU by benchmarks/rollout.py's `build_real`; the 7 B text encoder is replaced by fixed random prompt
 embeddings of realistic lengths (its cost is one forward per distinct prompt, cached over the group). The reward is a stub (random scores);
 the OCR reward's cost is measured separately in benchmarks/rewards.py. Everything else is the
-trainer's own code: DiffusersEngine.generate, train.policy_update (LoRA r64, FSDP2 world of one, bf16
+trainer's own code: DiffusersEngine.generate, algorithms.*.update (LoRA r64, FSDP2 world of one, bf16
 compute, fp32 masters, gradient checkpointing), recompute of old log-probs.
 
     python benchmarks/train_step.py                      # H200: 2 prompts x 16 images, eager
     python benchmarks/train_step.py --compile            # regional torch.compile of the blocks
     python benchmarks/train_step.py --tiny               # CPU wiring check with a tiny model
+    python benchmarks/train_step.py --compile --algo nft # another update rule (grpo dppo mixgrpo nft awm)
     torchrun --nproc-per-node 2 benchmarks/train_step.py --prompts 4   # 2 GPUs, 32 images per GPU
     python benchmarks/train_step.py --opt-steps 1 --iters 0 --save-update /tmp/u.safetensors
     torchrun --nproc-per-node 2 benchmarks/train_step.py --opt-steps 1 --iters 0 --compare-update /tmp/u.safetensors
@@ -41,6 +42,10 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=8, help="samples per forward (x2 sequences with CFG)")
     ap.add_argument("--opt-steps", type=int, default=2, help="optimizer steps per training step")
     ap.add_argument("--cfg", type=float, default=4.0, help="true-CFG scale (1 = the no-CFG full-weight recipe)")
+    ap.add_argument("--algo", default="grpo", choices=["grpo", "dppo", "mixgrpo", "nft", "awm"],
+                    help="update rule (fgrpo/algorithms.py); nft/awm roll out with the ODE and train "
+                    "--train-points forward-process points a sample without CFG")
+    ap.add_argument("--train-points", type=int, default=2, help="nft/awm: points per sample (the tiny presets' 2)")
     ap.add_argument("--full", action="store_true", help="train all transformer weights instead of LoRA")
     ap.add_argument("--layers", type=int, default=60, help="transformer blocks of the real-size model")
     ap.add_argument("--compile", action="store_true", help="regional torch.compile of the transformer blocks")
@@ -52,13 +57,19 @@ def main() -> None:
     ap.add_argument("--compare-update", default="", help="after the warm-up step: compare them with this file")
     args = ap.parse_args()
 
-    from fgrpo import parallel
-    from fgrpo.config import GRPOConfig, ModelConfig, OptimConfig, TrainConfig
+    from fgrpo import algorithms, parallel
+    from fgrpo.config import (
+        FORWARD_PROCESS_ALGOS,
+        AlgoConfig,
+        GRPOConfig,
+        ModelConfig,
+        OptimConfig,
+        TrainConfig,
+    )
     from fgrpo.core import grpo
     from fgrpo.models.loading import configure_transformer, setup_trainable
     from fgrpo.rollout.base import SamplingConfig
     from fgrpo.rollout.engine import DiffusersEngine, recompute_log_probs_and_means
-    from fgrpo.train import policy_update
 
     d = parallel.init_distributed("cpu" if args.tiny else "cuda")
     n = args.prompts * args.group
@@ -78,7 +89,9 @@ def main() -> None:
         TrainConfig(), model=mcfg, sampling=sampling,
         grpo=GRPOConfig(group_size=args.group, prompts_per_step=args.prompts, optimizer_steps_per_step=args.opt_steps),
         optim=OptimConfig(lr=lr, weight_decay=1e-4),
+        algo=AlgoConfig(name=args.algo, train_steps=args.train_points, ema_delay=0),
     )
+    forward_process = args.algo in FORWARD_PROCESS_ALGOS
     params = setup_trainable(model.transformer, mcfg)
     if args.compile:
         configure_transformer(model.transformer, compile_blocks=True)
@@ -88,6 +101,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=1e-4)
     sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1.0)
     engine = DiffusersEngine(model)
+    algo = algorithms.build(cfg, params)
     ids = range(d.rank * n_local, (d.rank + 1) * n_local)  # this rank's slice of the global batch
     prompts = [f'A storefront sign that says "WORD{i // args.group}"' for i in ids]
     n_trainable = sum(p.numel() for p in params)  # a DTensor's numel() is the global size
@@ -113,16 +127,19 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
         sync()
         t0 = time.perf_counter()
-        with torch.no_grad():
-            traj = engine.generate(prompts, [it * 1000 + i for i in ids], sampling)
+        with torch.no_grad(), algo.sampling_weights():
+            traj = engine.generate(prompts, [it * 1000 + i for i in ids], algo.sampling(it))
         sync()
         t1 = time.perf_counter()
         rewards = torch.randn(n, generator=torch.Generator().manual_seed(it)).to(d.device)
         adv = grpo.group_advantages(rewards, args.group, std="global")[ids.start : ids.stop]
-        recompute_log_probs_and_means(model, traj, sampling)  # the 'recompute' variant's extra pass
+        if not forward_process:
+            recompute_log_probs_and_means(model, traj, sampling)  # the 'recompute' variant's extra pass
         sync()
         t2 = time.perf_counter()
-        m = policy_update(model, params, optimizer, sched, traj, adv, cfg, torch.Generator().manual_seed(it))
+        m = algo.update(model, params, optimizer, sched, traj, adv, torch.Generator().manual_seed(it))
+        m.update(algo.after_update(it))
+        m.setdefault("logprob_gap/max", float("nan"))  # NFT/AWM have no transition log-probs
         sync()
         t3 = time.perf_counter()
         if prof is not None:
@@ -151,7 +168,9 @@ def main() -> None:
     W, steps = sampling.window_size, sampling.num_steps
     forwards = 2 if args.cfg > 1 else 1
     fwd_roll = n_local * steps * forwards
-    fwd_train = n_local * W * forwards * 3
+    # window algorithms: W steps x CFG sequences x (forward + input-grad backward + checkpoint recompute);
+    # NFT/AWM: K points x (the old policy's no-grad forward + the same 3), one sequence (no CFG in training)
+    fwd_train = n_local * args.train_points * 4 if forward_process else n_local * W * forwards * 3
     depth = args.layers / 60
     floor_s = (fwd_roll + fwd_train) * TFLOP_PER_FORWARD_512 * depth / MATMUL_TFLOPS_H200
     total = roll + train

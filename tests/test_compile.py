@@ -10,14 +10,13 @@ import dataclasses
 
 import torch
 
-from fgrpo import parallel
+from fgrpo import algorithms, parallel
 from fgrpo.config import GRPOConfig, ModelConfig, TrainConfig
 from fgrpo.core import grpo
 from fgrpo.models.loading import configure_transformer, setup_trainable
 from fgrpo.models.tiny import tiny_qwen_image, tiny_sd3
 from fgrpo.rollout.base import SamplingConfig
 from fgrpo.rollout.engine import DiffusersEngine
-from fgrpo.train import policy_update
 
 
 def test_compiled_blocks_train_with_varying_prompt_lengths():
@@ -60,7 +59,7 @@ def test_compiled_blocks_train_with_varying_prompt_lengths():
             with torch.no_grad():
                 traj = engine.generate(prompts, list(range(8)), s)
             adv = grpo.group_advantages(torch.randn(8, generator=torch.Generator().manual_seed(it)), 4)
-            m = policy_update(model, params, opt, sched, traj, adv, cfg, torch.Generator().manual_seed(it))
+            m = algorithms.build(cfg, params).update(model, params, opt, sched, traj, adv, torch.Generator().manual_seed(it))
             # compiled rollout and compiled training forward still agree exactly at unchanged weights
             assert m["logprob_gap/max"] == 0.0
             assert m["skipped_steps"] == 0.0

@@ -6,13 +6,12 @@ import dataclasses
 import pytest
 import torch
 
+from fgrpo import algorithms
 from fgrpo.config import GRPOConfig, OptimConfig, TrainConfig
 from fgrpo.models.loading import add_lora
 from fgrpo.models.tiny import tiny_qwen_image
 from fgrpo.rollout.base import SamplingConfig
-from fgrpo.rollout.engine import DiffusersEngine
-from fgrpo.rollout.engine import minibatch_rows
-from fgrpo.train import policy_update
+from fgrpo.rollout.engine import DiffusersEngine, minibatch_rows
 
 SAMPLING = SamplingConfig(
     height=32, width=32, num_steps=4, guidance_scale=3.0, negative_prompt=" ", sde_kind="flow_sde",
@@ -36,7 +35,7 @@ def run_update(model, traj, grpo_cfg, advantages, lr=1.0):
     opt = torch.optim.SGD(params, lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0)
     cfg = dataclasses.replace(TrainConfig(), sampling=SAMPLING, grpo=grpo_cfg, optim=OptimConfig(grad_clip=1e9))
-    metrics = policy_update(model, params, opt, sched, traj, advantages, cfg, torch.Generator().manual_seed(0))
+    metrics = algorithms.build(cfg, params).update(model, params, opt, sched, traj, advantages, torch.Generator().manual_seed(0))
     return model, metrics
 
 
