@@ -1,26 +1,31 @@
 """OCR by a VLM transcriber (e.g. Qwen2.5-VL-3B-Instruct, Qwen3-VL-8B-Instruct) through vLLM.
 
-Two engines with one request shape (`transcribe_messages`), both `OcrEngine`s for `OcrReward`:
-- `VlmOcrEngine`: a client of vLLM's OpenAI-compatible server (`vllm serve <model>`): one chat request
-  per image, sent concurrently (bounded), image as a base64 PNG data URL, greedy decoding by default so the
-  reward is not itself random.
+Two engines with one request (`transcribe_messages`), both `OcrEngine`s for `OcrReward`, which scores
+their text the same way as PP-OCR's:
+- `VlmOcrEngine`: the `openai` client of vLLM's OpenAI-compatible server (`vllm serve <model>`): one chat
+  request per image, sent concurrently (bounded), image as a base64 PNG data URL, greedy decoding by
+  default so the reward is not itself random; the client's timeouts and retries (5xx, 408/409/429,
+  dropped connections, timeouts; exponential backoff or the server's Retry-After).
 - `VllmOcrEngine`: an in-process `vllm.LLM` (vllm is imported only when this engine is built; it is in
   the optional `vllm` extra).
 
-vLLM cannot run on the CPU dev box, so the tests check the request/response handling of `VlmOcrEngine`
-against a local fake OpenAI-compatible server on 127.0.0.1 (aiohttp.web), and `VllmOcrEngine` against a
-stub `vllm` module; neither has been run against a real model here.
+Spec for `build_reward`: {"name": "ocr", "engine": "vlm", "base_url": "http://127.0.0.1:8000", "model": ...}
+(server) or {"name": "ocr", "engine": "vllm", "model": ...} (in-process).
+
+vLLM cannot run on a CPU machine, so the tests check `VlmOcrEngine` against a fake OpenAI-compatible
+server on 127.0.0.1 (aiohttp.web), and `VllmOcrEngine` against a stub `vllm` module; neither has been run
+against a real model.
 """
 
 from __future__ import annotations
 
-import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import aiohttp
 import numpy as np
+import openai
 
-from fgrpo.rewards.transport import b64, encode_image, post_json, run_sync
+from fgrpo.rewards.transport import RewardServiceError, b64, encode_image
 
 DEFAULT_PROMPT = "output only the text in the image"
 
@@ -36,11 +41,11 @@ def transcribe_messages(image: np.ndarray, prompt: str = DEFAULT_PROMPT) -> list
     ]
 
 
-def _completion_text(body: Any) -> str:
-    """choices[0].message.content of an OpenAI chat completion; ValueError when the body has no such text."""
+def _completion_text(completion: Any) -> str:
+    """choices[0].message.content of a chat completion; ValueError when it has no such text."""
     try:
-        text = body["choices"][0]["message"]["content"]
-    except (KeyError, IndexError, TypeError) as e:
+        text = completion.choices[0].message.content
+    except (AttributeError, IndexError, TypeError) as e:
         raise ValueError("not an OpenAI chat completion: no choices[0].message.content") from e
     if text is None:
         return ""  # some servers send null content for an empty answer
@@ -53,14 +58,16 @@ class VlmOcrEngine:
     """Client of an OpenAI-compatible chat server (vLLM's `vllm serve`) used as an OCR engine.
 
     Args:
-        base_url: server root, e.g. "http://127.0.0.1:8000" (the client posts to {base_url}/v1/chat/completions).
+        base_url: server root, with or without /v1, e.g. "http://127.0.0.1:8000".
         model: the served model name, e.g. "Qwen/Qwen2.5-VL-3B-Instruct".
         prompt: instruction sent after the image.
         temperature: 0 = greedy decoding, so the same image always gets the same reward.
         max_tokens: cap on the transcription length (generated text is short).
         max_concurrency: requests in flight at once; vLLM batches them on the server.
-        timeout_s, max_retries, backoff_s: per request; see transport.post_json.
-        api_key: sent as a Bearer token when the server wants one.
+        timeout_s: per attempt of one request.
+        max_retries: retries of one request after the first attempt (the openai client's).
+        api_key: what the server was started with (`vllm serve --api-key`); None sends a placeholder,
+            since the client refuses to run without a key and vLLM ignores it unless it set one.
     """
 
     def __init__(
@@ -74,49 +81,58 @@ class VlmOcrEngine:
         max_concurrency: int = 16,
         timeout_s: float = 60.0,
         max_retries: int = 2,
-        backoff_s: float = 0.5,
         api_key: str | None = None,
     ):
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
-        self.url = base_url.rstrip("/").removesuffix("/v1") + "/v1/chat/completions"
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        self.base_url = base_url.rstrip("/").removesuffix("/v1") + "/v1"
+        self.url = self.base_url + "/chat/completions"
         self.model, self.prompt = model, prompt
         self.temperature, self.max_tokens = float(temperature), int(max_tokens)
-        self.max_concurrency = max_concurrency
-        self.timeout_s, self.max_retries, self.backoff_s = timeout_s, max_retries, backoff_s
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.max_concurrency, self.timeout_s, self.max_retries = max_concurrency, timeout_s, max_retries
+        self.client = openai.OpenAI(
+            base_url=self.base_url, api_key=api_key or "EMPTY", timeout=timeout_s, max_retries=max_retries
+        )
 
-    def request(self, image: np.ndarray) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "messages": transcribe_messages(image, self.prompt),
-            "temperature": self.temperature,
-            "max_tokens": self.max_tokens,
-        }
-
-    async def _recognize(self, images: np.ndarray) -> list[str]:
-        sem = asyncio.Semaphore(self.max_concurrency)
-        async with aiohttp.ClientSession(headers=self.headers) as session:
-
-            async def one(image: np.ndarray) -> str:
-                async with sem:
-                    text, _ = await post_json(
-                        session,
-                        self.url,
-                        self.request(image),
-                        _completion_text,
-                        timeout_s=self.timeout_s,
-                        max_retries=self.max_retries,
-                        backoff_s=self.backoff_s,
-                    )
-                    return text
-
-            return list(await asyncio.gather(*(one(im) for im in images)))
+    def transcribe(self, image: np.ndarray) -> str:
+        """The text of one uint8 RGB image [H, W, 3]; RewardServiceError (one line, naming the server and
+        the fix) when the server cannot be reached, keeps failing or answers something else."""
+        attempts = f"{self.max_retries + 1} attempt(s)"
+        try:
+            completion = self.client.chat.completions.create(
+                model=self.model,
+                messages=transcribe_messages(image, self.prompt),
+                temperature=self.temperature,
+                max_tokens=self.max_tokens,
+            )
+            return _completion_text(completion)
+        except openai.APITimeoutError as e:
+            raise RewardServiceError(
+                f"VLM server {self.url} timed out ({attempts} of timeout_s={self.timeout_s}); raise timeout_s "
+                "or check that the server is not overloaded"
+            ) from e
+        except openai.APIConnectionError as e:
+            raise RewardServiceError(
+                f"VLM server {self.url} unreachable after {attempts} ({e}); start it (vllm serve "
+                f"{self.model}) or fix base_url"
+            ) from e
+        except openai.APIStatusError as e:
+            raise RewardServiceError(
+                f"VLM server {self.url} answered HTTP {e.status_code} ({e.message}); 5xx/408/409/429 are retried "
+                f"({attempts}), other codes mean a bad request (model name {self.model!r}? api_key?)"
+            ) from e
+        except ValueError as e:  # a body that is not JSON (JSONDecodeError) or not a chat completion
+            raise RewardServiceError(f"VLM server {self.url}: malformed response: {e}") from e
 
     def recognize(self, images: np.ndarray) -> list[str]:
-        return run_sync(lambda: self._recognize(images))
+        if len(images) == 0:
+            return []
+        with ThreadPoolExecutor(min(self.max_concurrency, len(images)), thread_name_prefix="vlm") as pool:
+            return list(pool.map(self.transcribe, images))
 
 
 class VllmOcrEngine:
