@@ -192,3 +192,19 @@ def test_init_lora_starts_from_an_exported_adapter(tmp_path):
     c = build_model(mcfg, torch.device("cpu"), seed=0)
     with pytest.raises(FileNotFoundError, match="model.init_lora"):
         setup_trainable(c.transformer, dataclasses.replace(mcfg, init_lora=str(tmp_path / "nothing")))
+
+
+def test_a_wrong_reward_url_fails_before_the_model_is_built(tmp_path, monkeypatch):
+    """--reward.url is checked with the service's /health before any model work (a closed local port here)."""
+    from fgrpo.rewards.client import RewardServiceError
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was built before the reward service was checked")
+
+    monkeypatch.setattr(train_mod, "build_model", no_model)
+    c = cfg_for(tmp_path)
+    cfg = dataclasses.replace(c, reward=dataclasses.replace(c.reward, url="http://127.0.0.1:9"))
+    t0 = time.perf_counter()
+    with pytest.raises(RewardServiceError, match="127.0.0.1:9 is not up"):
+        train_mod.train(cfg)
+    assert time.perf_counter() - t0 < 30
