@@ -42,33 +42,6 @@ def test_phase_timer_accumulates():
     assert m["perf/images_per_s"] == 34 / 6.75
 
 
-def test_progress_line_shows_split_and_rewards():
-    m = {
-        "reward/mean": 0.5,
-        "reward/std": 0.25,
-        "time/rollout": 12.0,
-        "time/train": 3.5,
-        "time/total": 16.0,
-        "perf/images_per_s": 2.0,
-        "train/clip_frac": 0.125,
-        "custom": 1.0,
-        "time/extra": 0.5,
-    }
-    line = flog.progress_line(4, 10, m, width=10)
-    assert line.startswith("[#####.....] 5/10")
-    for s in (
-        "reward 0.500±0.250",
-        "rollout 12.0s",
-        "train 3.5s",
-        "extra 0.5s",
-        "/ 16.0s",
-        "2.000 img/s",
-        "clip 0.125",
-    ):
-        assert s in line, (s, line)
-    assert line.index("rollout") < line.index("train")
-
-
 class Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True

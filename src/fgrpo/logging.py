@@ -144,14 +144,6 @@ def format_metrics(metrics: Mapping[str, float]) -> str:
     return " | ".join(parts)
 
 
-def progress_line(step: int, num_steps: int, metrics: Mapping[str, float], *, width: int = 20) -> str:
-    """`format_metrics` behind a drawn bar; `step` is 0-based (the step just finished). Superseded by
-    `Progress`, which the loop uses instead."""
-    done = min(step + 1, num_steps) if num_steps > 0 else 0
-    filled = round(width * done / num_steps) if num_steps > 0 else 0
-    return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{num_steps} | {format_metrics(metrics)}"
-
-
 class Progress:
     """Console progress of the training loop, on rank 0 only (other ranks print nothing).
 

@@ -99,6 +99,7 @@ def train(cfg: TrainConfig, *, experiment_source: str | Path | None = None) -> d
     sample_ids = torch.arange(d.rank * n_local, (d.rank + 1) * n_local)  # this rank's slice of the step
     metrics: dict[str, float] = {}
     bad_steps = 0
+    bar = flog.Progress(total=cfg.num_steps, initial=start_step)
     for step in range(start_step, cfg.num_steps):
         timer = flog.PhaseTimer()
         # 0. validation of the weights that enter this step (step 0: the starting model)
@@ -151,7 +152,7 @@ def train(cfg: TrainConfig, *, experiment_source: str | Path | None = None) -> d
         if cfg.run.log_images_every and step % cfg.run.log_images_every == 0:
             logger.log_images("rollout", traj.images[:16].cpu().numpy(), prompts[:16], step=step)
         logger.log(metrics, step=step)
-        flog.print0(flog.progress_line(step, cfg.num_steps, metrics))
+        bar.update(metrics)
         if cfg.num_steps == step + 1 or (cfg.run.ckpt_every and (step + 1) % cfg.run.ckpt_every == 0):
             checkpoint.save(run.checkpoints, step + 1, model=model.transformer, optimizer=optimizer,
                             lr_scheduler=lr_scheduler, extra_state={"exp_name": cfg.exp_name},
@@ -164,6 +165,7 @@ def train(cfg: TrainConfig, *, experiment_source: str | Path | None = None) -> d
                 "the run trains nothing: lower optim.lr or check the reward (run.max_bad_steps sets the limit)"
             )
 
+    bar.close()
     if cfg.run.val_every and start_step < cfg.num_steps:  # the trained model, logged as step num_steps
         final = validate(engine, reward, val_prompts, cfg, logger, cfg.num_steps, d.device)
         logger.log(final, step=cfg.num_steps)
