@@ -123,7 +123,9 @@ def build_model(mcfg: ModelConfig, device: torch.device, seed: int) -> FlowModel
 
         build = tiny.tiny_qwen_image if mcfg.kind == "tiny_qwen_image" else tiny.tiny_sd3
         model = build(seed=seed, device=device, dtype=dtype)
-        configure_transformer(model.transformer, attention_backend=mcfg.attention_backend, compile_blocks=mcfg.compile)
+        configure_transformer(
+            model.transformer, attention_backend=mcfg.attention_backend, compile_blocks=mcfg.compile
+        )
         return model
     return load_model(mcfg, device=device, dtype=dtype)
 
@@ -132,7 +134,9 @@ def setup_trainable(transformer: nn.Module, mcfg: ModelConfig) -> list[nn.Parame
     """Attach LoRA (from model.init_lora if given) or unfreeze everything. Trainable parameters become fp32
     masters whatever the base dtype: FSDP2 casts them to the compute dtype, AdamW updates them in fp32."""
     if mcfg.lora:
-        params = add_lora(transformer, rank=mcfg.lora_rank, alpha=mcfg.lora_alpha, target_modules=mcfg.lora_target_list)
+        params = add_lora(
+            transformer, rank=mcfg.lora_rank, alpha=mcfg.lora_alpha, target_modules=mcfg.lora_target_list
+        )
         if mcfg.init_lora:
             load_lora_weights(transformer, mcfg.init_lora, rank=mcfg.lora_rank, alpha=mcfg.lora_alpha)
     else:
@@ -186,7 +190,9 @@ def load_lora_weights(
         )
     for k, v in sd.items():
         if tuple(v.shape) != tuple(want[k].shape):
-            raise ValueError(f"model.init_lora: '{f}' {k} has shape {tuple(v.shape)}, the adapter {tuple(want[k].shape)}")
+            raise ValueError(
+                f"model.init_lora: '{f}' {k} has shape {tuple(v.shape)}, the adapter {tuple(want[k].shape)}"
+            )
     result = set_peft_model_state_dict(transformer, sd, adapter_name=adapter_name)
     if getattr(result, "unexpected_keys", None):
         raise ValueError(f"model.init_lora: peft did not place {result.unexpected_keys[:3]} from '{f}'")
