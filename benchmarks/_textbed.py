@@ -27,7 +27,9 @@ def preset_rollout(**overrides) -> SamplingConfig:
 
 def load_renderer(checkpoint: str | None, device: torch.device, lora: str | None = None) -> TextbedModel:
     """The textbed renderer (bundled or `checkpoint`), bf16 on GPU and fp32 on CPU, with an optional adapter."""
-    model = load_textbed(checkpoint, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model = load_textbed(
+        checkpoint, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32
+    )
     if lora:
         model.transformer.load_lora_adapter(lora, use_safetensors=True)
     return model

@@ -64,29 +64,41 @@ def main() -> None:
     s = validation_sampling(rollout_cfg, args.steps)
     t0 = time.perf_counter()
     with torch.no_grad():
-        images = np.concatenate([
-            engine.generate(prompts[a : a + args.batch], seeds[a : a + args.batch], s).images.cpu().numpy()
-            for a in range(0, len(prompts), args.batch)
-        ])
+        images = np.concatenate(
+            [
+                engine.generate(prompts[a : a + args.batch], seeds[a : a + args.batch], s)
+                .images.cpu()
+                .numpy()
+                for a in range(0, len(prompts), args.batch)
+            ]
+        )
     t_gen = time.perf_counter() - t0
     scores = build_reward("ocr")(images, prompts).scores
     cover, edge = map(np.array, zip(*(ink_extent(im[..., 0]) for im in images)))
 
-    print(f"checkpoint {args.checkpoint or 'bundled'}, lora {args.lora}, {args.words} held-out words x {args.seeds} "
-          f"seeds, {args.steps} ODE steps, CFG {args.cfg}, {args.device} (sampling {t_gen:.0f} s)\n")
+    print(
+        f"checkpoint {args.checkpoint or 'bundled'}, lora {args.lora}, {args.words} held-out words x {args.seeds} "
+        f"seeds, {args.steps} ODE steps, CFG {args.cfg}, {args.device} (sampling {t_gen:.0f} s)\n"
+    )
     print("| width cover | images | OCR score | exact | touching L/R border |\n|---|---|---|---|---|")
     for lo, hi in [(0, 0.5), (0.5, 0.6), (0.6, 0.7), (0.7, 0.8), (0.8, 0.9), (0.9, 1.01)]:
         m = (cover >= lo) & (cover < hi)
         if m.any():
-            print(f"| [{lo:.1f}, {min(hi, 1):.1f}) | {m.sum()} | {scores[m].mean():.3f} | {is_exact(scores[m]).mean():.2f} "
-                  f"| {edge[m].mean():.2f} |")
+            print(
+                f"| [{lo:.1f}, {min(hi, 1):.1f}) | {m.sum()} | {scores[m].mean():.3f} | {is_exact(scores[m]).mean():.2f} "
+                f"| {edge[m].mean():.2f} |"
+            )
     S, C = scores.reshape(-1, args.seeds), cover.reshape(-1, args.seeds)
     within = [np.corrcoef(S[i], C[i])[0, 1] for i in range(len(S)) if S[i].std() > 0 and C[i].std() > 0]
-    print("\n| mean | exact | best of N | within-word std | between-word std | corr(score, cover) | "
-          "same, within words | mean cover |\n|---|---|---|---|---|---|---|---|")
-    print(f"| {scores.mean():.3f} | {is_exact(scores).mean():.2f} | {S.max(1).mean():.3f} | {S.std(1).mean():.3f} "
-          f"| {S.mean(1).std():.3f} | {np.corrcoef(scores, cover)[0, 1]:.2f} | "
-          f"{f'{np.mean(within):.2f} ({len(within)} words)' if within else '-'} | {cover.mean():.2f} |")
+    print(
+        "\n| mean | exact | best of N | within-word std | between-word std | corr(score, cover) | "
+        "same, within words | mean cover |\n|---|---|---|---|---|---|---|---|"
+    )
+    print(
+        f"| {scores.mean():.3f} | {is_exact(scores).mean():.2f} | {S.max(1).mean():.3f} | {S.std(1).mean():.3f} "
+        f"| {S.mean(1).std():.3f} | {np.corrcoef(scores, cover)[0, 1]:.2f} | "
+        f"{f'{np.mean(within):.2f} ({len(within)} words)' if within else '-'} | {cover.mean():.2f} |"
+    )
 
 
 if __name__ == "__main__":

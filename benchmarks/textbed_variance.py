@@ -43,9 +43,13 @@ def main() -> None:
     ap.add_argument("--checkpoint", default=None, help="textbed checkpoint dir (default: the bundled one)")
     ap.add_argument("--words", type=int, default=16, help="first W held-out words")
     ap.add_argument("--noises", type=int, default=4, help="initial noises x_1 per word (J)")
-    ap.add_argument("--draws", type=int, default=8, help="samples per (word, x_1): own window and SDE draws (K)")
+    ap.add_argument(
+        "--draws", type=int, default=8, help="samples per (word, x_1): own window and SDE draws (K)"
+    )
     ap.add_argument("--ranges", nargs="+", default=["0,5", "4,9"], help="window ranges 'a,b' (steps [a, b))")
-    ap.add_argument("--cfg", type=float, default=3.0, help="guidance scale (1 = no CFG, the tiny-gpu preset now)")
+    ap.add_argument(
+        "--cfg", type=float, default=3.0, help="guidance scale (1 = no CFG, the tiny-gpu preset now)"
+    )
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
@@ -58,25 +62,40 @@ def main() -> None:
     prompts = [w for w in words for _ in range(J * K)]
     init_seeds = [30_000 + i // K for i in range(len(prompts))]
     seeds = [40_000 + i for i in range(len(prompts))]
-    print(f"checkpoint {args.checkpoint or 'bundled'}, {W} held-out words x {J} x_1 x {K} draws, {args.device}\n")
-    print("| window 2 in | mean OCR | variance | SDE window | x_1 | word | (word, x_1) groups with zero spread | s |")
+    print(
+        f"checkpoint {args.checkpoint or 'bundled'}, {W} held-out words x {J} x_1 x {K} draws, {args.device}\n"
+    )
+    print(
+        "| window 2 in | mean OCR | variance | SDE window | x_1 | word | (word, x_1) groups with zero spread | s |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in args.ranges:
         lo, hi = map(int, r.split(","))
         s = preset_rollout(guidance_scale=args.cfg, window_range=(lo, hi), micro_batch=args.batch)
         t0 = time.perf_counter()
         with torch.no_grad():
-            images = np.concatenate([
-                engine.generate(prompts[a : a + args.batch], seeds[a : a + args.batch], s,
-                                init_seeds=init_seeds[a : a + args.batch]).images.cpu().numpy()
-                for a in range(0, len(prompts), args.batch)
-            ])
+            images = np.concatenate(
+                [
+                    engine.generate(
+                        prompts[a : a + args.batch],
+                        seeds[a : a + args.batch],
+                        s,
+                        init_seeds=init_seeds[a : a + args.batch],
+                    )
+                    .images.cpu()
+                    .numpy()
+                    for a in range(0, len(prompts), args.batch)
+                ]
+            )
         sc = reward(images, prompts).scores.reshape(W, J, K)
         parts = variance_split(sc)
         tot = sum(parts)
         assert abs(tot - sc.var()) < 1e-6, (tot, sc.var())  # the split is exact for a balanced design
-        print(f"| [{lo}, {hi}) | {sc.mean():.3f} | {tot:.4f} | " + " | ".join(f"{p:.4f} ({p / tot:.0%})" for p in parts)
-              + f" | {(sc.std(2) == 0).mean():.0%} | {time.perf_counter() - t0:.0f} |")
+        print(
+            f"| [{lo}, {hi}) | {sc.mean():.3f} | {tot:.4f} | "
+            + " | ".join(f"{p:.4f} ({p / tot:.0%})" for p in parts)
+            + f" | {(sc.std(2) == 0).mean():.0%} | {time.perf_counter() - t0:.0f} |"
+        )
 
 
 if __name__ == "__main__":

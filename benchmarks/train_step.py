@@ -34,6 +34,7 @@ TFLOP_PER_FORWARD_512 = 16.65
 MATMUL_TFLOPS_H200 = 755.0  # bf16, measured on an H200 (RESULTS.md)
 VERL_OMNI_IMAGES_PER_GPU_S = 0.305  # published, 4xH800, LoRA + CFG, same recipe
 
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="tiny random model on CPU (wiring check)")
@@ -41,20 +42,38 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=16, help="images per prompt")
     ap.add_argument("--micro-batch", type=int, default=8, help="samples per forward (x2 sequences with CFG)")
     ap.add_argument("--opt-steps", type=int, default=2, help="optimizer steps per training step")
-    ap.add_argument("--cfg", type=float, default=4.0, help="true-CFG scale (1 = the no-CFG full-weight recipe)")
-    ap.add_argument("--algo", default="grpo", choices=["grpo", "dppo", "mixgrpo", "nft", "awm"],
-                    help="update rule (fgrpo/algorithms.py); nft/awm roll out with the ODE and train "
-                    "--train-points forward-process points a sample without CFG")
-    ap.add_argument("--train-points", type=int, default=2, help="nft/awm: points per sample (the tiny presets' 2)")
+    ap.add_argument(
+        "--cfg", type=float, default=4.0, help="true-CFG scale (1 = the no-CFG full-weight recipe)"
+    )
+    ap.add_argument(
+        "--algo",
+        default="grpo",
+        choices=["grpo", "dppo", "mixgrpo", "nft", "awm"],
+        help="update rule (fgrpo/algorithms.py); nft/awm roll out with the ODE and train "
+        "--train-points forward-process points a sample without CFG",
+    )
+    ap.add_argument(
+        "--train-points", type=int, default=2, help="nft/awm: points per sample (the tiny presets' 2)"
+    )
     ap.add_argument("--full", action="store_true", help="train all transformer weights instead of LoRA")
     ap.add_argument("--layers", type=int, default=60, help="transformer blocks of the real-size model")
     ap.add_argument("--compile", action="store_true", help="regional torch.compile of the transformer blocks")
     ap.add_argument("--iters", type=int, default=2, help="timed steps (after one warm-up step)")
-    ap.add_argument("--profile", action="store_true", help="profile the last timed step: time in NCCL kernels")
-    ap.add_argument("--comm-probe", action="store_true", help="time a full-model all-gather of the blocks' weights")
-    ap.add_argument("--save-update", default="", help="after the warm-up step: save the trained weights and "
-                    "AdamW's first moment (= (1 - beta1) x the gradient) to this .safetensors (rank 0)")
-    ap.add_argument("--compare-update", default="", help="after the warm-up step: compare them with this file")
+    ap.add_argument(
+        "--profile", action="store_true", help="profile the last timed step: time in NCCL kernels"
+    )
+    ap.add_argument(
+        "--comm-probe", action="store_true", help="time a full-model all-gather of the blocks' weights"
+    )
+    ap.add_argument(
+        "--save-update",
+        default="",
+        help="after the warm-up step: save the trained weights and "
+        "AdamW's first moment (= (1 - beta1) x the gradient) to this .safetensors (rank 0)",
+    )
+    ap.add_argument(
+        "--compare-update", default="", help="after the warm-up step: compare them with this file"
+    )
     args = ap.parse_args()
 
     from fgrpo import algorithms, parallel
@@ -79,15 +98,34 @@ def main() -> None:
     torch.manual_seed(0)  # the same random weights and LoRA init on every rank and in every run
     model = build_tiny() if args.tiny else build_real(d.device, text_encoder=False, layers=args.layers)
     res = 64 if args.tiny else 512
-    sampling = SamplingConfig(height=res, width=res, num_steps=10, guidance_scale=args.cfg, negative_prompt=" ",
-                              sde_kind="flow_sde", noise_level=1.2, window_size=2, window_range=(0, 5),
-                              micro_batch=args.micro_batch)
-    mcfg = ModelConfig(kind="qwen_image", dtype="bf16", lora=not args.full, lora_rank=64, lora_alpha=128,
-                       gradient_checkpointing=True)
+    sampling = SamplingConfig(
+        height=res,
+        width=res,
+        num_steps=10,
+        guidance_scale=args.cfg,
+        negative_prompt=" ",
+        sde_kind="flow_sde",
+        noise_level=1.2,
+        window_size=2,
+        window_range=(0, 5),
+        micro_batch=args.micro_batch,
+    )
+    mcfg = ModelConfig(
+        kind="qwen_image",
+        dtype="bf16",
+        lora=not args.full,
+        lora_rank=64,
+        lora_alpha=128,
+        gradient_checkpointing=True,
+    )
     lr = 3e-5 if args.full else 3e-4
     cfg = dataclasses.replace(
-        TrainConfig(), model=mcfg, sampling=sampling,
-        grpo=GRPOConfig(group_size=args.group, prompts_per_step=args.prompts, optimizer_steps_per_step=args.opt_steps),
+        TrainConfig(),
+        model=mcfg,
+        sampling=sampling,
+        grpo=GRPOConfig(
+            group_size=args.group, prompts_per_step=args.prompts, optimizer_steps_per_step=args.opt_steps
+        ),
         optim=OptimConfig(lr=lr, weight_decay=1e-4),
         algo=AlgoConfig(name=args.algo, train_steps=args.train_points, ema_delay=0),
     )
@@ -106,9 +144,11 @@ def main() -> None:
     prompts = [f'A storefront sign that says "WORD{i // args.group}"' for i in ids]
     n_trainable = sum(p.numel() for p in params)  # a DTensor's numel() is the global size
     print0 = (lambda *a, **k: print(*a, **k, flush=True)) if d.is_main else (lambda *a, **k: None)
-    print0(f"# {d.world_size} rank(s), {n} images per step ({n_local} per rank), "
-           f"{'full weights' if args.full else 'LoRA r64'} ~{n_trainable / 1e9:.2f} B trainable, "
-           f"{args.layers} blocks, CFG {args.cfg}, {args.opt_steps} optimizer steps")
+    print0(
+        f"# {d.world_size} rank(s), {n} images per step ({n_local} per rank), "
+        f"{'full weights' if args.full else 'LoRA r64'} ~{n_trainable / 1e9:.2f} B trainable, "
+        f"{args.layers} blocks, CFG {args.cfg}, {args.opt_steps} optimizer steps"
+    )
 
     def sync():
         if d.device.type == "cuda":
@@ -145,25 +185,38 @@ def main() -> None:
         if prof is not None:
             prof.__exit__(None, None, None)
             events = [e for e in prof.key_averages() if "nccl" in e.key.lower()]
-            nccl_s = sum(getattr(e, "device_time_total", 0.0) or getattr(e, "cuda_time_total", 0.0)
-                         for e in events) / 1e6
+            nccl_s = (
+                sum(
+                    getattr(e, "device_time_total", 0.0) or getattr(e, "cuda_time_total", 0.0) for e in events
+                )
+                / 1e6
+            )
             for e in sorted(events, key=lambda e: -e.device_time_total)[:4]:
                 print0(f"#   {e.key[:70]}: {e.device_time_total / 1e6:.2f}s x{e.count}")
         peak = torch.cuda.max_memory_allocated() / 2**30 if d.device.type == "cuda" else 0.0
         if it > 0 or args.iters == 0:  # the first step warms up kernels (and compiles)
             rows.append((t1 - t0, t2 - t1, t3 - t2, peak, m["logprob_gap/max"]))
-        print0(f"step {it}: rollout {t1 - t0:.2f}s old-logprob {t2 - t1:.2f}s train {t3 - t2:.2f}s "
-               f"peak {peak:.1f} GiB gap {m['logprob_gap/max']:.2e}" + (f" nccl {nccl_s:.2f}s" if profile else ""))
+        print0(
+            f"step {it}: rollout {t1 - t0:.2f}s old-logprob {t2 - t1:.2f}s train {t3 - t2:.2f}s "
+            f"peak {peak:.1f} GiB gap {m['logprob_gap/max']:.2e}"
+            + (f" nccl {nccl_s:.2f}s" if profile else "")
+        )
         if it == 0 and m.get("skipped_steps", 0):
-            print0(f"# warning: {m['skipped_steps']:.0f} optimizer step(s) skipped (non-finite gradient norm)")
+            print0(
+                f"# warning: {m['skipped_steps']:.0f} optimizer step(s) skipped (non-finite gradient norm)"
+            )
         if it == 0 and (args.save_update or args.compare_update):
             save_or_compare_update(names, params, optimizer, args.save_update, args.compare_update, d.is_main)
 
     if args.comm_probe and d.device.type == "cuda":
         ag = comm_probe(model.transformer)
-        weights_gib = sum(p.numel() * 2 for p in model.transformer.transformer_blocks.parameters()) / 2**30  # global
-        print0(f"# all-gather of the {args.layers} blocks' bf16 weights ({weights_gib:.1f} GiB, each rank receives "
-               f"{weights_gib * (d.world_size - 1) / d.world_size:.1f} GiB): {ag * 1e3:.0f} ms per full pass")
+        weights_gib = (
+            sum(p.numel() * 2 for p in model.transformer.transformer_blocks.parameters()) / 2**30
+        )  # global
+        print0(
+            f"# all-gather of the {args.layers} blocks' bf16 weights ({weights_gib:.1f} GiB, each rank receives "
+            f"{weights_gib * (d.world_size - 1) / d.world_size:.1f} GiB): {ag * 1e3:.0f} ms per full pass"
+        )
     roll, old, train, peak, gap = (sum(r[k] for r in rows) / len(rows) for k in range(5))
     W, steps = sampling.window_size, sampling.num_steps
     forwards = 2 if args.cfg > 1 else 1
@@ -175,21 +228,31 @@ def main() -> None:
     floor_s = (fwd_roll + fwd_train) * TFLOP_PER_FORWARD_512 * depth / MATMUL_TFLOPS_H200
     total = roll + train
     print0()
-    print0(f"| phase | s | images/GPU/s | effective TFLOP/s per GPU | ({'compiled' if args.compile else 'eager'}, "
-           f"{d.world_size} GPU(s), {n_local} images per GPU, micro-batch {args.micro_batch}, peak {peak:.1f} GiB, "
-           f"first-update log-prob gap {gap:.1e}) |")
+    print0(
+        f"| phase | s | images/GPU/s | effective TFLOP/s per GPU | ({'compiled' if args.compile else 'eager'}, "
+        f"{d.world_size} GPU(s), {n_local} images per GPU, micro-batch {args.micro_batch}, peak {peak:.1f} GiB, "
+        f"first-update log-prob gap {gap:.1e}) |"
+    )
     print0("|---|---:|---:|---:|")
-    for name, t, fwd in [("rollout", roll, fwd_roll), ("old log-prob (recompute only)", old, n_local * W * forwards),
-                         ("train", train, fwd_train), ("total (rollout + train)", total, fwd_roll + fwd_train),
-                         ("total with recompute", total + old, fwd_roll + fwd_train + n_local * W * forwards)]:
+    for name, t, fwd in [
+        ("rollout", roll, fwd_roll),
+        ("old log-prob (recompute only)", old, n_local * W * forwards),
+        ("train", train, fwd_train),
+        ("total (rollout + train)", total, fwd_roll + fwd_train),
+        ("total with recompute", total + old, fwd_roll + fwd_train + n_local * W * forwards),
+    ]:
         print0(f"| {name} | {t:.2f} | {n_local / t:.3f} | {fwd * TFLOP_PER_FORWARD_512 * depth / t:.0f} |")
     if args.profile:
-        print0(f"\ntime in NCCL kernels during the profiled step: {nccl_s:.2f} s "
-               f"({nccl_s / (total + old):.1%} of the step; overlapped with compute where FSDP2 prefetches)")
+        print0(
+            f"\ntime in NCCL kernels during the profiled step: {nccl_s:.2f} s "
+            f"({nccl_s / (total + old):.1%} of the step; overlapped with compute where FSDP2 prefetches)"
+        )
     if not args.tiny:
-        print0(f"\nimages/GPU/s {n_local / total:.3f} = {n_local / total / VERL_OMNI_IMAGES_PER_GPU_S:.2f}x verl-omni's "
-               f"published {VERL_OMNI_IMAGES_PER_GPU_S}; FLOP floor {floor_s:.1f} s -> ceiling {n_local / floor_s:.2f} "
-               f"images/GPU/s ({floor_s / total:.0%} of it)")
+        print0(
+            f"\nimages/GPU/s {n_local / total:.3f} = {n_local / total / VERL_OMNI_IMAGES_PER_GPU_S:.2f}x verl-omni's "
+            f"published {VERL_OMNI_IMAGES_PER_GPU_S}; FLOP floor {floor_s:.1f} s -> ceiling {n_local / floor_s:.2f} "
+            f"images/GPU/s ({floor_s / total:.0%} of it)"
+        )
     del engine, optimizer, params, model
     parallel.shutdown()
 
@@ -209,7 +272,9 @@ def save_or_compare_update(names, params, optimizer, save: str, compare: str, is
     tensors = {}
     for name, p in zip(names, params):
         tensors[f"param/{name}"] = full(p)
-        state = optimizer.state.get(p, {})  # no state: the parameter got no gradient (or the step was skipped)
+        state = optimizer.state.get(
+            p, {}
+        )  # no state: the parameter got no gradient (or the step was skipped)
         tensors[f"m/{name}"] = full(state["exp_avg"]) if "exp_avg" in state else torch.zeros(p.shape)
     if not is_main:
         return
@@ -227,13 +292,17 @@ def compare_updates(got, ref) -> None:
         a = torch.cat([got[k].flatten() for k in keys]).double()
         b = torch.cat([ref[k].flatten() for k in keys]).double()
         rel = ((a - b).norm() / b.norm()).item()
-        line = (f"# {'first moment (gradient)' if kind == 'm' else 'weights after the step'}: relative L2 "
-                f"difference {rel:.2e}, max |diff| {(a - b).abs().max().item():.2e}, max |ref| {b.abs().max().item():.2e}")
+        line = (
+            f"# {'first moment (gradient)' if kind == 'm' else 'weights after the step'}: relative L2 "
+            f"difference {rel:.2e}, max |diff| {(a - b).abs().max().item():.2e}, max |ref| {b.abs().max().item():.2e}"
+        )
         if kind == "m":
             nz = b != 0
             cos = (a @ b / (a.norm() * b.norm())).item()
-            line += (f", sign agreement on nonzero entries {(a[nz].sign() == b[nz].sign()).double().mean().item():.4%}, "
-                     f"cosine {cos:.6f}")
+            line += (
+                f", sign agreement on nonzero entries {(a[nz].sign() == b[nz].sign()).double().mean().item():.4%}, "
+                f"cosine {cos:.6f}"
+            )
         print(line, flush=True)
 
 

@@ -493,7 +493,9 @@ def section_throughput(ctx: Ctx) -> None:
     cols = ["engine", "B", "s/rollout", "img/s", "finite"]
     print(fmt_table([], cols), flush=True)
 
-    def row(r: dict[str, Any]) -> None:  # each row as soon as it is measured: a later mode may run out of time
+    def row(
+        r: dict[str, Any],
+    ) -> None:  # each row as soon as it is measured: a later mode may run out of time
         print(fmt_table([r], cols).splitlines()[-1], flush=True)
         value = f"{r['img/s']:.3f} img/s" if "img/s" in r else r.get("finite")
         ctx.note("throughput", r["engine"], value)
@@ -502,7 +504,12 @@ def section_throughput(ctx: Ctx) -> None:
         try:
             engine = vllm_engine(path, ctx, max_batch=args.batch, enforce_eager=(mode == "eager"))
             try:
-                row({"engine": f"vllm-omni {mode}", **_time_engine(engine.generate, cfg, args.batch, args.reps)})
+                row(
+                    {
+                        "engine": f"vllm-omni {mode}",
+                        **_time_engine(engine.generate, cfg, args.batch, args.reps),
+                    }
+                )
             finally:
                 engine.close()
                 gc.collect()
@@ -576,7 +583,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16, help="throughput: samples per rollout")
     ap.add_argument("--reps", type=int, default=2, help="throughput: timed rollouts per row")
     ap.add_argument("--modes", default="eager,compile", help="throughput: vllm-omni eager and/or compile")
-    ap.add_argument("--in-process-modes", default="eager,compile", help="throughput: in-process eager and/or compile")
+    ap.add_argument(
+        "--in-process-modes", default="eager,compile", help="throughput: in-process eager and/or compile"
+    )
     ap.add_argument("--skip-in-process", action="store_true", help="throughput: only the vllm-omni rows")
     ap.add_argument("--cpu-selftest", action="store_true", help="check the helpers on the CPU (no vllm)")
     args = ap.parse_args()

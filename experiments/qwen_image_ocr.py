@@ -57,13 +57,26 @@ class Config(TrainConfig):
     model: ModelConfig = ModelConfig(kind="qwen_image", path="Qwen/Qwen-Image", lora_rank=64, lora_alpha=128)
     """Qwen-Image from the hub or a local diffusers directory, LoRA r64/alpha128."""
     sampling: SamplingConfig = SamplingConfig(
-        height=512, width=512, num_steps=10, guidance_scale=4.0, negative_prompt=" ",
-        sde_kind="flow_sde", noise_level=1.2, window_size=2, window_range=(0, 5), micro_batch=8,
+        height=512,
+        width=512,
+        num_steps=10,
+        guidance_scale=4.0,
+        negative_prompt=" ",
+        sde_kind="flow_sde",
+        noise_level=1.2,
+        window_size=2,
+        window_range=(0, 5),
+        micro_batch=8,
     )
     """512², 10 steps, true-CFG 4, flow_sde noise 1.2 in a 2-step window within steps [0, 5)."""
     grpo: GRPOConfig = GRPOConfig(
-        group_size=16, prompts_per_step=32, clip_range=1e-5, adv_clip_max=5.0, adv_std="global",
-        optimizer_steps_per_step=2, kl_coef=0.0,
+        group_size=16,
+        prompts_per_step=32,
+        clip_range=1e-5,
+        adv_clip_max=5.0,
+        adv_std="global",
+        optimizer_steps_per_step=2,
+        kl_coef=0.0,
     )
     """32 prompts x 16 images, clip 1e-5, global-std advantages clipped at 5, 2 updates per step, no KL."""
     optim: OptimConfig = OptimConfig(lr=3e-4, weight_decay=1e-4)
@@ -82,17 +95,28 @@ def tiny() -> Config:
         Config(),
         num_steps=20,
         device="cpu",
-        model=ModelConfig(kind="textbed", path="", dtype="fp32", lora_rank=32, lora_alpha=64,
-                          gradient_checkpointing=False),
+        model=ModelConfig(
+            kind="textbed", path="", dtype="fp32", lora_rank=32, lora_alpha=64, gradient_checkpointing=False
+        ),
         # No CFG: sampled without guidance the renderer starts low enough for the OCR reward to have room, and
         # what Flow-GRPO learns first (following the prompt without the guidance crutch) is shared by every word,
         # so the ~640 images a 2-core CPU affords in 10 minutes show it; with CFG 3 that budget moved the score
         # by less than run-to-run noise (RESULTS.md). No CFG also halves every forward.
-        sampling=SamplingConfig(height=32, width=128, num_steps=10, guidance_scale=1.0, negative_prompt="",
-                                sde_kind="flow_sde", noise_level=0.8, window_size=2, window_range=(0, 5),
-                                micro_batch=16),
-        grpo=GRPOConfig(group_size=8, prompts_per_step=4, clip_range=2e-3, adv_std="global",
-                        optimizer_steps_per_step=1),
+        sampling=SamplingConfig(
+            height=32,
+            width=128,
+            num_steps=10,
+            guidance_scale=1.0,
+            negative_prompt="",
+            sde_kind="flow_sde",
+            noise_level=0.8,
+            window_size=2,
+            window_range=(0, 5),
+            micro_batch=16,
+        ),
+        grpo=GRPOConfig(
+            group_size=8, prompts_per_step=4, clip_range=2e-3, adv_std="global", optimizer_steps_per_step=1
+        ),
         # the larger 3e-4 collapsed on one of three seeds (RESULTS.md): 1.5e-4 is the safe side
         optim=OptimConfig(lr=1.5e-4, weight_decay=1e-4),
         data=DataConfig(train_prompts="textbed:train", val_prompts="textbed:heldout", val_num_prompts=32),
@@ -138,18 +162,30 @@ def with_algo(base: Config, name: str, *, size: str) -> Config:
         # The shared window starts at the first step and moves one step every window_iters training steps;
         # tiny runs are short, so the window moves sooner to cover the early steps where OCR is decided.
         iters = max(1, base.num_steps // 8) if tiny_size else 25
-        return dataclasses.replace(base, algo=dataclasses.replace(a, name="mixgrpo", window_iters=iters, window_stride=1))
+        return dataclasses.replace(
+            base, algo=dataclasses.replace(a, name="mixgrpo", window_iters=iters, window_stride=1)
+        )
     # NFT and AWM sample with the ODE and without CFG (both references) and train at K forward-process points
     # a sample. The recipes train 9 of 10 grid steps (NFT) or 6 (AWM); the tiny presets train 2 points a sample,
     # the compute of the base preset's 2-step SDE window, and leave out the reference-KL forward, as the base does.
     sampling = dataclasses.replace(s, guidance_scale=1.0)
     if name == "nft":
-        algo = dataclasses.replace(a, name="nft", nft_beta=0.1, train_steps=2 if tiny_size else 9, sample_from_ema=True,
-                                   ema_rate=0.0075, ema_max_decay=0.999, ema_delay=75)
+        algo = dataclasses.replace(
+            a,
+            name="nft",
+            nft_beta=0.1,
+            train_steps=2 if tiny_size else 9,
+            sample_from_ema=True,
+            ema_rate=0.0075,
+            ema_max_decay=0.999,
+            ema_delay=75,
+        )
         grpo = dataclasses.replace(g, kl_coef=0.0 if tiny_size else 1e-4)
     elif name == "awm":
         # the first grid step (sigma = 1: x_t is pure noise) is left out, as in the reference
-        algo = dataclasses.replace(a, name="awm", awm_p=0.25, train_steps=2 if tiny_size else 6, train_steps_lo=1)
+        algo = dataclasses.replace(
+            a, name="awm", awm_p=0.25, train_steps=2 if tiny_size else 6, train_steps_lo=1
+        )
         grpo = dataclasses.replace(g, clip_range=1.0, kl_coef=0.0 if tiny_size else 3e-3)
     else:
         raise ValueError(f"unknown algorithm {name!r}")
@@ -170,9 +206,15 @@ def presets() -> dict[str, tuple[str, Config]]:
     }
     names = {"dppo": "Flow-DPPO", "mixgrpo": "MixGRPO", "nft": "DiffusionNFT", "awm": "AWM"}
     for algo, title in names.items():
-        out[f"{algo}"] = (f"{title} on the recipe's model and batch.", with_algo(Config(), algo, size="recipe"))
+        out[f"{algo}"] = (
+            f"{title} on the recipe's model and batch.",
+            with_algo(Config(), algo, size="recipe"),
+        )
         out[f"{algo}-tiny"] = (f"{title} on the CPU main job's budget.", with_algo(tiny(), algo, size="tiny"))
-        out[f"{algo}-tiny-gpu"] = (f"{title} on the tiny-gpu budget.", with_algo(tiny_gpu(), algo, size="tiny"))
+        out[f"{algo}-tiny-gpu"] = (
+            f"{title} on the tiny-gpu budget.",
+            with_algo(tiny_gpu(), algo, size="tiny"),
+        )
     return out
 
 

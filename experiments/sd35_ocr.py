@@ -49,18 +49,34 @@ class Config(TrainConfig):
     num_steps: int = 1000
     """Training steps (each: 8 x 8 images, then 2 optimizer steps)."""
     model: ModelConfig = ModelConfig(
-        kind="sd3", path="stabilityai/stable-diffusion-3.5-medium", lora_rank=32, lora_alpha=64,
+        kind="sd3",
+        path="stabilityai/stable-diffusion-3.5-medium",
+        lora_rank=32,
+        lora_alpha=64,
         lora_targets=SD3_ATTN_TARGETS,
     )
     """SD3.5-Medium from the hub or a local diffusers directory, LoRA r32/alpha64 on attention."""
     sampling: SamplingConfig = SamplingConfig(
-        height=384, width=384, num_steps=10, guidance_scale=1.0, negative_prompt=None,
-        sde_kind="cps", noise_level=0.8, window_size=3, window_range=(0, 5), micro_batch=8,
+        height=384,
+        width=384,
+        num_steps=10,
+        guidance_scale=1.0,
+        negative_prompt=None,
+        sde_kind="cps",
+        noise_level=0.8,
+        window_size=3,
+        window_range=(0, 5),
+        micro_batch=8,
     )
     """384², 10 steps, no CFG, CPS noise 0.8 in a 3-step window within steps [0, 5)."""
     grpo: GRPOConfig = GRPOConfig(
-        group_size=8, prompts_per_step=8, clip_range=1e-4, adv_clip_max=5.0, adv_std="global",
-        optimizer_steps_per_step=2, kl_coef=0.0,
+        group_size=8,
+        prompts_per_step=8,
+        clip_range=1e-4,
+        adv_clip_max=5.0,
+        adv_std="global",
+        optimizer_steps_per_step=2,
+        kl_coef=0.0,
     )
     """8 prompts x 8 images, global-std advantages clipped at 5, 2 updates per step, no KL."""
     optim: OptimConfig = OptimConfig(lr=1e-4, weight_decay=1e-4)
@@ -79,10 +95,26 @@ def tiny() -> Config:
         Config(),
         num_steps=2,
         device="cpu",
-        model=ModelConfig(kind="tiny_sd3", dtype="fp32", lora_rank=4, lora_alpha=8, lora_targets=SD3_ATTN_TARGETS,
-                          gradient_checkpointing=False),
-        sampling=SamplingConfig(height=64, width=64, num_steps=6, guidance_scale=1.0, negative_prompt=None,
-                                sde_kind="cps", noise_level=0.8, window_size=3, window_range=(0, 5), micro_batch=8),
+        model=ModelConfig(
+            kind="tiny_sd3",
+            dtype="fp32",
+            lora_rank=4,
+            lora_alpha=8,
+            lora_targets=SD3_ATTN_TARGETS,
+            gradient_checkpointing=False,
+        ),
+        sampling=SamplingConfig(
+            height=64,
+            width=64,
+            num_steps=6,
+            guidance_scale=1.0,
+            negative_prompt=None,
+            sde_kind="cps",
+            noise_level=0.8,
+            window_size=3,
+            window_range=(0, 5),
+            micro_batch=8,
+        ),
         grpo=GRPOConfig(group_size=4, prompts_per_step=2, clip_range=1e-4, optimizer_steps_per_step=2),
         data=DataConfig(train_prompts="textbed:train", val_prompts="textbed:heldout", val_num_prompts=4),
         run=RunConfig(wandb="disabled", val_every=2, val_num_steps=6, ckpt_every=2, log_images_every=1),

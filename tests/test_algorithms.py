@@ -23,8 +23,13 @@ ROOT = Path(__file__).resolve().parents[1]
 def cfg_for(tmp_path, name, num_steps=2, **algo):
     c = Config()
     grpo = dataclasses.replace(c.grpo, clip_range=1.0) if name == "awm" else c.grpo
-    return dataclasses.replace(c, num_steps=num_steps, grpo=grpo, algo=dataclasses.replace(c.algo, name=name, **algo),
-                               run=dataclasses.replace(c.run, out_dir=str(tmp_path)))
+    return dataclasses.replace(
+        c,
+        num_steps=num_steps,
+        grpo=grpo,
+        algo=dataclasses.replace(c.algo, name=name, **algo),
+        run=dataclasses.replace(c.run, out_dir=str(tmp_path)),
+    )
 
 
 class Recording(DiffusersEngine):
@@ -67,12 +72,15 @@ def test_each_algorithm_trains_end_to_end(tmp_path, name, recording):
 def test_first_update_is_exactly_on_policy(tmp_path, name, monkeypatch):
     """AWM's old log-weights come from a no-grad pass over the training forwards' rows, Flow-DPPO's old means from
     the rollout itself (a recompute pass would be the only other source: it is made to fail here)."""
+
     def no_recompute(*a, **k):
         raise AssertionError("Flow-DPPO recomputed the old means")
 
     monkeypatch.setattr(algorithms, "recompute_log_probs_and_means", no_recompute)
     cfg = cfg_for(tmp_path, name, num_steps=1)
-    m = train_mod.train(dataclasses.replace(cfg, grpo=dataclasses.replace(cfg.grpo, optimizer_steps_per_step=1)))
+    m = train_mod.train(
+        dataclasses.replace(cfg, grpo=dataclasses.replace(cfg.grpo, optimizer_steps_per_step=1))
+    )
     assert m["train/ratio_min"] == m["train/ratio_max"] == 1.0
     if name == "dppo":
         assert m["train/masked_frac"] == 0.0  # D = 0 < tau everywhere at unchanged weights
@@ -106,7 +114,9 @@ def test_nft_samples_with_the_ema_and_the_ema_follows_core_ema(tmp_path, monkeyp
     for _done, d, before, after, theta in calls:
         for b, a, t in zip(before, after, theta):
             torch.testing.assert_close(a, d * b + (1 - d) * t)
-    assert all(torch.equal(s, b) for s, b in zip(sampled[0], calls[0][2]))  # step 0: the EMA = the initial theta
+    assert all(
+        torch.equal(s, b) for s, b in zip(sampled[0], calls[0][2])
+    )  # step 0: the EMA = the initial theta
     assert all(torch.equal(s, a) for s, a in zip(sampled[1], calls[0][3]))  # step 1: the EMA after step 0
     assert any(not torch.equal(s, t) for s, t in zip(sampled[1], calls[0][4]))  # ... which is not theta
 
@@ -115,11 +125,13 @@ def test_nft_resume_is_exact_including_the_ema(tmp_path):
     """2 steps straight = 1 step, then a resume for the second: the EMA is restored from the checkpoint."""
     straight = cfg_for(tmp_path / "a", "nft", num_steps=2, ema_rate=0.3, ema_max_decay=0.9, ema_delay=1)
     train_mod.train(straight)
-    first = dataclasses.replace(cfg_for(tmp_path / "b", "nft", num_steps=1, ema_rate=0.3, ema_max_decay=0.9,
-                                        ema_delay=1))
+    first = dataclasses.replace(
+        cfg_for(tmp_path / "b", "nft", num_steps=1, ema_rate=0.3, ema_max_decay=0.9, ema_delay=1)
+    )
     train_mod.train(first)
-    resumed = dataclasses.replace(straight, run=dataclasses.replace(straight.run, out_dir=str(tmp_path / "b"),
-                                                                     resume="auto"))
+    resumed = dataclasses.replace(
+        straight, run=dataclasses.replace(straight.run, out_dir=str(tmp_path / "b"), resume="auto")
+    )
     train_mod.train(resumed)
     a = checkpoint.latest(tmp_path / "a" / "e2e" / "checkpoints")
     b = checkpoint.latest(tmp_path / "b" / "e2e" / "checkpoints")
@@ -134,7 +146,9 @@ def test_forward_process_settings_are_checked(tmp_path):
     with pytest.raises(ValueError, match="algo.train_steps=9"):
         validate_config(bad, world_size=1)
     with pytest.raises(ValueError, match="--grpo.ratio-norm"):
-        validate_config(dataclasses.replace(base, grpo=dataclasses.replace(base.grpo, ratio_norm=True)), world_size=1)
+        validate_config(
+            dataclasses.replace(base, grpo=dataclasses.replace(base.grpo, ratio_norm=True)), world_size=1
+        )
     # an ODE sampling config is fine for NFT (nothing trains the window) and refused for Flow-GRPO
     ode = dataclasses.replace(base.sampling, sde_kind="ode", window_size=0)
     validate_config(dataclasses.replace(base, sampling=ode), world_size=1)
@@ -142,8 +156,24 @@ def test_forward_process_settings_are_checked(tmp_path):
         validate_config(dataclasses.replace(base, sampling=ode, algo=Config().algo), world_size=1)
 
 
+def _budget(c):
+    """What the algorithm presets keep from their base preset."""
+    return (
+        c.num_steps,
+        c.grpo.group_size,
+        c.grpo.prompts_per_step,
+        c.grpo.optimizer_steps_per_step,
+        c.optim,
+        c.model,
+        c.data,
+        c.sampling.num_steps,
+    )
+
+
 def test_every_algorithm_preset_validates_and_keeps_the_base_budget():
-    spec = importlib.util.spec_from_file_location("qwen_image_ocr", ROOT / "experiments" / "qwen_image_ocr.py")
+    spec = importlib.util.spec_from_file_location(
+        "qwen_image_ocr", ROOT / "experiments" / "qwen_image_ocr.py"
+    )
     m = importlib.util.module_from_spec(spec)
     sys.modules["qwen_image_ocr"] = m
     spec.loader.exec_module(m)
@@ -153,7 +183,5 @@ def test_every_algorithm_preset_validates_and_keeps_the_base_budget():
             cfg = presets[algo + suffix][1]
             assert cfg.algo.name == algo
             validate_config(cfg, world_size=1)
-            same = lambda c: (c.num_steps, c.grpo.group_size, c.grpo.prompts_per_step,  # noqa: E731
-                              c.grpo.optimizer_steps_per_step, c.optim, c.model, c.data, c.sampling.num_steps)
-            assert same(cfg) == same(base)
+            assert _budget(cfg) == _budget(base)
     assert set(algorithms.ALGORITHMS) == {"grpo", "dppo", "mixgrpo", "nft", "awm"}

@@ -59,7 +59,9 @@ def test_compiled_blocks_train_with_varying_prompt_lengths():
             with torch.no_grad():
                 traj = engine.generate(prompts, list(range(8)), s)
             adv = grpo.group_advantages(torch.randn(8, generator=torch.Generator().manual_seed(it)), 4)
-            m = algorithms.build(cfg, params).update(model, params, opt, sched, traj, adv, torch.Generator().manual_seed(it))
+            m = algorithms.build(cfg, params).update(
+                model, params, opt, sched, traj, adv, torch.Generator().manual_seed(it)
+            )
             # compiled rollout and compiled training forward still agree exactly at unchanged weights
             assert m["logprob_gap/max"] == 0.0
             assert m["skipped_steps"] == 0.0

@@ -6,11 +6,10 @@ from functools import partial
 import pytest
 import torch
 
-from fgrpo.config import GRPOConfig, ModelConfig, OptimConfig, TrainConfig
+from fgrpo.config import GRPOConfig, ModelConfig, OptimConfig, TrainConfig, validate_config
 from fgrpo.core.schedule import lr_multiplier
 from fgrpo.data import load_prompts, step_prompt_indices
 from fgrpo.rollout.base import SamplingConfig
-from fgrpo.config import validate_config
 
 
 def test_step_prompt_indices_cover_each_epoch_once():
@@ -50,13 +49,24 @@ def test_load_prompts_formats_and_errors(tmp_path):
     [
         ({"grpo": GRPOConfig(group_size=1)}, "group_size"),
         ({"grpo": GRPOConfig(group_size=3, prompts_per_step=3)}, "not divisible by the 2 ranks"),
-        ({"grpo": GRPOConfig(group_size=4, prompts_per_step=3, optimizer_steps_per_step=4)}, "does not divide"),
+        (
+            {"grpo": GRPOConfig(group_size=4, prompts_per_step=3, optimizer_steps_per_step=4)},
+            "does not divide",
+        ),
         ({"sampling": SamplingConfig(window_range=(0, 12))}, "window_range"),
         ({"sampling": SamplingConfig(sde_kind="ode")}, "nothing to train"),
         ({"rollout_engine": "vllm_omni"}, "old-log-prob recompute"),
-        ({"rollout_engine": "vllm_omni", "grpo": GRPOConfig(old_log_prob="recompute")}, "one trainer process"),
-        ({"rollout_engine": "vllm_omni", "grpo": GRPOConfig(old_log_prob="recompute", group_init_noise=True)},
-         "grpo.group_init_noise"),
+        (
+            {"rollout_engine": "vllm_omni", "grpo": GRPOConfig(old_log_prob="recompute")},
+            "one trainer process",
+        ),
+        (
+            {
+                "rollout_engine": "vllm_omni",
+                "grpo": GRPOConfig(old_log_prob="recompute", group_init_noise=True),
+            },
+            "grpo.group_init_noise",
+        ),
         ({"optim": OptimConfig(min_lr_ratio=1.5)}, "optim.min_lr_ratio"),
         ({"model": ModelConfig(compile=True)}, "--grpo.old-log-prob recompute"),
         ({"num_steps": 3, "optim": OptimConfig(schedule="cosine", warmup_steps=6)}, "optim.decay_steps=6"),
@@ -76,7 +86,9 @@ def test_lr_multiplier_hand_computed():
     assert linear == pytest.approx([0.5, 1.0, 1.0, 0.775, 0.55, 0.325, 0.1, 0.1])
     cosine = [f(k, schedule="cosine") for k in range(8)]
     # halfway (k=4) the cosine is at the mid-point 0.55; a quarter in, 0.1 + 0.9 * (1 + cos(pi/4)) / 2
-    assert cosine == pytest.approx([0.5, 1.0, 1.0, 0.1 + 0.45 * (1 + 2**-0.5), 0.55, 0.1 + 0.45 * (1 - 2**-0.5), 0.1, 0.1])
+    assert cosine == pytest.approx(
+        [0.5, 1.0, 1.0, 0.1 + 0.45 * (1 + 2**-0.5), 0.55, 0.1 + 0.45 * (1 - 2**-0.5), 0.1, 0.1]
+    )
 
 
 def test_lr_decay_spans_the_run_by_default():
@@ -129,7 +141,9 @@ def test_group_init_seeds_one_per_group():
 def test_nonsense_values_are_refused_naming_the_field(section, field, value):
     """Each of these passed validation before and failed (or silently misbehaved) only inside the run."""
     base = TrainConfig()
-    cfg = dataclasses.replace(base, **{section: dataclasses.replace(getattr(base, section), **{field: value})})
+    cfg = dataclasses.replace(
+        base, **{section: dataclasses.replace(getattr(base, section), **{field: value})}
+    )
     with pytest.raises(ValueError, match=rf"^{section}\.{field}=.*--{section}\.{field.replace('_', '-')}"):
         validate_config(cfg, world_size=1)
 

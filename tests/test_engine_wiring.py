@@ -48,8 +48,11 @@ def test_out_of_process_engine_is_woken_synced_and_slept(tmp_path, monkeypatch):
         return engines[0]
 
     monkeypatch.setattr(train_mod, "build_engine", build)
-    cfg = dataclasses.replace(Config(), num_steps=2, run=dataclasses.replace(Config().run, out_dir=str(tmp_path),
-                                                                               val_every=2, ckpt_every=0))
+    cfg = dataclasses.replace(
+        Config(),
+        num_steps=2,
+        run=dataclasses.replace(Config().run, out_dir=str(tmp_path), val_every=2, ckpt_every=0),
+    )
     train_mod.train(cfg)
     calls = engines[0].calls
     rollout = ["wake", "generate", "sleep"]
@@ -70,8 +73,12 @@ def test_group_init_noise_reaches_the_engine(tmp_path, monkeypatch):
 
     monkeypatch.setattr(train_mod, "build_engine", lambda model, engine, path: Capturing(model))
     base = Config()
-    cfg = dataclasses.replace(base, num_steps=1, grpo=dataclasses.replace(base.grpo, group_init_noise=True),
-                              run=dataclasses.replace(base.run, out_dir=str(tmp_path), val_every=1, ckpt_every=0))
+    cfg = dataclasses.replace(
+        base,
+        num_steps=1,
+        grpo=dataclasses.replace(base.grpo, group_init_noise=True),
+        run=dataclasses.replace(base.run, out_dir=str(tmp_path), val_every=1, ckpt_every=0),
+    )
     train_mod.train(cfg)
     G, n = cfg.grpo.group_size, cfg.grpo.group_size * cfg.grpo.prompts_per_step
     assert [s for s in seen if s is not None] == [group_init_seeds(cfg.seed, 0, torch.arange(n), G)]

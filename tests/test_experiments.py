@@ -29,7 +29,9 @@ def test_every_experiment_is_covered():
 
 @pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: p.stem)
 def test_help_parses(path):
-    res = subprocess.run([sys.executable, str(path), "--help"], env=ENV, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, str(path), "--help"], env=ENV, capture_output=True, text=True, timeout=300
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "usage:" in res.stdout
 
@@ -54,10 +56,24 @@ def test_tiny_gpu_preset_samples_like_the_cpu_preset_at_gpu_scale():
     from fgrpo.config import validate_config
 
     validate_config(gpu, world_size=1)
-    keep = ("height", "width", "num_steps", "guidance_scale", "sde_kind", "noise_level", "window_size", "window_range")
+    keep = (
+        "height",
+        "width",
+        "num_steps",
+        "guidance_scale",
+        "sde_kind",
+        "noise_level",
+        "window_size",
+        "window_range",
+    )
     assert {k: getattr(gpu.sampling, k) for k in keep} == {k: getattr(cpu.sampling, k) for k in keep}
     assert gpu.sampling.guidance_scale == 1.0 and gpu.model.kind == "textbed" and gpu.model.path == ""
-    assert (gpu.grpo.prompts_per_step, gpu.grpo.group_size, gpu.num_steps, gpu.model.dtype) == (32, 16, 150, "bf16")
+    assert (gpu.grpo.prompts_per_step, gpu.grpo.group_size, gpu.num_steps, gpu.model.dtype) == (
+        32,
+        16,
+        150,
+        "bf16",
+    )
     assert gpu.data.val_prompts == cpu.data.val_prompts == "textbed:heldout"
     assert gpu.reward.workers == 15
 
@@ -67,7 +83,13 @@ def test_qwen_image_recipe_matches_the_published_one():
     s, g = c.sampling, c.grpo
     assert (s.height, s.width, s.num_steps, s.sde_kind, s.noise_level) == (512, 512, 10, "flow_sde", 1.2)
     assert (s.window_size, s.window_range, s.guidance_scale, s.negative_prompt) == (2, (0, 5), 4.0, " ")
-    assert (g.prompts_per_step, g.group_size, g.clip_range, g.adv_clip_max, g.adv_std) == (32, 16, 1e-5, 5.0, "global")
+    assert (g.prompts_per_step, g.group_size, g.clip_range, g.adv_clip_max, g.adv_std) == (
+        32,
+        16,
+        1e-5,
+        5.0,
+        "global",
+    )
     assert (g.optimizer_steps_per_step, g.kl_coef, c.run.val_num_steps) == (2, 0.0, 50)
     assert (c.model.lora_rank, c.model.lora_alpha, c.optim.lr, c.optim.weight_decay) == (64, 128, 3e-4, 1e-4)
 
@@ -75,13 +97,24 @@ def test_qwen_image_recipe_matches_the_published_one():
 @pytest.mark.parametrize(
     ("name", "flags"),
     [
-        ("qwen_image_ocr", ["--grpo.prompts-per-step", "1", "--data.val-num-prompts", "2", "--run.val-every", "1"]),
+        (
+            "qwen_image_ocr",
+            ["--grpo.prompts-per-step", "1", "--data.val-num-prompts", "2", "--run.val-every", "1"],
+        ),
         ("sd35_ocr", []),
     ],
 )
 def test_tiny_preset_runs_two_steps(tmp_path, name, flags):
-    cmd = [sys.executable, str(ROOT / "experiments" / f"{name}.py"), "tiny", "--num-steps", "2",
-           "--run.out-dir", str(tmp_path), *flags]
+    cmd = [
+        sys.executable,
+        str(ROOT / "experiments" / f"{name}.py"),
+        "tiny",
+        "--num-steps",
+        "2",
+        "--run.out-dir",
+        str(tmp_path),
+        *flags,
+    ]
     res = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     run = tmp_path / name
@@ -101,8 +134,9 @@ def test_pretrain_textbed_lr_decay_reaches_the_loop(capsys):
 
     pt = load(ROOT / "experiments" / "pretrain_textbed.py")
     base = pt.tiny()
-    cfg = dataclasses.replace(base, max_steps=5, optim=dataclasses.replace(base.optim, lr=1e-3, warmup_steps=1,
-                                                                           schedule="linear"))
+    cfg = dataclasses.replace(
+        base, max_steps=5, optim=dataclasses.replace(base.optim, lr=1e-3, warmup_steps=1, schedule="linear")
+    )
     pt.check_config(cfg)
     pt.train(cfg)
     lrs = [float(x) for x in re.findall(r" lr ([0-9.e+-]+) ", capsys.readouterr().out)]
@@ -141,18 +175,39 @@ def test_pretrain_textbed_two_ranks_take_the_steps_of_one(tmp_path):
     driver.write_text(PRETRAIN_DRIVER)
     script = str(ROOT / "experiments" / "pretrain_textbed.py")
     env = {**ENV, "OMP_NUM_THREADS": "1"}
-    one = subprocess.run([sys.executable, str(driver), script, str(tmp_path / "one.pt")], env=env,
-                         capture_output=True, text=True, timeout=600)
+    one = subprocess.run(
+        [sys.executable, str(driver), script, str(tmp_path / "one.pt")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert one.returncode == 0, one.stderr[-3000:]
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          str(driver), script, str(tmp_path / "two.pt")], env=env, capture_output=True, text=True,
-                         timeout=600)
+    two = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(driver),
+            script,
+            str(tmp_path / "two.pt"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-3000:]
 
     def steps(out: str) -> list[str]:
         return [line.split(" lr ")[0] for line in out.splitlines() if line.startswith("step ")]
 
-    assert len(steps(one.stdout)) == 3 and steps(two.stdout) == steps(one.stdout)  # loss and grad norm per step
+    assert len(steps(one.stdout)) == 3 and steps(two.stdout) == steps(
+        one.stdout
+    )  # loss and grad norm per step
     one_pt, two_pt = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     a, b, init = one_pt["ema"], two_pt["ema"], one_pt["init"]
     assert a.keys() == b.keys() == init.keys()

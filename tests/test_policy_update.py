@@ -14,8 +14,16 @@ from fgrpo.rollout.base import SamplingConfig
 from fgrpo.rollout.engine import DiffusersEngine, minibatch_rows
 
 SAMPLING = SamplingConfig(
-    height=32, width=32, num_steps=4, guidance_scale=3.0, negative_prompt=" ", sde_kind="flow_sde",
-    noise_level=0.9, window_size=2, window_range=(0, 3), micro_batch=4,
+    height=32,
+    width=32,
+    num_steps=4,
+    guidance_scale=3.0,
+    negative_prompt=" ",
+    sde_kind="flow_sde",
+    noise_level=0.9,
+    window_size=2,
+    window_range=(0, 3),
+    micro_batch=4,
 )
 
 
@@ -34,8 +42,12 @@ def run_update(model, traj, grpo_cfg, advantages, lr=1.0):
     params = [p for p in model.transformer.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0)
-    cfg = dataclasses.replace(TrainConfig(), sampling=SAMPLING, grpo=grpo_cfg, optim=OptimConfig(grad_clip=1e9))
-    metrics = algorithms.build(cfg, params).update(model, params, opt, sched, traj, advantages, torch.Generator().manual_seed(0))
+    cfg = dataclasses.replace(
+        TrainConfig(), sampling=SAMPLING, grpo=grpo_cfg, optim=OptimConfig(grad_clip=1e9)
+    )
+    metrics = algorithms.build(cfg, params).update(
+        model, params, opt, sched, traj, advantages, torch.Generator().manual_seed(0)
+    )
     return model, metrics
 
 
@@ -46,7 +58,9 @@ def lora_params(model):
 def test_first_update_ratio_is_exactly_one(rollout):
     model, traj = rollout
     adv = torch.linspace(-1, 1, 8)
-    _, m = run_update(model, traj, GRPOConfig(group_size=4, prompts_per_step=2, optimizer_steps_per_step=1), adv)
+    _, m = run_update(
+        model, traj, GRPOConfig(group_size=4, prompts_per_step=2, optimizer_steps_per_step=1), adv
+    )
     # Training recomputes each transition with the rollout's rows and kernels: not close, identical.
     assert m["logprob_gap/max"] == 0.0
     assert m["ratio_min"] == 1.0 and m["ratio_max"] == 1.0

@@ -23,7 +23,9 @@ from fgrpo.runs import RunDir, RunDirError
 
 def cfg_for(tmp_path, **run_changes):
     c = Config()
-    return dataclasses.replace(c, num_steps=2, run=dataclasses.replace(c.run, out_dir=str(tmp_path), **run_changes))
+    return dataclasses.replace(
+        c, num_steps=2, run=dataclasses.replace(c.run, out_dir=str(tmp_path), **run_changes)
+    )
 
 
 def rows(tmp_path):
@@ -58,7 +60,10 @@ def test_overwrite_moves_the_old_run_aside(done):
     tmp_path = done
     old_rows = rows(tmp_path)
     d = RunDir(tmp_path / "e2e")
-    assert d.start(dataclasses.replace(cfg_for(tmp_path, overwrite=True), seed=7), is_main=True, say=print) is None
+    assert (
+        d.start(dataclasses.replace(cfg_for(tmp_path, overwrite=True), seed=7), is_main=True, say=print)
+        is None
+    )
     d.unlock()
     moved = [p for p in tmp_path.iterdir() if p.name.startswith("e2e.old-")]
     assert len(moved) == 1
@@ -69,9 +74,15 @@ def test_overwrite_moves_the_old_run_aside(done):
 
 def test_a_second_writer_is_refused_while_the_first_holds_the_lock(tmp_path):
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from fgrpo.runs import RunDir; from pathlib import Path; "
-         "RunDir(Path(sys.argv[1])).lock(); print('locked', flush=True); time.sleep(60)", str(tmp_path / "e2e")],
-        stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from fgrpo.runs import RunDir; from pathlib import Path; "
+            "RunDir(Path(sys.argv[1])).lock(); print('locked', flush=True); time.sleep(60)",
+            str(tmp_path / "e2e"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert holder.stdout.readline().strip() == "locked"
@@ -89,7 +100,9 @@ def test_a_second_writer_is_refused_while_the_first_holds_the_lock(tmp_path):
 def test_resume_refuses_a_changed_training_field_and_applies_bookkeeping_ones(done, capsys):
     tmp_path = done
     recorded = (tmp_path / "e2e" / "config.json").read_text()
-    changed = dataclasses.replace(cfg_for(tmp_path, resume="auto"), optim=dataclasses.replace(Config().optim, lr=1e-6))
+    changed = dataclasses.replace(
+        cfg_for(tmp_path, resume="auto"), optim=dataclasses.replace(Config().optim, lr=1e-6)
+    )
     with pytest.raises(RunDirError, match=r"optim\.lr: 0\.03 -> 1e-06"):
         train_mod.train(changed)
     assert (tmp_path / "e2e" / "config.json").read_text() == recorded  # the record still matches the run
@@ -103,7 +116,9 @@ def test_resume_refuses_a_changed_training_field_and_applies_bookkeeping_ones(do
 def test_resume_auto_without_a_checkpoint_says_so_and_keeps_one_row_per_step(tmp_path, capsys):
     run_dir = tmp_path / "e2e"
     run_dir.mkdir()
-    (run_dir / "metrics.jsonl").write_text('{"step": 0, "reward/mean": 1.0}\n{"step": 1, "reward/me')  # died mid-row
+    (run_dir / "metrics.jsonl").write_text(
+        '{"step": 0, "reward/mean": 1.0}\n{"step": 1, "reward/me'
+    )  # died mid-row
     train_mod.train(cfg_for(tmp_path, resume="auto"))
     assert "no complete checkpoint" in capsys.readouterr().out
     assert [r["step"] for r in rows(tmp_path)] == [0, 1]
@@ -139,7 +154,9 @@ class NanReward:
 
 def test_non_finite_reward_stops_the_run_naming_reward_and_prompt(tmp_path, monkeypatch):
     monkeypatch.setattr(train_mod, "build_reward", lambda spec: NanReward())
-    with pytest.raises(ValueError, match=r"reward 'jpeg_compressibility' returned a non-finite score \(nan\) for prompt"):
+    with pytest.raises(
+        ValueError, match=r"reward 'jpeg_compressibility' returned a non-finite score \(nan\) for prompt"
+    ):
         train_mod.train(cfg_for(tmp_path))
     assert not checkpoint.list_checkpoints(tmp_path / "e2e" / "checkpoints")  # nothing saved as if trained
 
@@ -153,7 +170,9 @@ def test_check_scores_shape_and_values():
 
 
 def test_steps_that_skip_every_update_stop_the_run(tmp_path, monkeypatch):
-    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda params, max_norm: torch.tensor(float("nan")))
+    monkeypatch.setattr(
+        torch.nn.utils, "clip_grad_norm_", lambda params, max_norm: torch.tensor(float("nan"))
+    )
     cfg = dataclasses.replace(cfg_for(tmp_path, max_bad_steps=2), num_steps=4)
     with pytest.raises(FloatingPointError, match="2 steps in a row"):
         train_mod.train(cfg)
@@ -161,9 +180,13 @@ def test_steps_that_skip_every_update_stop_the_run(tmp_path, monkeypatch):
 
 def test_config_changes_lists_every_differing_field():
     a = runs.flat_config(Config())
-    b = runs.flat_config(dataclasses.replace(Config(), seed=5, grpo=dataclasses.replace(Config().grpo, clip_range=0.1)))
+    b = runs.flat_config(
+        dataclasses.replace(Config(), seed=5, grpo=dataclasses.replace(Config().grpo, clip_range=0.1))
+    )
     assert runs.config_changes(a, b) == {"grpo.clip_range": (0.2, 0.1), "seed": (0, 5)}
-    assert runs.config_changes(a, runs.flat_config(json.loads(json.dumps(dataclasses.asdict(Config()))))) == {}
+    assert (
+        runs.config_changes(a, runs.flat_config(json.loads(json.dumps(dataclasses.asdict(Config()))))) == {}
+    )
 
 
 def test_init_lora_starts_from_an_exported_adapter(tmp_path):
@@ -188,7 +211,9 @@ def test_init_lora_starts_from_an_exported_adapter(tmp_path):
     assert all(pb[n].requires_grad and pb[n].dtype == torch.float32 for n in pb)
     c = build_model(mcfg, torch.device("cpu"), seed=0)
     with pytest.raises(ValueError, match="--model.lora-rank 4 --model.lora-alpha 8"):
-        setup_trainable(c.transformer, dataclasses.replace(mcfg, lora_rank=8, init_lora=str(tmp_path / "lora")))
+        setup_trainable(
+            c.transformer, dataclasses.replace(mcfg, lora_rank=8, init_lora=str(tmp_path / "lora"))
+        )
     c = build_model(mcfg, torch.device("cpu"), seed=0)
     with pytest.raises(FileNotFoundError, match="model.init_lora"):
         setup_trainable(c.transformer, dataclasses.replace(mcfg, init_lora=str(tmp_path / "nothing")))

@@ -20,8 +20,16 @@ def run(out_dir, *flags, nproc=1, timeout=600):
     if nproc == 1:
         cmd = [sys.executable, ENTRY]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(29500 + os.getpid() % 1000), ENTRY]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--master-port",
+            str(29500 + os.getpid() % 1000),
+            ENTRY,
+        ]
     cmd += ["--run.out-dir", str(out_dir), *flags]
     res = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -52,7 +60,15 @@ def test_two_fsdp_ranks_match_one(tmp_path):
 def test_full_weights_two_fsdp_ranks_match_one(tmp_path):
     """Full-weight training (no LoRA): every transformer weight is trained, sharded over the ranks and
     checkpointed; 2 ranks = 1 rank on the same global batch, as with LoRA."""
-    flags = ("--num-steps", "2", "--grpo.optimizer-steps-per-step", "1", "--model.no-lora", "--optim.lr", "1e-3")
+    flags = (
+        "--num-steps",
+        "2",
+        "--grpo.optimizer-steps-per-step",
+        "1",
+        "--model.no-lora",
+        "--optim.lr",
+        "1e-3",
+    )
     run(tmp_path / "one", *flags)
     run(tmp_path / "two", *flags, nproc=2)
     one, two = final_weights(tmp_path / "one", 2), final_weights(tmp_path / "two", 2)
@@ -62,7 +78,9 @@ def test_full_weights_two_fsdp_ranks_match_one(tmp_path):
     names = {n for n, _ in tiny_qwen_image(seed=0).transformer.named_parameters()}
     assert set(one) == names and set(two) == names  # the whole transformer, no LoRA keys
     moved = [k for k in one if (one[k] - start[k]).abs().max().item() > 0]
-    assert len(moved) > 0.9 * len(one)  # nearly every tensor trains (a few get no gradient, e.g. unused heads)
+    assert len(moved) > 0.9 * len(
+        one
+    )  # nearly every tensor trains (a few get no gradient, e.g. unused heads)
     for k in one:
         torch.testing.assert_close(one[k], two[k], rtol=1e-4, atol=1e-6)
 
@@ -71,9 +89,14 @@ def test_kill_and_resume_is_bit_exact(tmp_path):
     # A decaying LR, so that a scheduler resumed at the wrong optimizer step changes the weights.
     flags = ["--num-steps", "3", "--optim.schedule", "linear"]
     run(tmp_path / "straight", *flags)
-    logged = [json.loads(line) for line in (tmp_path / "straight" / "e2e" / "metrics.jsonl").read_text().splitlines()]
+    logged = [
+        json.loads(line)
+        for line in (tmp_path / "straight" / "e2e" / "metrics.jsonl").read_text().splitlines()
+    ]
     lrs = [m["lr"] for m in logged if "lr" in m]
-    assert lrs == pytest.approx([3e-2 * (1 - k / 6) for k in (2, 4, 6)])  # after each step's 2 optimizer steps
+    assert lrs == pytest.approx(
+        [3e-2 * (1 - k / 6) for k in (2, 4, 6)]
+    )  # after each step's 2 optimizer steps
     # Start the same run, SIGKILL it as soon as its step-1 checkpoint is complete, then resume.
     out = tmp_path / "killed"
     cmd = [sys.executable, ENTRY, "--run.out-dir", str(out), *flags]

@@ -1,7 +1,7 @@
 """A tiny Flow-GRPO run for the end-to-end tests (tiny random Qwen-Image, JPEG reward, CPU).
 
-    python tests/train_entry.py --run.out-dir DIR [tyro flags]
-    torchrun --nproc-per-node 2 tests/train_entry.py ...
+python tests/train_entry.py --run.out-dir DIR [tyro flags]
+torchrun --nproc-per-node 2 tests/train_entry.py ...
 """
 
 from dataclasses import dataclass
@@ -28,24 +28,37 @@ class Config(TrainConfig):
     """Training steps."""
     device: str = "cpu"
     """CPU only."""
-    model: ModelConfig = ModelConfig(kind="tiny_qwen_image", dtype="fp32", lora_rank=4, lora_alpha=8,
-                                     gradient_checkpointing=False)
+    model: ModelConfig = ModelConfig(
+        kind="tiny_qwen_image", dtype="fp32", lora_rank=4, lora_alpha=8, gradient_checkpointing=False
+    )
     """Tiny random Qwen-Image with LoRA r4."""
-    sampling: SamplingConfig = SamplingConfig(height=32, width=32, num_steps=4, guidance_scale=3.0,
-                                              negative_prompt=" ", noise_level=0.9, window_size=2,
-                                              window_range=(0, 3), micro_batch=4)
+    sampling: SamplingConfig = SamplingConfig(
+        height=32,
+        width=32,
+        num_steps=4,
+        guidance_scale=3.0,
+        negative_prompt=" ",
+        noise_level=0.9,
+        window_size=2,
+        window_range=(0, 3),
+        micro_batch=4,
+    )
     """32², 4 steps, true-CFG 3, flow_sde in a 2-step window."""
-    grpo: GRPOConfig = GRPOConfig(group_size=4, prompts_per_step=2, optimizer_steps_per_step=2, clip_range=0.2,
-                                  adv_std="group")
+    grpo: GRPOConfig = GRPOConfig(
+        group_size=4, prompts_per_step=2, optimizer_steps_per_step=2, clip_range=0.2, adv_std="group"
+    )
     """2 prompts x 4 samples, 2 updates per step."""
     optim: OptimConfig = OptimConfig(lr=3e-2)
     """A large LR so three steps move the LoRA visibly."""
-    data: DataConfig = DataConfig(train_prompts="textbed:train", val_prompts="textbed:heldout", val_num_prompts=4)
+    data: DataConfig = DataConfig(
+        train_prompts="textbed:train", val_prompts="textbed:heldout", val_num_prompts=4
+    )
     """The bundled words as prompts."""
     reward: RewardConfig = RewardConfig(name="jpeg_compressibility")
     """Cheap and image-dependent."""
-    run: RunConfig = RunConfig(out_dir="runs", wandb="disabled", val_every=0, ckpt_every=1, keep_last=5,
-                               log_images_every=0)
+    run: RunConfig = RunConfig(
+        out_dir="runs", wandb="disabled", val_every=0, ckpt_every=1, keep_last=5, log_images_every=0
+    )
     """Checkpoint every step; no validation."""
 
 

@@ -111,12 +111,22 @@ class Algorithm:
 
     def loss(self, log_prob, old_log_prob, mean, old_mean, std, advantages):
         g = self.cfg.grpo
-        return grpo.clipped_policy_loss(log_prob, old_log_prob, advantages, clip_range=g.clip_range,
-                                        adv_clip_max=g.adv_clip_max, ratio_norm=g.ratio_norm, mean=mean, std=std,
-                                        old_mean=old_mean)
+        return grpo.clipped_policy_loss(
+            log_prob,
+            old_log_prob,
+            advantages,
+            clip_range=g.clip_range,
+            adv_clip_max=g.adv_clip_max,
+            ratio_norm=g.ratio_norm,
+            mean=mean,
+            std=std,
+            old_mean=old_mean,
+        )
 
     def update(self, model, params, optimizer, lr_scheduler, traj, advantages, generator) -> dict[str, float]:
-        return window_update(model, params, optimizer, lr_scheduler, traj, advantages, self.cfg, generator, self)
+        return window_update(
+            model, params, optimizer, lr_scheduler, traj, advantages, self.cfg, generator, self
+        )
 
     def after_update(self, step: int) -> dict[str, float]:
         """Bookkeeping after the step's optimizer steps (the EMA of the old policy)."""
@@ -134,7 +144,9 @@ class FlowDPPO(Algorithm):
     needs_old_mean = True
 
     def loss(self, log_prob, old_log_prob, mean, old_mean, std, advantages):
-        return dppo.dppo_loss(log_prob, old_log_prob, mean, old_mean, std, advantages, tau=self.cfg.algo.dppo_tau)
+        return dppo.dppo_loss(
+            log_prob, old_log_prob, mean, old_mean, std, advantages, tau=self.cfg.algo.dppo_tau
+        )
 
 
 class MixGRPO(Algorithm):
@@ -142,9 +154,17 @@ class MixGRPO(Algorithm):
 
     def sampling(self, step: int) -> SamplingConfig:
         s, a = self.cfg.sampling, self.cfg.algo
-        w = schedule.sliding_window(step, num_steps=s.num_steps, window_size=s.window_size,
-                                    iters_per_window=a.window_iters, stride=a.window_stride, lo=s.window_range[0])
-        return dataclasses.replace(s, window_range=(w[0], w[-1] + 1))  # a range of exactly W steps: no draw left
+        w = schedule.sliding_window(
+            step,
+            num_steps=s.num_steps,
+            window_size=s.window_size,
+            iters_per_window=a.window_iters,
+            stride=a.window_stride,
+            lo=s.window_range[0],
+        )
+        return dataclasses.replace(
+            s, window_range=(w[0], w[-1] + 1)
+        )  # a range of exactly W steps: no draw left
 
 
 class ForwardProcessAlgorithm(Algorithm):
@@ -156,8 +176,9 @@ class ForwardProcessAlgorithm(Algorithm):
         return validation_sampling(self.cfg.sampling, self.cfg.sampling.num_steps)
 
     def update(self, model, params, optimizer, lr_scheduler, traj, advantages, generator) -> dict[str, float]:
-        return forward_process_update(model, params, optimizer, lr_scheduler, traj, advantages, self.cfg,
-                                      generator, self)
+        return forward_process_update(
+            model, params, optimizer, lr_scheduler, traj, advantages, self.cfg, generator, self
+        )
 
     def old_pass(self, model: FlowModel, traj: Trajectory, points: TrainingPoints) -> torch.Tensor:
         """The old policy's numbers at every training point ([B, K, ...]), before any update of the step."""
@@ -220,7 +241,11 @@ class AWM(ForwardProcessAlgorithm):
 
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
-    "grpo": Algorithm, "dppo": FlowDPPO, "mixgrpo": MixGRPO, "nft": DiffusionNFT, "awm": AWM,
+    "grpo": Algorithm,
+    "dppo": FlowDPPO,
+    "mixgrpo": MixGRPO,
+    "nft": DiffusionNFT,
+    "awm": AWM,
 }
 
 
@@ -247,7 +272,9 @@ def optimizer_step(params, optimizer, lr_scheduler, grad_clip: float, stats: Sta
 
 def summarize(stats: Stats) -> dict[str, float]:
     """Per-step metrics: means, except the ratio extremes, and counts of (skipped) optimizer steps."""
-    out = {k: float(np.mean(v)) for k, v in stats.items() if k not in ("skipped_steps", "ratio_min", "ratio_max")}
+    out = {
+        k: float(np.mean(v)) for k, v in stats.items() if k not in ("skipped_steps", "ratio_min", "ratio_max")
+    }
     if "ratio_min" in stats:
         out["ratio_min"] = float(np.min(stats["ratio_min"]))
         out["ratio_max"] = float(np.max(stats["ratio_max"]))
@@ -302,17 +329,25 @@ def window_update(
                     log_prob, mean, std = recompute_log_prob(model, traj, s, rows, j)
                     old = old_log_prob[rows, j]
                     if first_update:  # weights still equal the rollout's: the gap is the numerics alone
-                        _record_gap(gap_per_step, traj.window[rows, j : j + 1], log_prob.detach()[:, None],
-                                    old[:, None])
-                    loss, metrics = algo.loss(log_prob, old, mean, old_mean[rows, j] if needs_mean else None, std,
-                                              advantages[rows])
+                        _record_gap(
+                            gap_per_step,
+                            traj.window[rows, j : j + 1],
+                            log_prob.detach()[:, None],
+                            old[:, None],
+                        )
+                    loss, metrics = algo.loss(
+                        log_prob, old, mean, old_mean[rows, j] if needs_mean else None, std, advantages[rows]
+                    )
                     if g.kl_coef > 0:
                         steps = traj.window[rows, j]
                         sigma, sigma_next = traj.sigmas[steps], traj.sigmas[steps + 1]
                         with torch.no_grad(), adapters_disabled(model.transformer):
-                            ref_mean, _ = transition(model, traj.x_t[rows, j], sigma, sigma_next,
-                                                     cond_index(traj.cond, rows), s)
-                        kl = grpo.gaussian_kl(mean, ref_mean, std, kind=g.kl_kind, step_size=sigma - sigma_next)
+                            ref_mean, _ = transition(
+                                model, traj.x_t[rows, j], sigma, sigma_next, cond_index(traj.cond, rows), s
+                            )
+                        kl = grpo.gaussian_kl(
+                            mean, ref_mean, std, kind=g.kl_kind, step_size=sigma - sigma_next
+                        )
                         loss = loss + g.kl_coef * kl.mean()
                         stats["kl"].append(kl.mean().item())
                     (loss * (len(rows) * 1.0 / n_elems)).backward()
@@ -330,7 +365,9 @@ def window_update(
     return out
 
 
-def _record_gap(gaps: dict[int, list[float]], window: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> None:
+def _record_gap(
+    gaps: dict[int, list[float]], window: torch.Tensor, new: torch.Tensor, old: torch.Tensor
+) -> None:
     """Append |new - old| log-prob per denoising-step index (window: [m, W'] step ids of the [m, W'] values)."""
     for i, gap in zip(window.flatten().tolist(), (new - old).abs().flatten().tolist()):
         gaps[i].append(gap)
@@ -385,10 +422,13 @@ def forward_process_update(
     """
     g, s, a = cfg.grpo, cfg.sampling, cfg.algo
     if traj.x0 is None:
-        raise ValueError(f"algo.name={a.name!r} trains on the rollout's clean latents; this engine returns none")
+        raise ValueError(
+            f"algo.name={a.name!r} trains on the rollout's clean latents; this engine returns none"
+        )
     B, K = len(traj), a.train_steps
-    steps = schedule.stratified_steps(B, K, a.train_steps_lo, a.train_steps_hi or s.num_steps, generator,
-                                      shared=algo.shared_steps).to(traj.x0.device)  # [B, K]
+    steps = schedule.stratified_steps(
+        B, K, a.train_steps_lo, a.train_steps_hi or s.num_steps, generator, shared=algo.shared_steps
+    ).to(traj.x0.device)  # [B, K]
     noise = torch.randn(B, K, *traj.x0.shape[1:], generator=generator).to(traj.x0.device)
     points = TrainingPoints(traj.x0, noise, traj.sigmas[steps])
     old = algo.old_pass(model, traj, points)  # [B, K, ...]

@@ -581,7 +581,9 @@ def load(
             )
         saved = _read_tensors(f)
         if set(saved) != set(rank_tensors):
-            raise ValueError(f"checkpoint.load: {f} holds {sorted(saved)[:3]}..., expected {sorted(rank_tensors)[:3]}...")
+            raise ValueError(
+                f"checkpoint.load: {f} holds {sorted(saved)[:3]}..., expected {sorted(rank_tensors)[:3]}..."
+            )
         with torch.no_grad():
             for k, t in rank_tensors.items():
                 t.copy_(saved[k])

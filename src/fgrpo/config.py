@@ -256,7 +256,12 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
         (g.prompts_per_step >= 1, "grpo.prompts_per_step", g.prompts_per_step, ">= 1"),
         (g.clip_range > 0, "grpo.clip_range", g.clip_range, "> 0"),
         (g.adv_clip_max > 0, "grpo.adv_clip_max", g.adv_clip_max, "> 0"),
-        (g.optimizer_steps_per_step >= 1, "grpo.optimizer_steps_per_step", g.optimizer_steps_per_step, ">= 1"),
+        (
+            g.optimizer_steps_per_step >= 1,
+            "grpo.optimizer_steps_per_step",
+            g.optimizer_steps_per_step,
+            ">= 1",
+        ),
         (g.inner_epochs >= 1, "grpo.inner_epochs", g.inner_epochs, ">= 1"),
         (g.train_micro_batch >= 0, "grpo.train_micro_batch", g.train_micro_batch, ">= 0 (0 = the rollout's)"),
         (g.kl_coef >= 0, "grpo.kl_coef", g.kl_coef, ">= 0"),
@@ -313,16 +318,24 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
                 f"algo.train_steps_hi={hi}) must satisfy 0 <= lo < hi <= sampling.num_steps={s.num_steps} and "
                 "1 <= train_steps <= hi - lo"
             )
-        for ok, name, value in ((a.nft_beta > 0, "algo.nft_beta", a.nft_beta), (a.awm_p > 0, "algo.awm_p", a.awm_p),
-                                (0 <= a.ema_max_decay <= 1, "algo.ema_max_decay", a.ema_max_decay),
-                                (a.ema_rate >= 0, "algo.ema_rate", a.ema_rate), (a.ema_delay >= 0, "algo.ema_delay", a.ema_delay)):
+        for ok, name, value in (
+            (a.nft_beta > 0, "algo.nft_beta", a.nft_beta),
+            (a.awm_p > 0, "algo.awm_p", a.awm_p),
+            (0 <= a.ema_max_decay <= 1, "algo.ema_max_decay", a.ema_max_decay),
+            (a.ema_rate >= 0, "algo.ema_rate", a.ema_rate),
+            (a.ema_delay >= 0, "algo.ema_delay", a.ema_delay),
+        ):
             if not ok:
                 raise ValueError(f"{name}={value} is out of range; see --help for its meaning")
         if g.old_log_prob != "rollout" or g.ratio_norm or g.group_init_noise:
-            raise ValueError(f"algo.name={a.name!r} has no transition log-probs: drop --grpo.old-log-prob, "
-                             "--grpo.ratio-norm and --grpo.group-init-noise")
+            raise ValueError(
+                f"algo.name={a.name!r} has no transition log-probs: drop --grpo.old-log-prob, "
+                "--grpo.ratio-norm and --grpo.group-init-noise"
+            )
         if cfg.rollout_engine != "diffusers":
-            raise ValueError(f"algo.name={a.name!r} needs the rollout's clean latents: use rollout_engine='diffusers'")
+            raise ValueError(
+                f"algo.name={a.name!r} needs the rollout's clean latents: use rollout_engine='diffusers'"
+            )
     else:
         _validate_window(cfg)
     if m.compile and g.old_log_prob == "rollout" and g.clip_range < 10 * COMPILED_LOGPROB_GAP:
@@ -332,7 +345,9 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
             "add --grpo.old-log-prob recompute"
         )
     if g.kl_coef > 0 and not m.lora:
-        raise ValueError("grpo.kl_coef>0 needs model.lora=True (the reference is the model with adapters off)")
+        raise ValueError(
+            "grpo.kl_coef>0 needs model.lora=True (the reference is the model with adapters off)"
+        )
     if m.init_lora and not m.lora:
         raise ValueError("model.init_lora needs model.lora=True; drop --model.init-lora or train LoRA")
     if o.schedule != "constant" and cfg.lr_decay_steps <= o.warmup_steps:
@@ -344,25 +359,36 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
         raise ValueError("run.resume and run.overwrite contradict each other; pass one of them")
     if cfg.rollout_engine == "vllm_omni":
         if m.kind != "qwen_image" or not m.lora:
-            raise ValueError("rollout_engine='vllm_omni' supports model.kind='qwen_image' with model.lora=True only")
+            raise ValueError(
+                "rollout_engine='vllm_omni' supports model.kind='qwen_image' with model.lora=True only"
+            )
         if g.old_log_prob != "recompute":
-            raise ValueError("rollout_engine='vllm_omni' needs --grpo.old-log-prob recompute (its kernels differ)")
+            raise ValueError(
+                "rollout_engine='vllm_omni' needs --grpo.old-log-prob recompute (its kernels differ)"
+            )
         if g.group_init_noise:
-            raise ValueError("grpo.group_init_noise is in-process only; drop --grpo.group-init-noise or use diffusers")
+            raise ValueError(
+                "grpo.group_init_noise is in-process only; drop --grpo.group-init-noise or use diffusers"
+            )
         if world_size > 1:
-            raise ValueError("rollout_engine='vllm_omni' is wired for one trainer process; use diffusers on N ranks")
+            raise ValueError(
+                "rollout_engine='vllm_omni' is wired for one trainer process; use diffusers on N ranks"
+            )
 
 
 def _validate_window(cfg: TrainConfig) -> None:
     """Checks of the algorithms that train the SDE window's transitions (grpo, dppo, mixgrpo)."""
     a, s = cfg.algo, cfg.sampling
     if a.name == "mixgrpo" and (a.window_iters < 1 or a.window_stride < 0):
-        raise ValueError(f"algo.window_iters={a.window_iters} must be >= 1 and algo.window_stride="
-                         f"{a.window_stride} >= 0")
+        raise ValueError(
+            f"algo.window_iters={a.window_iters} must be >= 1 and algo.window_stride={a.window_stride} >= 0"
+        )
     if a.name == "dppo" and a.dppo_tau < 0:
         raise ValueError(f"algo.dppo_tau={a.dppo_tau}: must be >= 0")
     if s.sde_kind == "ode" or s.window_size < 1:
-        raise ValueError("sampling.sde_kind='ode' / window_size<1 leaves nothing to train; use flow_sde, cps or dance_sde")
+        raise ValueError(
+            "sampling.sde_kind='ode' / window_size<1 leaves nothing to train; use flow_sde, cps or dance_sde"
+        )
     lo, hi = s.window_range
     if not (0 <= lo and lo + s.window_size <= hi <= s.num_steps):
         raise ValueError(

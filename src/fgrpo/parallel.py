@@ -69,7 +69,9 @@ def init_distributed(device: str = "auto") -> Dist:
         else:
             # A world of one still gets a process group, so FSDP2 (and its mixed precision) runs the same
             # code on a laptop as on 8 GPUs; an in-memory store needs no free port.
-            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id)
+            dist.init_process_group(
+                backend=backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id
+            )
     return Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
 
 
@@ -114,7 +116,9 @@ def shard_transformer(
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     blocks = getattr(transformer, block_attr, None)
     if blocks is None:
-        raise ValueError(f"shard_transformer: {type(transformer).__name__} has no '{block_attr}'; pass block_attr=")
+        raise ValueError(
+            f"shard_transformer: {type(transformer).__name__} has no '{block_attr}'; pass block_attr="
+        )
     for block in blocks:
         fully_shard(block, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(transformer, mp_policy=mp, reshard_after_forward=reshard_after_forward)

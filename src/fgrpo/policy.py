@@ -31,7 +31,9 @@ def transition(
     """
     v = model.velocity(x_t, sigma, cond, guidance_scale=cfg.guidance_scale)
     kind = cfg.sde_kind if stochastic else "ode"
-    return sde.step_mean_std(x_t.float(), v.float(), sigma, sigma_next, noise_level=cfg.noise_level, kind=kind)
+    return sde.step_mean_std(
+        x_t.float(), v.float(), sigma, sigma_next, noise_level=cfg.noise_level, kind=kind
+    )
 
 
 def transition_log_prob(

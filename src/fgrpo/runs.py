@@ -156,9 +156,7 @@ class RunDir:
             self.lock()
         if not resume:
             return None
-        path = (
-            checkpoint.latest_valid(self.checkpoints) if resume == "auto" else checkpoint.resolve(resume)
-        )
+        path = checkpoint.latest_valid(self.checkpoints) if resume == "auto" else checkpoint.resolve(resume)
         if path is None:
             say(f"--run.resume auto: no complete checkpoint under {self.checkpoints}; starting from step 0")
         if is_main and (self.path / "config.json").is_file():
@@ -179,4 +177,3 @@ class RunDir:
             )
         for k, (a, b) in changes.items():
             say(f"resume: {k} {a!r} -> {b!r}")
-

@@ -64,33 +64,54 @@ def train(cfg: TrainConfig, *, experiment_source: str | Path | None = None) -> d
     d = parallel.init_distributed(cfg.device)
     validate_config(cfg, d.world_size)
     train_prompts = load_prompts(cfg.data.train_prompts, require_quoted=cfg.reward.is_ocr)
-    val_prompts = load_prompts(cfg.data.val_prompts, require_quoted=cfg.reward.is_ocr,
-                               field="data.val_prompts")[: cfg.data.val_num_prompts]
+    val_prompts = load_prompts(
+        cfg.data.val_prompts, require_quoted=cfg.reward.is_ocr, field="data.val_prompts"
+    )[: cfg.data.val_num_prompts]
     run = RunDir(Path(cfg.run.out_dir) / cfg.exp_name)
     resume_from = run.start(cfg, is_main=d.is_main, say=flog.print0)
-    reward = build_reward(cfg.reward.spec) if cfg.reward.workers == 0 else ParallelReward(cfg.reward.spec, cfg.reward.workers)
+    reward = (
+        build_reward(cfg.reward.spec)
+        if cfg.reward.workers == 0
+        else ParallelReward(cfg.reward.spec, cfg.reward.workers)
+    )
     if hasattr(reward, "health"):  # a reward service: a wrong URL fails now, not after the first rollout
         reward.health()
 
     torch.manual_seed(cfg.seed)  # LoRA init is the only draw from the global RNG
     model = build_model(cfg.model, d.device, cfg.seed)
     setup_trainable(model.transformer, cfg.model)
-    parallel.shard_transformer(model.transformer, param_dtype=torch.bfloat16 if cfg.model.dtype == "bf16" else None)
+    parallel.shard_transformer(
+        model.transformer, param_dtype=torch.bfloat16 if cfg.model.dtype == "bf16" else None
+    )
     params = [p for p in model.transformer.parameters() if p.requires_grad]  # now DTensors
     o = cfg.optim
     optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(
-        lr_multiplier, warmup=o.warmup_steps, schedule=o.schedule, decay_steps=cfg.lr_decay_steps,
-        min_ratio=o.min_lr_ratio))
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        partial(
+            lr_multiplier,
+            warmup=o.warmup_steps,
+            schedule=o.schedule,
+            decay_steps=cfg.lr_decay_steps,
+            min_ratio=o.min_lr_ratio,
+        ),
+    )
     engine = build_engine(model, cfg.rollout_engine, cfg.model.path)
     algo = algorithms.build(cfg, params)
 
     start_step = 0
     if resume_from is not None:
-        start_step, _ = checkpoint.load(resume_from, model=model.transformer, optimizer=optimizer,
-                                        lr_scheduler=lr_scheduler, rank_tensors=algo.state())
+        start_step, _ = checkpoint.load(
+            resume_from,
+            model=model.transformer,
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            rank_tensors=algo.state(),
+        )
         flog.print0(f"resumed from {resume_from} at step {start_step}")
-    if d.is_main:  # rows of steps after the checkpoint are redone below: drop them, keep the file one row a step
+    if (
+        d.is_main
+    ):  # rows of steps after the checkpoint are redone below: drop them, keep the file one row a step
         run.drop_metrics_from(start_step)
     logger = flog.make_logger(cfg, run.path, enabled=d.is_main, experiment_source=experiment_source)
 
@@ -154,10 +175,16 @@ def train(cfg: TrainConfig, *, experiment_source: str | Path | None = None) -> d
         logger.log(metrics, step=step)
         bar.update(metrics)
         if cfg.num_steps == step + 1 or (cfg.run.ckpt_every and (step + 1) % cfg.run.ckpt_every == 0):
-            checkpoint.save(run.checkpoints, step + 1, model=model.transformer, optimizer=optimizer,
-                            lr_scheduler=lr_scheduler, extra_state={"exp_name": cfg.exp_name},
-                            rank_tensors=algo.state(),
-                            keep_last=cfg.run.keep_last)
+            checkpoint.save(
+                run.checkpoints,
+                step + 1,
+                model=model.transformer,
+                optimizer=optimizer,
+                lr_scheduler=lr_scheduler,
+                extra_state={"exp_name": cfg.exp_name},
+                rank_tensors=algo.state(),
+                keep_last=cfg.run.keep_last,
+            )
         bad_steps = bad_steps + 1 if train_metrics["skipped_steps"] == train_metrics["optimizer_steps"] else 0
         if bad_steps >= cfg.run.max_bad_steps:
             raise FloatingPointError(
@@ -189,11 +216,21 @@ def validate(
     n = math.ceil(len(prompts) / world) * world
     ids = torch.arange(n).view(world, -1)[parallel.rank()]
     local_prompts = [prompts[int(i) % len(prompts)] for i in ids]  # pad by wrapping so shapes match
-    traj = rollout(engine, local_prompts, rs.validation_seeds(ids), validation_sampling(cfg.sampling, cfg.run.val_num_steps),
-                   device)
+    traj = rollout(
+        engine,
+        local_prompts,
+        rs.validation_seeds(ids),
+        validation_sampling(cfg.sampling, cfg.run.val_num_steps),
+        device,
+    )
     out = reward(traj.images.cpu().numpy(), local_prompts)
     check_scores(out, local_prompts, cfg.reward.name)
-    scores = parallel.all_gather_cat(torch.as_tensor(out.scores, dtype=torch.float32, device=traj.images.device))
+    scores = parallel.all_gather_cat(
+        torch.as_tensor(out.scores, dtype=torch.float32, device=traj.images.device)
+    )
     scores = scores[: len(prompts)]
     logger.log_images("val", traj.images[:16].cpu().numpy(), local_prompts[:16], step=step)
-    return {"val/reward_mean": scores.mean().item(), "val/reward_exact_frac": is_exact(scores).float().mean().item()}
+    return {
+        "val/reward_mean": scores.mean().item(),
+        "val/reward_exact_frac": is_exact(scores).float().mean().item(),
+    }

@@ -164,7 +164,9 @@ def test_recomputed_log_probs_equal_the_rollouts_bit_exactly(models, kind, guida
     log_probs, means = recompute_log_probs_and_means(model, traj, cfg)
     assert torch.equal(log_probs, traj.log_prob)
     assert torch.equal(means, traj.mean)  # Flow-DPPO's old mean needs no recompute pass
-    decoded = torch.cat([model.decode(traj.x0[r], cfg.height, cfg.width) for r in micro_batches(len(traj), cfg.micro_batch)])
+    decoded = torch.cat(
+        [model.decode(traj.x0[r], cfg.height, cfg.width) for r in micro_batches(len(traj), cfg.micro_batch)]
+    )
     assert torch.equal(decoded, traj.images)  # x0: the latents the rollout decoded (in its micro-batches)
 
 

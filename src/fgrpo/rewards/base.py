@@ -57,7 +57,9 @@ def check_scores(out: RewardOutput, prompts: Sequence[str], reward: str) -> None
     """Raise if `out.scores` is not [B] finite: a NaN would make every advantage NaN and the run a silent no-op."""
     scores = np.asarray(out.scores)
     if scores.shape != (len(prompts),):
-        raise ValueError(f"reward {reward!r} returned scores of shape {list(scores.shape)} for {len(prompts)} prompts")
+        raise ValueError(
+            f"reward {reward!r} returned scores of shape {list(scores.shape)} for {len(prompts)} prompts"
+        )
     bad = np.flatnonzero(~np.isfinite(scores))
     if len(bad):
         b = int(bad[0])

@@ -52,7 +52,9 @@ class Trajectory:
     log_prob: torch.Tensor  # [B, W] fp32, log-prob of x_next under the rollout policy
     cond: Cond  # per-sample conditioning ([B] rows) to recompute the velocity in training
     images: torch.Tensor  # [B, H, W, 3] uint8
-    mean: torch.Tensor | None = None  # [B, W, *latent] fp32, the rollout policy's transition mean (Flow-DPPO's old mean)
+    mean: torch.Tensor | None = (
+        None  # [B, W, *latent] fp32, the rollout policy's transition mean (Flow-DPPO's old mean)
+    )
     x0: torch.Tensor | None = None  # [B, *latent] fp32, the final clean latents (what NFT and AWM train on)
 
     def __len__(self) -> int:

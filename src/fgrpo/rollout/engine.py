@@ -115,7 +115,9 @@ class DiffusersEngine:
         model = self.model
         check_request(model, prompts, seeds, cfg)
         if init_seeds is not None and len(init_seeds) != len(prompts):
-            raise ValueError(f"init_seeds has {len(init_seeds)} entries for {len(prompts)} prompts; pass one per sample")
+            raise ValueError(
+                f"init_seeds has {len(init_seeds)} entries for {len(prompts)} prompts; pass one per sample"
+            )
         device = module_device(model.transformer)
         prompts = list(prompts)
         B, T, W = len(prompts), cfg.num_steps, cfg.window_size
@@ -131,7 +133,9 @@ class DiffusersEngine:
             return w, torch.randn(shape, generator=g)
 
         gens = [sample_generator(s) for s in seeds]
-        window, x_init = (torch.stack(t) for t in zip(*(window_and_x1(g) for g in gens)))  # [B, W], [B, *latent]
+        window, x_init = (
+            torch.stack(t) for t in zip(*(window_and_x1(g) for g in gens))
+        )  # [B, W], [B, *latent]
         if init_seeds is not None:
             x_init = torch.stack([window_and_x1(sample_generator(s))[1] for s in init_seeds])
         in_window = schedule.window_mask(window, T)  # [B, T] bool, CPU
@@ -278,4 +282,6 @@ def rollout(
 
 def validation_sampling(s: SamplingConfig, num_steps: int) -> SamplingConfig:
     """Deterministic ODE sampling for evaluation (no window: nothing is trained or scored as an action)."""
-    return dataclasses.replace(s, sde_kind="ode", noise_level=0.0, num_steps=num_steps, window_size=0, window_range=(0, 0))
+    return dataclasses.replace(
+        s, sde_kind="ode", noise_level=0.0, num_steps=num_steps, window_size=0, window_range=(0, 0)
+    )
