@@ -1,7 +1,7 @@
 """What the text renderer draws, and how OCR scores it by text size: two tables.
 
-Samples N seeds for each of the first W held-out words with the validation sampler (ODE, CFG 3 by default as
-the `tiny-gpu` preset had until the sixth session; `--cfg 1` is the preset now), scores
+Samples N seeds for each of the first W held-out words with the validation sampler (ODE, CFG 3 by default, as in
+RESULTS.md's CFG-3 records; `--cfg 1` samples as `tiny-gpu` does), scores
 every image with the OCR reward and measures the ink (pixels darker than the image's median by 80): how
 much of the width the text covers, whether it touches the left/right border. Prints
 
@@ -10,7 +10,7 @@ much of the width the text covers, whether it touches the left/right border. Pri
    score with the text's size, over all images and within words.
 
 Why: with CFG 3, Flow-GRPO on the first committed renderer stopped near 0.87 held-out whatever the optimiser
-settings (RESULTS.md, fifth session), while the policy made the text larger run after run. This shows how much of the start -> end gain the size
+settings (RESULTS.md, 'With CFG 3 from the first renderer'), while the policy made the text larger run after run. This shows how much of the start -> end gain the size
 alone explains, for the pretrained checkpoint and (with --lora) for a trained adapter.
 
 CPU:  uv run python benchmarks/textbed_modes.py                 (64 words x 8 seeds, ~7 min on 2 cores)

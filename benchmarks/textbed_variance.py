@@ -9,7 +9,7 @@ split exactly (balanced design, law of total variance) into
            + Var_w(E_jk s)          the word (the group advantage removes it)
 
 one row per window range. Sampling = the `tiny-gpu` rollout (10 steps, flow_sde 0.8, window of 2 steps drawn
-per sample within the range) with CFG 3 as the preset had until the sixth session (`--cfg 1`: the preset now).
+per sample within the range) with CFG 3 by default, as in the CFG-3 records (`--cfg 1` samples as the preset does).
 
 Why: a group-shared x_1 (`--grpo.group-init-noise`) only helps if x_1 makes much of a group's spread; the
 JPEG reward suggested so, this measures it for the OCR reward and each window.
@@ -48,7 +48,7 @@ def main() -> None:
     )
     ap.add_argument("--ranges", nargs="+", default=["0,5", "4,9"], help="window ranges 'a,b' (steps [a, b))")
     ap.add_argument(
-        "--cfg", type=float, default=3.0, help="guidance scale (1 = no CFG, the tiny-gpu preset now)"
+        "--cfg", type=float, default=3.0, help="guidance scale (1 = no CFG, as the tiny-gpu preset samples)"
     )
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--device", default="cpu")

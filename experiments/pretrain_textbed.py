@@ -7,7 +7,7 @@ v = noise - x0) with logit-normal t, 10 % prompt dropout for CFG, AdamW, bf16 au
 It snapshots the EMA weights during training, scores each snapshot with the fgrpo OCR reward on
 held-out words (CFG 3), and keeps the snapshot whose score leaves Flow-GRPO room (about 0.5-0.75) plus the
 best. The committed checkpoint is `best/`: the RL presets sample it without CFG, where the fully trained
-renderer starts at 0.63 (from band snapshots sampled with CFG 3, no Flow-GRPO run held more than 0.88;
+renderer starts at 0.63 (from band snapshots sampled with CFG 3, no Flow-GRPO run held 0.9 (best end 0.883);
 benchmarks/RESULTS.md).
 
 How it deviates from a "real" pretraining: the data is an on-device bank of pre-rendered images (each
@@ -19,7 +19,7 @@ scored by fgrpo's OCR reward in a process pool (`ParallelReward`).
 
 Commands:
   words (once; writes src/fgrpo/assets/textbed/words_*.txt from flow_grpo's OCR prompts):
-      uv run python experiments/pretrain_textbed.py words --words-source ../shared/data/flow_grpo/dataset/ocr/test.txt
+      uv run python experiments/pretrain_textbed.py words --words-source <flow_grpo clone>/dataset/ocr/test.txt
   1 GPU (the committed checkpoint is its best/, ~9 minutes on one H200):
       uv run python experiments/pretrain_textbed.py recipe --out-dir runs/pretrain_textbed
   N GPUs (data parallel; --batch-size is the global batch, each rank trains on its slice):

@@ -6,7 +6,7 @@ WANDB_API_KEY an "online" request becomes "offline" (a local run dir `wandb sync
 `NullLogger` takes the same calls and does nothing: non-zero ranks get it, so the loop never branches.
 `Progress` is the console side: one line per step (tqdm's bar under it on a terminal), rank 0 only.
 
-The module is named like the stdlib's `logging` on purpose (STYLE's file map); absolute imports keep
+The module is named like the stdlib's `logging` on purpose (it is the run's log); absolute imports keep
 the two apart (`from fgrpo import logging as flog`).
 """
 

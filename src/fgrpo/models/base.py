@@ -1,7 +1,7 @@
 """The one small interface every generator implements (Qwen-Image, SD3.5, the tiny textbed).
 
 The rollout and the trainer talk to a model only through this Protocol, so both call the *same*
-`velocity` (house rule 2: each formula exists once).
+`velocity` (each formula exists once).
 """
 
 from __future__ import annotations
