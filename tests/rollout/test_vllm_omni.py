@@ -418,8 +418,11 @@ def test_generate_equals_the_in_process_engine_and_the_trainer_recomputation(eng
     assert got.cond["prompt_embeds"].dtype == torch.float32 and got.cond["prompt_mask"].dtype == torch.bool
     # Worker batches of 2 requests = the reference's micro-batches of 2 rows: the same forwards, bit for bit.
     _assert_same(got, want, exact=True)
-    # samples 1 and 3 share prompt and seed although they ran in different worker batches
-    assert torch.equal(got.x_next[1], got.x_next[3]) and not torch.equal(got.x_next[0], got.x_next[2])
+    # Samples 1 and 3 share prompt and seed although they ran in different worker batches. Their batches pad
+    # the prompt to different lengths (the longest prompt of each), so the forwards have other shapes and the
+    # bits may differ (they do on some CPUs): equal up to rounding, while different seeds differ outright.
+    torch.testing.assert_close(got.x_next[1], got.x_next[3], rtol=1e-5, atol=1e-5)
+    assert (got.x_next[0] - got.x_next[2]).abs().max() > 1e-2
     # The trainer's function on the trainer's model (in-process QwenImage, same weights and kernels here)
     # gives back the engine's log-probs: the ratio starts at exactly 1.
     assert torch.equal(recompute_log_probs(tiny_qwen_image(0), got, CFG), got.log_prob)
