@@ -44,6 +44,7 @@ from fgrpo.config import TrainConfig
 from fgrpo.core import awm, dppo, ema, grpo, nft, schedule, sde
 from fgrpo.models.base import FlowModel, cond_index
 from fgrpo.models.loading import adapters_disabled
+from fgrpo.parallel import is_dtensor
 from fgrpo.policy import transition
 from fgrpo.rollout.base import SamplingConfig, Trajectory
 from fgrpo.rollout.engine import (
@@ -59,7 +60,7 @@ Stats = dict[str, list[float]]
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The rank's own shard of an FSDP2 (DTensor) parameter, or the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 class EmaWeights:
@@ -80,13 +81,14 @@ class EmaWeights:
     def swapped_in(self) -> Iterator[None]:
         """The module computes with the EMA weights inside the block, with its own weights again after it."""
         own = [_local(p).detach().clone() for p in self.params]
+        # torch's fused multi-tensor ops are documented but underscore-named (not in torch's __all__).
         with torch.no_grad():
-            torch._foreach_copy_([_local(p) for p in self.params], self.tensors)
+            torch._foreach_copy_([_local(p) for p in self.params], self.tensors)  # pyright: ignore[reportPrivateImportUsage]
         try:
             yield
         finally:
             with torch.no_grad():
-                torch._foreach_copy_([_local(p) for p in self.params], own)
+                torch._foreach_copy_([_local(p) for p in self.params], own)  # pyright: ignore[reportPrivateImportUsage]
 
     def state(self) -> dict[str, torch.Tensor]:
         return {f"ema/{i}": t for i, t in enumerate(self.tensors)}
@@ -99,7 +101,6 @@ class Algorithm:
 
     def __init__(self, cfg: TrainConfig, params: list[torch.nn.Parameter]):
         self.cfg = cfg
-        self.ema: EmaWeights | None = None
 
     def sampling(self, step: int) -> SamplingConfig:
         """How this step's rollout samples."""
@@ -133,8 +134,8 @@ class Algorithm:
         return {}
 
     def state(self) -> dict[str, torch.Tensor]:
-        """Tensors the checkpoint must keep beside the model and optimizer (this rank's EMA shards)."""
-        return self.ema.state() if self.ema is not None else {}
+        """Tensors the checkpoint must keep beside the model and optimizer (NFT: this rank's EMA shards)."""
+        return {}
 
 
 class FlowDPPO(Algorithm):
@@ -215,6 +216,9 @@ class DiffusionNFT(ForwardProcessAlgorithm):
         g = self.cfg.grpo
         return {"ema_decay": self.ema.update((step + 1) * g.inner_epochs * g.optimizer_steps_per_step)}
 
+    def state(self) -> dict[str, torch.Tensor]:
+        return self.ema.state()
+
 
 class AWM(ForwardProcessAlgorithm):
     """Advantage Weighted Matching: PPO's clipped surrogate on a flow-matching log-weight of fresh
@@ -226,7 +230,7 @@ class AWM(ForwardProcessAlgorithm):
     def old_pass(self, model, traj, points):
         """Old log-weights [B, K] under the pre-update weights, in the rollout's micro-batches (the training
         forwards' rows): the first mini-batch's ratio is exactly 1."""
-        out = torch.empty(len(traj), points.k, device=traj.x0.device)
+        out = torch.empty(len(traj), points.k, device=points.x0.device)
         for k in range(points.k):
             for rows in micro_batches(len(traj), self.cfg.sampling.micro_batch):
                 x_t, x0, noise, sigma = points.at(rows, k)
@@ -260,7 +264,7 @@ def build(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> Algorithm:
 def optimizer_step(params, optimizer, lr_scheduler, grad_clip: float, stats: Stats) -> None:
     """Clip, step (unless the gradient is not finite: one bad batch must not poison AdamW's moments), zero."""
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    grad_norm = float(grad_norm.full_tensor() if is_dtensor(grad_norm) else grad_norm)
     stats["grad_norm"].append(grad_norm)
     finite = math.isfinite(grad_norm)
     if finite:
@@ -319,6 +323,8 @@ def window_update(
             old_log_prob = recomputed
             _record_gap(gap_per_step, traj.window, recomputed, traj.log_prob)
             first_update = False  # the gap is measured; training starts from the trainer's own numbers
+    if not needs_mean:
+        old_mean = None  # the loss gets the rollout's means only when it reads them
 
     for _epoch in range(g.inner_epochs):
         for chunk in minibatch_rows(B, mb, s.micro_batch, g.optimizer_steps_per_step, generator):
@@ -336,7 +342,12 @@ def window_update(
                             old[:, None],
                         )
                     loss, metrics = algo.loss(
-                        log_prob, old, mean, old_mean[rows, j] if needs_mean else None, std, advantages[rows]
+                        log_prob,
+                        old,
+                        mean,
+                        old_mean[rows, j] if old_mean is not None else None,
+                        std,
+                        advantages[rows],
                     )
                     if g.kl_coef > 0:
                         steps = traj.window[rows, j]
@@ -394,7 +405,7 @@ class TrainingPoints:
 def _velocities(model: FlowModel, traj: Trajectory, points: TrainingPoints, micro_batch: int) -> torch.Tensor:
     """[B, K, *latent] velocities (no CFG) at every training point, in the rollout's micro-batches."""
     B = len(traj)
-    out = torch.empty(B, points.k, *traj.x0.shape[1:], device=traj.x0.device)
+    out = torch.empty(B, points.k, *points.x0.shape[1:], device=points.x0.device)
     for k in range(points.k):
         for rows in micro_batches(B, micro_batch):
             x_t, _, _, sigma = points.at(rows, k)

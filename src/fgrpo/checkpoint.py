@@ -50,7 +50,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from fgrpo.parallel import barrier, initialized, rank, world_size
+from fgrpo.parallel import barrier, initialized, is_dtensor, rank, world_size
 
 FORMAT_VERSION = 2  # 2 added the per-file sizes and sha256 to meta.json
 _READABLE_VERSIONS = (1, 2)
@@ -380,7 +380,10 @@ def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         tensors["torch_cuda"] = torch.cuda.get_rng_state()  # the current device: one GPU per rank
     version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    np_state = np.random.get_state()
+    # numpy returns a dict only for a bit generator other than MT19937, which its global RandomState is not.
+    assert isinstance(np_state, tuple), "numpy's global RandomState is not MT19937"
+    kind, keys, pos, has_gauss, cached = np_state
     js = {
         "python": [version, list(internal), gauss],
         "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
@@ -540,7 +543,8 @@ def load(
         )
     # strict=False: the file holds trainable weights only; the frozen base comes from the pretrained load.
     opts = _options(full_state_dict=True, strict=False)
-    set_model_state_dict(model, model_sd, options=opts)
+    # torch annotates this read-only argument as an invariant dict of its state-dict value union.
+    set_model_state_dict(model, model_sd, options=opts)  # pyright: ignore[reportArgumentType]
 
     if optimizer is not None:
         if not (ck / "optimizer.json").is_file():
@@ -660,7 +664,7 @@ def lora_state_dict(model: nn.Module, *, adapter_name: str = "default") -> dict[
     out = {}
     for key, p in picked.items():
         t = p.detach()
-        if hasattr(t, "full_tensor"):  # FSDP2 DTensor shard -> full tensor (collective)
+        if is_dtensor(t):  # FSDP2 DTensor shard -> full tensor (collective)
             t = t.full_tensor()
         if rank() == 0:
             key = ".".join(
@@ -697,7 +701,8 @@ def export_lora(out_dir: str | os.PathLike, model: nn.Module, *, adapter_name: s
             # A transformer-only file: SD3's loader reads the same layout (its saver writes the same keys).
             QwenImageLoraLoaderMixin.save_lora_weights(
                 tmp,
-                transformer_lora_layers=sd,
+                # diffusers annotates this read-only argument as an invariant dict of Module | Tensor.
+                transformer_lora_layers=sd,  # pyright: ignore[reportArgumentType]
                 weight_name=ADAPTER_WEIGHTS,
                 transformer_lora_adapter_metadata=cfg_dict,
             )

@@ -9,10 +9,14 @@ from __future__ import annotations
 import gc
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 @dataclass(frozen=True)
@@ -69,8 +73,13 @@ def init_distributed(device: str = "auto") -> Dist:
         else:
             # A world of one still gets a process group, so FSDP2 (and its mixed precision) runs the same
             # code on a laptop as on 8 GPUs; an in-memory store needs no free port.
+            # HashStore is public (torch.distributed's docs) but re-exported without being marked so.
             dist.init_process_group(
-                backend=backend, store=dist.HashStore(), rank=0, world_size=1, device_id=device_id
+                backend=backend,
+                store=dist.HashStore(),  # pyright: ignore[reportPrivateImportUsage]
+                rank=0,
+                world_size=1,
+                device_id=device_id,
             )
     return Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
 
@@ -95,6 +104,12 @@ def all_gather_cat(x: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts)
+
+
+def is_dtensor(t: torch.Tensor) -> TypeGuard[DTensor]:
+    """Whether `t` is an FSDP2 (DTensor) shard. Asked of the tensor's methods, so a run that never shards
+    does not import torch.distributed.tensor (seconds)."""
+    return hasattr(t, "full_tensor")
 
 
 def shard_transformer(

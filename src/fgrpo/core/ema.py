@@ -57,4 +57,5 @@ def ema_update_(old: list[torch.Tensor], new: list[torch.Tensor], decay: float) 
         if a.shape != b.shape:
             raise ValueError(f"tensor {i}: old {tuple(a.shape)} and new {tuple(b.shape)} differ in shape")
     if old:
-        torch._foreach_lerp_(old, new, 1.0 - decay)
+        # torch's fused multi-tensor ops are documented but underscore-named (not in torch's __all__).
+        torch._foreach_lerp_(old, new, 1.0 - decay)  # pyright: ignore[reportPrivateImportUsage]

@@ -242,7 +242,7 @@ def dpmpp_2m_step(
     h = _half_log_snr(sigma_next) - _half_log_snr(sigma)  # inf when sigma_next = 0 or sigma = 1
     alpha_next = 1 - sigma_next
     d = x0_pred
-    if x0_pred_prev is not None:
+    if x0_pred_prev is not None and sigma_prev is not None:  # both or neither (checked above)
         sigma_prev = _per_sample(sigma_prev, x_t)
         r = (_half_log_snr(sigma) - _half_log_snr(sigma_prev)) / h
         second = sigma_next > 0
