@@ -10,7 +10,8 @@ Presets (tyro subcommands; every field can still be overridden with a flag):
             QwenImageTransformer2DModel over pixels, see src/fgrpo/assets/textbed/), sampled without CFG,
             the offline PP-OCR reward, its held-out words as validation prompts.
     tiny-gpu  the text renderer on one GPU, 32 words x 16 images a step.
-    dppo, mixgrpo, nft, awm (and each with -tiny / -tiny-gpu)  the same presets trained by Flow-DPPO, MixGRPO,
+    dppo, mixgrpo, mixgrpo-flash, nft, awm (and each with -tiny / -tiny-gpu)  the same presets trained by
+            Flow-DPPO, MixGRPO, MixGRPO-Flash (MixGRPO with a DPM-Solver++ tail on a compressed grid),
             DiffusionNFT or Advantage Weighted Matching instead of Flow-GRPO (see `with_algo`).
 
 How we deviate from flow_grpo's recipe: rewards are all-gathered so a prompt's G samples may live on
@@ -158,13 +159,20 @@ def with_algo(base: Config, name: str, *, size: str) -> Config:
     g, s, a = base.grpo, base.sampling, base.algo
     if name == "dppo":  # no ratio clip: the KL mask is the trust region (tau 1e-5, both references)
         return dataclasses.replace(base, algo=dataclasses.replace(a, name="dppo", dppo_tau=1e-5))
-    if name == "mixgrpo":
+    if name in ("mixgrpo", "mixgrpo-flash"):
         # The shared window starts at the first step and moves one step every window_iters training steps;
         # tiny runs are short, so the window moves sooner to cover the early steps where OCR is decided.
         iters = max(1, base.num_steps // 8) if tiny_size else 25
-        return dataclasses.replace(
+        out = dataclasses.replace(
             base, algo=dataclasses.replace(a, name="mixgrpo", window_iters=iters, window_stride=1)
         )
+        if name == "mixgrpo-flash":
+            # MixGRPO-Flash (scripts/finetune/finetune_flux_grpo_MixGRPO.sh with dpm_algorithm_type dpmsolver++,
+            # dpm_apply_strategy post): after the window, DPM-Solver++(2M) on 40 % of the remaining steps.
+            out = dataclasses.replace(
+                out, sampling=dataclasses.replace(s, ode_tail="dpmpp_2m", tail_compress=0.4)
+            )
+        return out
     # NFT and AWM sample with the ODE and without CFG (both references) and train at K forward-process points
     # a sample. The recipes train 9 of 10 grid steps (NFT) or 6 (AWM); the tiny presets train 2 points a sample,
     # the compute of the base preset's 2-step SDE window, and leave out the reference-KL forward, as the base does.
@@ -204,7 +212,13 @@ def presets() -> dict[str, tuple[str, Config]]:
         "tiny": ("Minutes on a CPU: the tiny text renderer, offline OCR reward.", tiny()),
         "tiny-gpu": ("The tiny text renderer on one GPU: 32 words x 16 images per step.", tiny_gpu()),
     }
-    names = {"dppo": "Flow-DPPO", "mixgrpo": "MixGRPO", "nft": "DiffusionNFT", "awm": "AWM"}
+    names = {
+        "dppo": "Flow-DPPO",
+        "mixgrpo": "MixGRPO",
+        "mixgrpo-flash": "MixGRPO-Flash",
+        "nft": "DiffusionNFT",
+        "awm": "AWM",
+    }
     for algo, title in names.items():
         out[f"{algo}"] = (
             f"{title} on the recipe's model and batch.",

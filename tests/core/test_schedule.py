@@ -1,5 +1,7 @@
 """fgrpo.core.schedule: bit-equality with diffusers' scheduler + pipeline, and the SDE window."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -181,3 +183,88 @@ def test_stratified_steps_one_per_stratum():
     assert (shared == shared[0]).all()
     with pytest.raises(ValueError, match="1 <= k <= hi - lo"):
         schedule.stratified_steps(2, 4, 0, 3, g, shared=True)
+
+
+# ------------------------------------------------------------------------------------------------------
+# MixGRPO-Flash's compressed ODE tail
+
+
+@pytest.mark.parametrize(
+    ("num_steps", "last", "ratio", "positions"),
+    [
+        (10, 1, 0.4, [2.0, 9.0]),  # M = floor(9 * 0.4) = 3 points: 2, 9, then the terminal 0
+        (10, 1, 0.2, [2.0]),  # floor(1.8) = 1 point would stop at sigma_2 > 0: at least one step to 0
+        (10, 1, 1.0, [2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]),  # the model's own grid
+        (10, 8, 0.4, [9.0]),
+        (10, 9, 0.4, []),  # the window's last step already lands on 0
+        (
+            25,
+            3,
+            0.4,
+            [4.0, 4 + 20 / 6, 4 + 40 / 6, 14.0, 4 + 80 / 6, 4 + 100 / 6, 24.0],
+        ),  # floor(8.8) = 8 points
+    ],
+)
+def test_compressed_tail_by_hand(num_steps, last, ratio, positions):
+    out = schedule.compressed_tail(num_steps, last, ratio)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, torch.tensor(positions, dtype=torch.float64), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"num_steps": 10, "last": 10, "ratio": 0.4}, "last=10"),
+        ({"num_steps": 10, "last": -1, "ratio": 0.4}, "last=-1"),
+        ({"num_steps": 10, "last": 2, "ratio": 0.0}, "ratio=0.0"),
+        ({"num_steps": 10, "last": 2, "ratio": 1.5}, "ratio=1.5"),
+        ({"num_steps": 0, "last": 0, "ratio": 0.4}, "num_steps"),
+    ],
+)
+def test_compressed_tail_bad_inputs(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        schedule.compressed_tail(**kwargs)
+
+
+def _qwen_at(num_steps, seq_len):
+    return lambda u: schedule.qwen_image_sigmas_at(u, num_steps, seq_len, **QWEN)
+
+
+def _sd3_at(num_steps):
+    return lambda u: schedule.sd3_sigmas_at(u, num_steps, SD35_SHIFT)
+
+
+@pytest.mark.parametrize("num_steps", [2, 7, 10, 25])
+def test_sigmas_at_integer_positions_is_the_grid_bit_for_bit(num_steps):
+    """At integer positions the schedules at fractional steps are the grids themselves (which equal diffusers'),
+    so the ratio-1 tail is the model's own grid after the window."""
+    grids = [
+        (_qwen_at(num_steps, 1024), schedule.qwen_image_sigmas(num_steps, 1024, **QWEN)),
+        (_sd3_at(num_steps), schedule.sd3_sigmas(num_steps, SD35_SHIFT)),
+    ]
+    for at, grid in grids:
+        assert torch.equal(at(torch.arange(num_steps)), grid[:-1])
+        for last in range(num_steps):
+            assert torch.equal(at(schedule.compressed_tail(num_steps, last, 1.0)), grid[last + 1 : -1])
+
+
+def test_sigmas_at_fractional_positions_follow_the_shifted_time_in_fp64():
+    """Between grid steps the unshifted time is affine in the position, then shifted as the grid (fp64 closed
+    forms of the two shifts, Qwen-Image's stretch scale taken from its own grid's last nonzero sigma)."""
+    n, seq_len = 10, 1024
+    u = torch.tensor([0.0, 0.5, 2.25, 4.0 + 1 / 3, 8.9, 9.0], dtype=torch.float64)
+
+    e = math.exp(schedule.resolution_mu(seq_len, **{k: v for k, v in QWEN.items() if k != "shift_terminal"}))
+
+    def shifted(t):
+        return e * t / (e * t + 1 - t)
+
+    t = 1 + u * (1 / n - 1) / (n - 1)
+    scale = (1 - shifted(torch.tensor(1 / n, dtype=torch.float64))) / (1 - QWEN["shift_terminal"])
+    qwen_ref = 1 - (1 - shifted(t)) / scale
+    torch.testing.assert_close(_qwen_at(n, seq_len)(u).double(), qwen_ref, rtol=0, atol=1e-6)
+
+    s = SD35_SHIFT
+    sigma_min = s * 1e-3 / (1 + (s - 1) * 1e-3)
+    t = 1 + u * (sigma_min - 1) / (n - 1)
+    torch.testing.assert_close(_sd3_at(n)(u).double(), s * t / (1 + (s - 1) * t), rtol=0, atol=1e-6)

@@ -21,14 +21,17 @@ def _check_steps(num_steps: int) -> None:
         raise ValueError(f"num_steps must be a positive int, got {num_steps!r}")
 
 
-def _linspace_f64(start: float, stop: float, num: int) -> torch.Tensor:
-    """numpy.linspace's arithmetic in fp64 (start + i * step, last = stop); torch.linspace differs by ulps."""
+def _linspace_f64(start: float, stop: float, num: int, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """numpy.linspace's arithmetic in fp64 (start + i * step, last = stop); torch.linspace differs by ulps.
+
+    positions: fractional i in [0, num - 1] to evaluate instead of 0, ..., num - 1 (the same arithmetic, so an
+    integer position gives the linspace's own value bit for bit).
+    """
+    i = torch.arange(num, dtype=torch.float64) if positions is None else positions.to(torch.float64)
     if num == 1:
-        return torch.tensor([start], dtype=torch.float64)
+        return torch.full_like(i, start)
     step = (stop - start) / (num - 1)
-    out = torch.arange(num, dtype=torch.float64) * step + start
-    out[-1] = stop
-    return out
+    return torch.where(i == num - 1, stop, i * step + start)
 
 
 def _f32(x: float) -> torch.Tensor:
@@ -90,6 +93,42 @@ def qwen_image_sigmas(
     Returns:
         [N + 1] fp32, sigmas[0] = 1, sigmas[-1] = 0.
     """
+    kwargs = dict(
+        base_seq_len=base_seq_len,
+        max_seq_len=max_seq_len,
+        base_shift=base_shift,
+        max_shift=max_shift,
+        shift_terminal=shift_terminal,
+    )
+    _check_steps(num_steps)
+    sigmas = qwen_image_sigmas_at(torch.arange(num_steps), num_steps, image_seq_len, **kwargs)
+    return torch.cat([sigmas, torch.zeros(1)])
+
+
+def qwen_image_sigmas_at(
+    positions: torch.Tensor,
+    num_steps: int,
+    image_seq_len: int,
+    *,
+    base_seq_len: int,
+    max_seq_len: int,
+    base_shift: float,
+    max_shift: float,
+    shift_terminal: float | None,
+) -> torch.Tensor:
+    """Qwen-Image's N-step schedule at fractional step positions: sigma(u) for u in [0, N - 1], fp32.
+
+    The unshifted time is affine in the step (t(u) = 1 + u (1/N - 1) / (N - 1)); it goes through the same
+    shift and the same stretch as the N-step grid (the stretch's scale is the grid's, fixed by its last
+    nonzero sigma), so sigma(i) = qwen_image_sigmas(N, ...)[i] bit for bit at integer i.
+
+    Args:
+        positions: [P] step positions in [0, N - 1] (not checked).
+        num_steps, image_seq_len, ...: as qwen_image_sigmas.
+
+    Returns:
+        [P] fp32.
+    """
     _check_steps(num_steps)
     if image_seq_len < 1:
         raise ValueError(f"image_seq_len must be >= 1, got {image_seq_len}")
@@ -103,11 +142,13 @@ def qwen_image_sigmas(
         base_shift=base_shift,
         max_shift=max_shift,
     )
-    sigmas = _linspace_f64(1.0, 1.0 / num_steps, num_steps).float()
+    # The grid's last position rides along at the end so the stretch sees the grid's own last sigma.
+    u = torch.cat([positions.to(torch.float64), torch.tensor([num_steps - 1.0], dtype=torch.float64)])
+    sigmas = _linspace_f64(1.0, 1.0 / num_steps, num_steps, u).float()
     sigmas = exponential_time_shift(sigmas, mu)
     if shift_terminal:
         sigmas = stretch_to_terminal(sigmas, shift_terminal)
-    return torch.cat([sigmas, torch.zeros(1)])
+    return sigmas[:-1]
 
 
 def sd3_sigmas(num_steps: int, shift: float, *, num_train_timesteps: int = 1000) -> torch.Tensor:
@@ -121,16 +162,67 @@ def sd3_sigmas(num_steps: int, shift: float, *, num_train_timesteps: int = 1000)
         [N + 1] fp32, sigmas[0] = 1, sigmas[-1] = 0.
     """
     _check_steps(num_steps)
+    sigmas = sd3_sigmas_at(torch.arange(num_steps), num_steps, shift, num_train_timesteps=num_train_timesteps)
+    return torch.cat([sigmas, torch.zeros(1)])
+
+
+def sd3_sigmas_at(
+    positions: torch.Tensor, num_steps: int, shift: float, *, num_train_timesteps: int = 1000
+) -> torch.Tensor:
+    """SD3's N-step schedule at fractional step positions u in [0, N - 1]: the unshifted time affine in u, then
+    the static shift; sigma(i) = sd3_sigmas(N, shift)[i] bit for bit at integer i.
+
+    Args:
+        positions: [P] step positions in [0, N - 1] (not checked).
+
+    Returns:
+        [P] fp32.
+    """
+    _check_steps(num_steps)
     if shift <= 0:
         raise ValueError(f"shift must be > 0, got {shift}")
     # The scheduler's training sigmas in fp32, shifted once at init; only their ends are used.
     train = torch.arange(num_train_timesteps, 0, -1, dtype=torch.float32) / num_train_timesteps
     train = shift * train / (1 + (shift - 1) * train)
     sigma_max, sigma_min = train[0].item(), train[-1].item()
-    sigmas = _linspace_f64(sigma_max * num_train_timesteps, sigma_min * num_train_timesteps, num_steps)
+    sigmas = _linspace_f64(
+        sigma_max * num_train_timesteps, sigma_min * num_train_timesteps, num_steps, positions
+    )
     sigmas = sigmas / num_train_timesteps
     sigmas = shift * sigmas / (1 + (shift - 1) * sigmas)
-    return torch.cat([sigmas.float(), torch.zeros(1)])
+    return sigmas.float()
+
+
+def compressed_tail(num_steps: int, last: int, ratio: float) -> torch.Tensor:
+    """MixGRPO-Flash's ODE tail after an SDE window whose last step is `last`: the step positions of its grid.
+
+    The tail runs from sigma_{last+1} to 0 on M = max(floor((N - last) ratio), 2) points (M = 1, no step,
+    when last = N - 1): M - 1 positions evenly spaced in [last + 1, N - 1] (evenly spaced in the unshifted
+    time, which is affine in the step), where the model's schedule is evaluated, then the terminal sigma = 0.
+    ratio = 1 gives the positions last + 1, ..., N - 1: the model's own grid.
+
+    Args:
+        num_steps: N, steps of the full grid.
+        last: the window's last step, in [0, N - 1].
+        ratio: the compress ratio in (0, 1] (MixGRPO's dpm_post_compress_ratio).
+
+    Returns:
+        [M - 1] fp64 positions, increasing, the first exactly last + 1 (the state the window left).
+
+    Differs from the reference code (MixGRPO's run_sample_step, dpm_apply_strategy="post"): there the M points
+    are spaced on [t_{last+1}, 0] of a schedule whose unshifted time reaches 0 at step N, and M = 1 stops the
+    sampling at sigma_{last+1} > 0; here the spacing ends at the grid's last nonzero sigma (Qwen-Image's and
+    SD3's grids append the terminal 0 after it) and the tail always ends at 0.
+    """
+    _check_steps(num_steps)
+    if not 0 <= last < num_steps:
+        raise ValueError(f"compressed_tail: last={last} must be a step index in [0, num_steps={num_steps})")
+    if not 0 < ratio <= 1:
+        raise ValueError(f"compressed_tail: ratio={ratio} must be in (0, 1]")
+    if last == num_steps - 1:
+        return torch.zeros(0, dtype=torch.float64)
+    points = max(int((num_steps - last) * ratio), 2)
+    return _linspace_f64(last + 1.0, num_steps - 1.0, points - 1)
 
 
 def sample_windows(

@@ -55,6 +55,11 @@ class FlowModel(VelocityModel, Protocol):
         """The sampling schedule, [num_steps + 1] fp32, from 1 (or shifted near 1) down to 0."""
         ...
 
+    def sigmas_at(self, num_steps: int, height: int, width: int, positions: torch.Tensor) -> torch.Tensor:
+        """The same schedule at fractional step positions u in [0, num_steps - 1] ([P] -> [P] fp32, equal to
+        `sigmas` at integer u): the compressed grid of MixGRPO-Flash's ODE tail (core.schedule.compressed_tail)."""
+        ...
+
     def decode(self, x0: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """Clean latents [B, *latent_shape] -> images uint8 [B, height, width, 3]."""
         ...

@@ -244,6 +244,11 @@ class QwenImage:
         seq_len = (h // self.patch) * (w // self.patch)
         return schedule.qwen_image_sigmas(num_steps, seq_len, **self.schedule_kwargs)
 
+    def sigmas_at(self, num_steps: int, height: int, width: int, positions: torch.Tensor) -> torch.Tensor:
+        _, h, w = self.latent_shape(height, width)
+        seq_len = (h // self.patch) * (w // self.patch)
+        return schedule.qwen_image_sigmas_at(positions, num_steps, seq_len, **self.schedule_kwargs)
+
     def velocity(
         self, x_t: torch.Tensor, sigma: torch.Tensor, cond: Cond, *, guidance_scale: float
     ) -> torch.Tensor:

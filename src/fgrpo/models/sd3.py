@@ -185,6 +185,10 @@ class SD3:
         self.latent_shape(height, width)
         return schedule.sd3_sigmas(num_steps, shift=self.shift)
 
+    def sigmas_at(self, num_steps: int, height: int, width: int, positions: torch.Tensor) -> torch.Tensor:
+        self.latent_shape(height, width)
+        return schedule.sd3_sigmas_at(positions, num_steps, shift=self.shift)
+
     def velocity(
         self, x_t: torch.Tensor, sigma: torch.Tensor, cond: Cond, *, guidance_scale: float
     ) -> torch.Tensor:

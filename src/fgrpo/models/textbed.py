@@ -256,6 +256,10 @@ class TextbedModel(nn.Module):
         # in pretraining (logit-normal, no resolution shift).
         return schedule.sd3_sigmas(num_steps, shift=1.0)
 
+    def sigmas_at(self, num_steps: int, height: int, width: int, positions: torch.Tensor) -> torch.Tensor:
+        self._check_size(height, width)
+        return schedule.sd3_sigmas_at(positions, num_steps, shift=1.0)
+
     def velocity(
         self, x_t: torch.Tensor, sigma: torch.Tensor, cond: Cond, *, guidance_scale: float
     ) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 
@@ -37,6 +37,12 @@ class SamplingConfig:
     """Steps [lo, hi) from which each sample's window is drawn (start uniform in [lo, hi - window_size])."""
     micro_batch: int = 8
     """Samples per transformer forward during rollout (and training recomputation)."""
+    ode_tail: Literal["euler", "dpmpp_2m"] = "euler"
+    """Solver after the SDE window: Euler on the full grid, or MixGRPO-Flash's DPM-Solver++(2M) on a compressed
+    grid (needs one window for the whole batch; without a window every step stays Euler)."""
+    tail_compress: float = 1.0
+    """dpmpp_2m tail: fraction in (0, 1] of the steps after the window that it keeps (core.schedule.compressed_tail;
+    MixGRPO-Flash 0.4, Flash* 0.2, 1.0 keeps the model's grid)."""
 
 
 @dataclass

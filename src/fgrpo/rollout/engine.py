@@ -2,8 +2,9 @@
 
 Each sample b gets a window of W consecutive steps (drawn from its own generator); inside it the step is
 the configured SDE and the transition (x_t, x_next, log-prob) is recorded, outside it the step is the
-deterministic Euler (ODE) step. Samples run in micro-batches of `cfg.micro_batch` consecutive rows, all
-steps of a micro-batch before the next one.
+deterministic Euler (ODE) step. With `cfg.ode_tail="dpmpp_2m"` (MixGRPO-Flash; one window for the batch)
+the steps after the window are DPM-Solver++(2M) steps on a compressed grid instead. Samples run in
+micro-batches of `cfg.micro_batch` consecutive rows, all steps of a micro-batch before the next one.
 
 Exactness contract (tested): `recompute_log_probs` - one transformer forward per (window position j,
 micro-batch of the same consecutive rows) - reproduces the rollout's log-probs bit for bit with
@@ -65,6 +66,16 @@ def check_request(
     if cfg.micro_batch < 1:
         raise ValueError(f"micro_batch={cfg.micro_batch}: must be >= 1")
     model.latent_shape(cfg.height, cfg.width)  # raises on a resolution the VAE/patching cannot represent
+    if cfg.ode_tail not in ("euler", "dpmpp_2m"):
+        raise ValueError(f"ode_tail={cfg.ode_tail!r}: must be 'euler' or 'dpmpp_2m'")
+    if not 0 < cfg.tail_compress <= 1:
+        raise ValueError(
+            f"tail_compress={cfg.tail_compress}: must be in (0, 1], the fraction of tail steps kept"
+        )
+    if cfg.tail_compress != 1 and cfg.ode_tail != "dpmpp_2m":
+        raise ValueError(
+            f"tail_compress={cfg.tail_compress} compresses only the dpmpp_2m tail; set ode_tail='dpmpp_2m'"
+        )
     if cfg.guidance_scale > 1.0 and cfg.negative_prompt is None:
         raise ValueError(
             f"guidance_scale={cfg.guidance_scale} > 1 needs negative_prompt (e.g. ' '); or set guidance_scale=1"
@@ -78,6 +89,12 @@ def check_request(
         raise ValueError(
             f"window_range=({lo}, {hi}) with window_size={W} must satisfy 0 <= lo, lo + window_size <= hi <= "
             f"num_steps={cfg.num_steps}"
+        )
+    if cfg.ode_tail == "dpmpp_2m" and hi - lo != W:
+        # Per-sample windows would put rows of one forward on different tail grids.
+        raise ValueError(
+            f"ode_tail='dpmpp_2m' needs one window for the whole batch, but window_range=({lo}, {hi}) with "
+            f"window_size={W} draws one per sample; set window_range=(lo, lo + window_size) (algo mixgrpo does)"
         )
     # The SDE kind's own checks (kind, noise_level range) and a positive std at every step a window can
     # cover, computed by the core step itself on a 1-element state: e.g. cps has std 0 at the last step.
@@ -123,6 +140,14 @@ class DiffusersEngine:
         B, T, W = len(prompts), cfg.num_steps, cfg.window_size
         shape = model.latent_shape(cfg.height, cfg.width)
         sigmas = model.sigmas(T, cfg.height, cfg.width).to(device)
+        # MixGRPO-Flash: the window (shared, check_request) ends at step `last`; the steps after it run on the
+        # compressed tail grid, whose first point is sigmas[last + 1] (the state the window leaves).
+        flash = cfg.ode_tail == "dpmpp_2m" and W > 0
+        last = cfg.window_range[1] - 1
+        tail = sigmas[T:]  # the terminal sigma 0 alone: no tail step
+        if flash:
+            positions = schedule.compressed_tail(T, last, cfg.tail_compress)
+            tail = torch.cat([model.sigmas_at(T, cfg.height, cfg.width, positions).to(device), tail])
 
         # Every random draw of sample b comes from gens[b], in this order: window, x_1, SDE noises
         # (with init_seeds, x_1 is replaced by the x_1 of the init seed's own stream).
@@ -153,13 +178,16 @@ class DiffusersEngine:
             x = x_init[rows].to(device)
             c = cond_index(cond, rows)
             m = x.shape[0]
-            for i in range(T):
+            x0_prev = None
+            for i in range(last + 1 if flash else T):
                 sigma, sigma_next = sigmas[i].expand(m), sigmas[i + 1].expand(m)
                 sde_rows = in_window[rows, i]  # [m] bool
                 if not sde_rows.any():
                     x, _ = transition(model, x, sigma, sigma_next, c, cfg, stochastic=False)
                     continue
                 v = model.velocity(x, sigma, c, guidance_scale=cfg.guidance_scale)
+                if flash and i == last:
+                    x0_prev = sde.x0_prediction(x, v, sigma)
                 given = _GivenVelocity(v)
                 mean, std = transition(given, x, sigma, sigma_next, c, cfg, stochastic=True)
                 noise = torch.stack(
@@ -181,6 +209,17 @@ class DiffusersEngine:
                     j = i - int(window[b, 0])  # windows are consecutive steps
                     x_t[b, j], x_next[b, j], log_prob[b, j], means[b, j] = x[k], x_new[k], lp[k], mean[k]
                 x = x_new
+            if flash:
+                # The solver's history is seeded with the window's last x0 prediction (taken before its SDE
+                # noise), so the tail's first step is already second order, as in MixGRPO's "post" strategy
+                # where the window's steps update the solver state; the step to sigma = 0 is first order.
+                sigma_prev = sigmas[last].expand(m)
+                for k in range(len(tail) - 1):
+                    sigma, sigma_next = tail[k].expand(m), tail[k + 1].expand(m)
+                    v = model.velocity(x, sigma, c, guidance_scale=cfg.guidance_scale)
+                    x0_pred = sde.x0_prediction(x, v, sigma)
+                    x = sde.dpmpp_2m_step(x, x0_pred, x0_prev, sigma_prev, sigma, sigma_next)
+                    x0_prev, sigma_prev = x0_pred, sigma
             x0[rows] = x
             images.append(model.decode(x, cfg.height, cfg.width))
 
