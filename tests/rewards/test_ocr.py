@@ -166,6 +166,19 @@ def test_rapidocr_engine_feeds_bgr_and_joins_lines():
     np.testing.assert_array_equal(seen[0], rgb[0][..., ::-1])
 
 
+def test_rapidocr_engine_raises_when_the_recognizer_failed():
+    """rapidocr logs a recognizer error and returns the detector's output (boxes, no text): that is a failed
+    read, not an empty one, so it must raise rather than score the image 0."""
+    from rapidocr.ch_ppocr_det import TextDetOutput
+
+    from fgrpo.rewards.ocr import RapidOcrEngine
+
+    engine = RapidOcrEngine()
+    engine._engine = lambda arr: TextDetOutput(boxes=np.zeros((1, 4, 2)), scores=[0.9])
+    with pytest.raises(RuntimeError, match="recognizer failed on image 0"):
+        engine.recognize(np.zeros((1, 4, 5, 3), dtype=np.uint8))
+
+
 def test_rapidocr_detector_sizing_options():
     from fgrpo.rewards.ocr import RapidOcrEngine
 

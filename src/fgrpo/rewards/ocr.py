@@ -154,10 +154,19 @@ class RapidOcrEngine:
         self._engine = rapidocr.RapidOCR(params=cfg)
 
     def recognize(self, images: np.ndarray) -> list[str]:
+        from rapidocr.ch_ppocr_cls import TextClsOutput
+        from rapidocr.ch_ppocr_det import TextDetOutput
+
         texts = []
-        for image in images:
+        for i, image in enumerate(images):
             # rapidocr reads a numpy array as OpenCV BGR; ours are RGB.
             result = self._engine(np.ascontiguousarray(image[..., ::-1]))
+            # A failed recognizer is logged by rapidocr, which then returns an earlier stage's output.
+            if isinstance(result, TextDetOutput | TextClsOutput):
+                raise RuntimeError(
+                    f"rapidocr's recognizer failed on image {i} (it returned a {type(result).__name__}); rerun with "
+                    "params={'Global.log_level': 'warning'} to see rapidocr's reason"
+                )
             lines = result.txts or ()
             texts.append(" ".join(lines))
         return texts

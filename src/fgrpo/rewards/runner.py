@@ -30,7 +30,7 @@ from fgrpo.rewards.base import Reward, RewardOutput, check_inputs, concat_output
 _worker_reward: Reward | None = None  # the reward of a process-pool worker, built once by _init_worker
 
 
-def _init_worker(reward_or_spec: Any) -> None:
+def _init_worker(reward_or_spec: Reward | str | dict | list) -> None:
     global _worker_reward
     from fgrpo.rewards.factory import build_reward
 
@@ -91,7 +91,7 @@ class AsyncRewardRunner:
         meta = check_inputs(images, prompts, metadata)  # bad input fails here, in the caller, not in a worker
         # Copy: the caller may reuse its image buffer for the next rollout while we still read this one.
         images, prompts = np.array(images, copy=True), list(prompts)
-        if self.kind == "thread":
+        if self._reward is not None:  # a thread pool: the reward lives in this process
             return self._pool.submit(_timed, self._reward, images, prompts, meta)
         return self._pool.submit(_score_in_worker, images, prompts, meta)
 

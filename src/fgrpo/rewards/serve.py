@@ -123,7 +123,9 @@ def make_app(
 def main(argv: list[str] | None = None) -> None:
     from fgrpo.rewards.factory import build_reward
 
-    p = argparse.ArgumentParser(prog="python -m fgrpo.rewards.serve", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m fgrpo.rewards.serve", description=(__doc__ or "").split("\n")[0]
+    )
     p.add_argument("--reward", required=True, help="reward spec for build_reward: a name or a JSON spec")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8765)

@@ -24,13 +24,14 @@ from typing import Any
 
 import numpy as np
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 
 from fgrpo.rewards.transport import RewardServiceError, b64, encode_image
 
 DEFAULT_PROMPT = "output only the text in the image"
 
 
-def transcribe_messages(image: np.ndarray, prompt: str = DEFAULT_PROMPT) -> list[dict[str, Any]]:
+def transcribe_messages(image: np.ndarray, prompt: str = DEFAULT_PROMPT) -> list[ChatCompletionMessageParam]:
     """OpenAI chat messages asking a VLM to transcribe one uint8 RGB image [H, W, 3]."""
     url = "data:image/png;base64," + b64(encode_image(image, "png"))
     return [
@@ -153,7 +154,7 @@ class VllmOcrEngine:
         **llm_kwargs: Any,
     ):
         try:
-            import vllm
+            import vllm  # pyright: ignore[reportMissingImports] - the optional `vllm` extra
         except ImportError as e:
             raise ImportError(
                 "VllmOcrEngine needs vllm, which is in the optional extra: uv sync --extra vllm "
