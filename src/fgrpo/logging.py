@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Literal, TextIO
 
 import numpy as np
 import torch
@@ -272,7 +272,7 @@ def image_grid(
     for i in range(b):
         x, y = (i % ncols) * (w + pad), (i // ncols) * (h + cap_h + pad)
         grid.paste(Image.fromarray(imgs[i]), (x, y))
-        if cap_h:
+        if captions is not None and cap_h:
             for j, line in enumerate(_wrap(str(captions[i]), font, w - 4, caption_lines)):
                 draw.text((x + 2, y + h + 2 + j * line_h), line, fill="black", font=font)
     return grid
@@ -440,7 +440,7 @@ def save_run_metadata(
 # loggers
 
 
-def resolve_wandb_mode(requested: str) -> str:
+def resolve_wandb_mode(requested: str) -> Literal["online", "offline", "disabled"]:
     """'online' | 'offline' | 'disabled'. 'online' without credentials becomes 'offline' (with a note)."""
     if requested not in ("online", "offline", "disabled"):
         raise ValueError(f"run.wandb must be 'online', 'offline' or 'disabled', got {requested!r}")
