@@ -7,10 +7,17 @@ The rollout and the trainer talk to a model only through this Protocol, so both 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypeAlias, runtime_checkable
 
 import torch
-from torch import nn
+
+if TYPE_CHECKING:
+    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
+    from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
+
+    # Every model's transformer is a diffusers model: an nn.Module with diffusers' switches (gradient
+    # checkpointing, attention backend, regional compile) and peft's adapter methods (add/disable adapters).
+    Transformer: TypeAlias = QwenImageTransformer2DModel | SD3Transformer2DModel
 
 # Conditioning is a flat dict of batch-first tensors (model-specific keys, e.g. prompt embeddings,
 # masks, pooled embeddings, and `neg_*` for the negative prompt when CFG is on). Keeping it a plain
@@ -38,7 +45,7 @@ class FlowModel(VelocityModel, Protocol):
     """A text-to-image rectified-flow model: x_t = (1 - sigma) * x0 + sigma * noise, v = noise - x0."""
 
     @property
-    def transformer(self) -> nn.Module:
+    def transformer(self) -> Transformer:
         """The module that LoRA wraps, FSDP shards and the optimizer trains (read-only here, so a model may
         declare it as its own diffusers class)."""
         ...

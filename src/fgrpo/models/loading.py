@@ -7,7 +7,7 @@ import contextlib
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
@@ -17,6 +17,7 @@ from fgrpo.models.qwen_image import QWEN_IMAGE_LORA_TARGETS
 
 if TYPE_CHECKING:
     from fgrpo.config import ModelConfig
+    from fgrpo.models.base import Transformer
 
 SD3_LORA_TARGETS = (
     "attn.to_q",
@@ -31,12 +32,12 @@ SD3_LORA_TARGETS = (
 
 
 def add_lora(
-    transformer: nn.Module,
+    transformer: Transformer,
     *,
     rank: int,
-    alpha: float,
+    alpha: int,
     target_modules: Sequence[str] = QWEN_IMAGE_LORA_TARGETS,
-    init: str | bool = "gaussian",
+    init: bool | Literal["gaussian"] = "gaussian",
     adapter_name: str = "default",
 ) -> list[nn.Parameter]:
     """Attach a peft LoRA adapter in place (diffusers' add_adapter keeps the module's class); returns its params.
@@ -57,7 +58,7 @@ def add_lora(
 
 
 def configure_transformer(
-    transformer: nn.Module,
+    transformer: Transformer,
     *,
     gradient_checkpointing: bool = False,
     attention_backend: str = "",
@@ -130,7 +131,7 @@ def build_model(mcfg: ModelConfig, device: torch.device, seed: int) -> FlowModel
     return load_model(mcfg, device=device, dtype=dtype)
 
 
-def setup_trainable(transformer: nn.Module, mcfg: ModelConfig) -> list[nn.Parameter]:
+def setup_trainable(transformer: Transformer, mcfg: ModelConfig) -> list[nn.Parameter]:
     """Attach LoRA (from model.init_lora if given) or unfreeze everything. Trainable parameters become fp32
     masters whatever the base dtype: FSDP2 casts them to the compute dtype, AdamW updates them in fp32."""
     if mcfg.lora:
@@ -159,7 +160,7 @@ def _lora_file(path: str | Path) -> Path:
 
 
 def load_lora_weights(
-    transformer: nn.Module, path: str | Path, *, rank: int, alpha: float, adapter_name: str = "default"
+    transformer: Transformer, path: str | Path, *, rank: int, alpha: int, adapter_name: str = "default"
 ) -> None:
     """Copy a diffusers-layout LoRA (keys `transformer.<module>.lora_A.weight`, the LoraConfig in the
     `lora_adapter_metadata` header) into the transformer's existing adapter, checking rank, alpha, targets
@@ -199,7 +200,7 @@ def load_lora_weights(
 
 
 @contextlib.contextmanager
-def adapters_disabled(transformer: nn.Module) -> Iterator[None]:
+def adapters_disabled(transformer: Transformer) -> Iterator[None]:
     """The reference policy for the KL: the same transformer with its LoRA adapters switched off."""
     transformer.disable_adapters()
     try:

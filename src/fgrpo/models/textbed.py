@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
-from diffusers import QwenImageTransformer2DModel
+from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
 from einops import rearrange
 from torch import nn
 from transformers import BertConfig, BertModel
@@ -197,7 +197,10 @@ class TextbedModel(nn.Module):
     """
 
     def __init__(
-        self, cfg: TextbedConfig, transformer: nn.Module | None = None, text_encoder: nn.Module | None = None
+        self,
+        cfg: TextbedConfig,
+        transformer: QwenImageTransformer2DModel | None = None,
+        text_encoder: nn.Module | None = None,
     ):
         super().__init__()
         self.cfg = cfg
