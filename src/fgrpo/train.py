@@ -44,10 +44,11 @@ from fgrpo.core.schedule import lr_multiplier
 from fgrpo.data import load_prompts, step_prompt_indices
 from fgrpo.models.loading import build_model, setup_trainable
 from fgrpo.rewards import build_reward
-from fgrpo.rewards.base import check_scores
+from fgrpo.rewards.base import ServedReward, check_scores
 from fgrpo.rewards.ocr import is_exact
 from fgrpo.rewards.runner import ParallelReward
 from fgrpo.rollout import seeds as rs
+from fgrpo.rollout.base import LoraSyncedEngine
 from fgrpo.rollout.engine import (
     build_engine,
     rollout,
@@ -74,7 +75,9 @@ def train(cfg: TrainConfig, *, experiment_source: str | Path | None = None) -> d
         if cfg.reward.workers == 0
         else ParallelReward(cfg.reward.spec, cfg.reward.workers)
     )
-    if hasattr(reward, "health"):  # a reward service: a wrong URL fails now, not after the first rollout
+    if isinstance(
+        reward, ServedReward
+    ):  # a reward service: a wrong URL fails now, not after the first rollout
         reward.health()
 
     torch.manual_seed(cfg.seed)  # LoRA init is the only draw from the global RNG
@@ -155,7 +158,7 @@ def train(cfg: TrainConfig, *, experiment_source: str | Path | None = None) -> d
             train_metrics = algo.update(model, params, optimizer, lr_scheduler, traj, local_adv, order)
             train_metrics.update(algo.after_update(step))
         with timer("sync"):
-            if hasattr(engine, "update_lora"):  # an engine with its own copy of the weights (vLLM-Omni)
+            if isinstance(engine, LoraSyncedEngine):
                 engine.update_lora(checkpoint.export_lora(run.path / "engine_lora", model.transformer))
 
         # 5. log (before the checkpoint that claims this step, so a crash between them loses no row), checkpoint
@@ -166,7 +169,7 @@ def train(cfg: TrainConfig, *, experiment_source: str | Path | None = None) -> d
             "reward/zero_std_group_frac": (grouped.std(dim=1, unbiased=False) == 0).float().mean().item(),
             **{f"reward/{k}": float(v) for k, v in out.metrics.items()},
             **{f"train/{k}": v for k, v in train_metrics.items()},
-            "lr": lr_scheduler.get_last_lr()[0],
+            "lr": float(lr_scheduler.get_last_lr()[0]),
             **val_metrics,
             **timer.metrics(images=P * G),
         }

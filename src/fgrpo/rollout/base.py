@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from pathlib import Path
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -86,4 +87,24 @@ class RolloutEngine(Protocol):
         engine also takes init_seeds= (one initial noise per group, --grpo.group-init-noise); the trainer passes
         it only when that flag is set.
         """
+        ...
+
+
+@runtime_checkable
+class SleepingEngine(Protocol):
+    """An engine that shares the GPU with training (vLLM-Omni): awake only for its rollouts."""
+
+    def sleep(self) -> None:
+        """Free the engine's GPU memory until wake()."""
+        ...
+
+    def wake(self) -> None: ...
+
+
+@runtime_checkable
+class LoraSyncedEngine(Protocol):
+    """An engine with its own copy of the weights (vLLM-Omni): the trainer sends it each step's LoRA."""
+
+    def update_lora(self, source: Path) -> object:
+        """Sample with the PEFT adapter directory `source` (the trainer's export) from the next generate() on."""
         ...

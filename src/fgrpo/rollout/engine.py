@@ -24,7 +24,7 @@ from fgrpo.core import schedule, sde
 from fgrpo.models.base import Cond, FlowModel, cond_index
 from fgrpo.models.common import module_device
 from fgrpo.policy import transition, transition_log_prob
-from fgrpo.rollout.base import RolloutEngine, SamplingConfig, Trajectory
+from fgrpo.rollout.base import RolloutEngine, SamplingConfig, SleepingEngine, Trajectory
 from fgrpo.rollout.seeds import sample_generator
 
 
@@ -310,11 +310,11 @@ def rollout(
     init_seeds: list[int] | None = None,
 ) -> Trajectory:
     """engine.generate, with an engine that shares the GPU (vLLM-Omni) woken for it and put back to sleep."""
-    if hasattr(engine, "wake"):
+    if isinstance(engine, SleepingEngine):
         engine.wake()
     extra = {} if init_seeds is None else {"init_seeds": init_seeds}
     traj = engine.generate(prompts, seeds, cfg, **extra).to(device)
-    if hasattr(engine, "sleep"):
+    if isinstance(engine, SleepingEngine):
         engine.sleep()
     return traj
 
