@@ -75,9 +75,8 @@ def train(cfg: TrainConfig, *, experiment_source: str | Path | None = None) -> d
         if cfg.reward.workers == 0
         else ParallelReward(cfg.reward.spec, cfg.reward.workers)
     )
-    if isinstance(
-        reward, ServedReward
-    ):  # a reward service: a wrong URL fails now, not after the first rollout
+    # A reward service: a wrong URL fails now, not after the first rollout.
+    if isinstance(reward, ServedReward):
         reward.health()
 
     torch.manual_seed(cfg.seed)  # LoRA init is the only draw from the global RNG
