@@ -93,15 +93,17 @@ def qwen_image_sigmas(
     Returns:
         [N + 1] fp32, sigmas[0] = 1, sigmas[-1] = 0.
     """
-    kwargs = dict(
+    _check_steps(num_steps)
+    sigmas = qwen_image_sigmas_at(
+        torch.arange(num_steps),
+        num_steps,
+        image_seq_len,
         base_seq_len=base_seq_len,
         max_seq_len=max_seq_len,
         base_shift=base_shift,
         max_shift=max_shift,
         shift_terminal=shift_terminal,
     )
-    _check_steps(num_steps)
-    sigmas = qwen_image_sigmas_at(torch.arange(num_steps), num_steps, image_seq_len, **kwargs)
     return torch.cat([sigmas, torch.zeros(1)])
 
 

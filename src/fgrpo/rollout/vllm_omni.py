@@ -64,11 +64,12 @@ class VllmOmniUnavailable(ImportError):
 def import_vllm_omni() -> ModuleType:
     """Import vllm_omni and check its version; a one-line error naming the fix otherwise."""
     try:
-        import vllm_omni
+        import vllm_omni  # pyright: ignore[reportMissingImports] - the optional `vllm` extra
     except ImportError as e:
         raise VllmOmniUnavailable(f"the vLLM-Omni rollout engine needs vllm-omni: {INSTALL_HINT}") from e
     try:
-        import vllm  # vllm_omni imports without it (documentation builds) but cannot run
+        # vllm_omni imports without vllm (documentation builds) but cannot run.
+        import vllm  # pyright: ignore[reportMissingImports] - the optional `vllm` extra
     except ImportError as e:
         raise VllmOmniUnavailable(f"vllm-omni is installed but vllm is not: {INSTALL_HINT}") from e
     for name, module in (("vllm-omni", vllm_omni), ("vllm", vllm)):
@@ -103,7 +104,7 @@ def build_requests(
         )
     for seed in seeds:
         sample_generator(int(seed))  # the seed range check, before any engine work
-    from vllm_omni.inputs.data import OmniDiffusionSamplingParams, OmniTextPrompt
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams, OmniTextPrompt  # pyright: ignore[reportMissingImports] - the optional `vllm` extra
 
     requests = []
     for i, (prompt, seed) in enumerate(zip(prompts, seeds)):
@@ -260,7 +261,7 @@ class VllmOmniEngine:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         import_vllm_omni()
-        from vllm_omni.entrypoints.omni import Omni
+        from vllm_omni.entrypoints.omni import Omni  # pyright: ignore[reportMissingImports] - the optional `vllm` extra
 
         self.work_dir = (
             Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="fgrpo-vllm-omni-"))
@@ -325,7 +326,7 @@ class VllmOmniEngine:
         v = self.weight_version
         dst = self.work_dir / f"lora_v{v:06d}"
         write_peft_dir(dst, *vllm_omni_lora_names(source, config))
-        from vllm.lora.request import LoRARequest
+        from vllm.lora.request import LoRARequest  # pyright: ignore[reportMissingImports] - the optional `vllm` extra
 
         self.lora_request = LoRARequest(lora_name=f"fgrpo_v{v}", lora_int_id=v, lora_path=str(dst))
         self.lora_scale = scale

@@ -40,7 +40,7 @@ from fgrpo.rollout.engine import DiffusersEngine
 if (
     TYPE_CHECKING
 ):  # the static check runs against vllm-omni 0.30's real classes; runtime never imports them here
-    from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
+    from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline  # pyright: ignore[reportMissingImports] - the optional `vllm` extra
 
 # Keys shared with the engine (fgrpo.rollout.vllm_omni); the engine side imports them from here.
 INFO_KEY = "fgrpo"  # prompt["additional_information"][INFO_KEY] = {"seed", "index"}
@@ -241,10 +241,11 @@ def _build_classes() -> dict[str, type]:
     """Subclass vllm-omni's pipeline and worker extension (imports vllm_omni; the worker process calls this)."""
     if _CLASSES:
         return _CLASSES
-    from vllm_omni.diffusion.data import DiffusionOutput
-    from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
-    from vllm_omni.diffusion.worker.diffusion_worker import CustomPipelineWorkerExtension
-    from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
+    # vllm-omni is the optional `vllm` extra: without it these do not resolve (nor run).
+    from vllm_omni.diffusion.data import DiffusionOutput  # pyright: ignore[reportMissingImports]
+    from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline  # pyright: ignore[reportMissingImports]
+    from vllm_omni.diffusion.worker.diffusion_worker import CustomPipelineWorkerExtension  # pyright: ignore[reportMissingImports]
+    from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch  # pyright: ignore[reportMissingImports]
 
     class FgrpoQwenImagePipeline(QwenImagePipeline):
         """vllm-omni's Qwen-Image pipeline with fgrpo's Flow-GRPO rollout as `forward`."""
