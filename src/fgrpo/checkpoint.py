@@ -5,8 +5,7 @@ A checkpoint is one directory `<dir>/step_000123/`:
     optimizer.safetensors    optimizer state tensors, key `state/<param fqn>/<name>` (exp_avg, step, ...)
     optimizer.json           param groups (hyper-parameters + param fqns) and non-tensor state
     lr_scheduler.json        `lr_scheduler.state_dict()`
-    rng_rank<i>.safetensors  torch CPU (and CUDA) generator states of rank i (uint8 tensors)
-    rng_rank<i>.json         python `random` and numpy global states of rank i
+    tensors_rank<i>.safetensors  rank i's own tensors when the caller passes some (an EMA of its shards)
     meta.json                step, world size, the caller's `extra_state`, and the byte size and sha256
                              of every other file (written last)
 
@@ -19,9 +18,11 @@ checksums) still load, with a warning that they cannot be verified.
 
 Distributed (FSDP2 `fully_shard`, DTensor parameters): tensors are gathered with
 `torch.distributed.checkpoint.state_dict` (full state, CPU offload, frozen parameters skipped, so a LoRA
-run never gathers the 20B base weights) and written by rank 0 only; every rank's RNG state is gathered
-to rank 0 and written as its own file, so a resume with the same world size is exact. Loading assumes
-every rank can read the directory (shared or replicated file system).
+run never gathers the 20B base weights) and written by rank 0 only. Loading assumes every rank can read
+the directory (shared or replicated file system).
+
+No RNG state is saved: every random draw of a run comes from a generator seeded by (seed, step, ...)
+(fgrpo.rollout.seeds), so a resumed run redraws exactly what the uninterrupted one drew, at any world size.
 
 Differs from flow_grpo/verl-omni: they `torch.save`/`accelerate.save_state` pickles (or DCP shards that
 need the same world size to read); we write plain safetensors a human or another tool can open, and
@@ -34,7 +35,6 @@ import contextlib
 import hashlib
 import json
 import os
-import random
 import re
 import shutil
 import time
@@ -43,7 +43,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
@@ -375,32 +374,6 @@ def _join_optimizer(tensors: dict[str, torch.Tensor], js: dict[str, Any]) -> dic
     return {"state": state, "param_groups": groups}
 
 
-def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    tensors = {"torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        tensors["torch_cuda"] = torch.cuda.get_rng_state()  # the current device: one GPU per rank
-    version, internal, gauss = random.getstate()
-    np_state = np.random.get_state()
-    # numpy returns a dict only for a bit generator other than MT19937, which its global RandomState is not.
-    assert isinstance(np_state, tuple), "numpy's global RandomState is not MT19937"
-    kind, keys, pos, has_gauss, cached = np_state
-    js = {
-        "python": [version, list(internal), gauss],
-        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
-    }
-    return tensors, js
-
-
-def _set_rng_state(tensors: dict[str, torch.Tensor], js: dict[str, Any]) -> None:
-    torch.set_rng_state(tensors["torch_cpu"])
-    if "torch_cuda" in tensors and torch.cuda.is_available():
-        torch.cuda.set_rng_state(tensors["torch_cuda"])
-    version, internal, gauss = js["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = js["numpy"]
-    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-
-
 # ---------------------------------------------------------------------------------------------------------
 # save / load
 
@@ -420,7 +393,7 @@ def save(
 
     Collective when torch.distributed is initialised: every rank must call it with the same arguments.
     `extra_state` must be JSON-able (data position, reward-tracker state, config). `rank_tensors` are this
-    rank's own tensors (e.g. an EMA of its parameter shards), written per rank like the RNG state: they
+    rank's own tensors (e.g. an EMA of its parameter shards), written per rank: they
     resume with the same world size. Returns the path.
     """
     if not isinstance(step, int) or step < 0:
@@ -440,14 +413,12 @@ def save(
     optim_sd = None
     if optimizer is not None:
         optim_sd = _gather_optimizer(model, optimizer) if optimizer.state else _fresh_optimizer(optimizer)
-    rng_t, rng_j = _rng_state()
     own = {k: v.detach().cpu() for k, v in (rank_tensors or {}).items()}
     if initialized():
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, ({k: v.cpu() for k, v in rng_t.items()}, rng_j, own))
-        rngs = gathered
+        owns: list[Any] = [None] * world
+        dist.all_gather_object(owns, own)
     else:
-        rngs = [(rng_t, rng_j, own)]
+        owns = [own]
 
     final = root / step_dir_name(step)
     if this_rank == 0:
@@ -463,9 +434,7 @@ def save(
                 _write_json(tmp / "optimizer.json", o_j)
             if sched_j is not None:
                 _write_json(tmp / "lr_scheduler.json", sched_j)
-            for r, (t, j, own_r) in enumerate(rngs):
-                _write_tensors(tmp / f"rng_rank{r}.safetensors", t)
-                _write_json(tmp / f"rng_rank{r}.json", j)
+            for r, own_r in enumerate(owns):
                 if own_r:
                     _write_tensors(tmp / f"tensors_rank{r}.safetensors", own_r)
             meta = {
@@ -516,7 +485,6 @@ def load(
     optimizer: torch.optim.Optimizer | None = None,
     lr_scheduler: Any | None = None,
     rank_tensors: dict[str, torch.Tensor] | None = None,
-    restore_rng: bool = True,
 ) -> tuple[int, dict[str, Any]]:
     """Restore a checkpoint written by `save` into live objects; returns (step, extra_state).
     `rank_tensors` (the same keys as saved) are filled in place from this rank's file.
@@ -525,7 +493,7 @@ def load(
     `latest_valid`). Every file is checked against meta.json first; a missing, truncated, corrupt or
     unreadable one raises CheckpointError naming it. The model (and optimizer) must be built exactly as
     when saving: same trainable parameters, sharded or not (the files hold full tensors, so a different
-    world size or no sharding loads too; only the RNG resume is exact just for the same world size).
+    world size or no sharding loads too; `rank_tensors` need the world size that saved them).
     Collective when torch.distributed is initialised.
     """
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
@@ -592,18 +560,6 @@ def load(
             for k, t in rank_tensors.items():
                 t.copy_(saved[k])
 
-    if restore_rng:
-        r = rank()
-        if (ck / f"rng_rank{r}.safetensors").is_file():
-            _set_rng_state(
-                _read_tensors(ck / f"rng_rank{r}.safetensors"), _read_json(ck / f"rng_rank{r}.json")
-            )
-        else:
-            warnings.warn(
-                f"checkpoint.load: no RNG state for rank {r} in {ck} (saved with world size "
-                f"{meta.get('world_size')}); RNG not restored, the resume is not bit-exact",
-                stacklevel=2,
-            )
     barrier()
     return int(meta["step"]), meta["extra_state"]
 
