@@ -68,6 +68,14 @@ def test_load_prompts_formats_and_errors(tmp_path):
             "grpo.group_init_noise",
         ),
         ({"optim": OptimConfig(min_lr_ratio=1.5)}, "optim.min_lr_ratio"),
+        (
+            {
+                "rollout_engine": "vllm_omni",
+                "grpo": GRPOConfig(old_log_prob="recompute"),
+                "sampling": SamplingConfig(ode_tail="dpmpp_2m"),
+            },
+            "sampling.ode_tail",
+        ),
         ({"model": ModelConfig(compile=True)}, "--grpo.old-log-prob recompute"),
         ({"num_steps": 3, "optim": OptimConfig(schedule="cosine", warmup_steps=6)}, "optim.decay_steps=6"),
     ],

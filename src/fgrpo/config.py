@@ -370,6 +370,10 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
             raise ValueError(
                 "grpo.group_init_noise is in-process only; drop --grpo.group-init-noise or use diffusers"
             )
+        if s.ode_tail != "euler":
+            raise ValueError(
+                "sampling.ode_tail='dpmpp_2m' is in-process only; drop --sampling.ode-tail or use diffusers"
+            )
         if world_size > 1:
             raise ValueError(
                 "rollout_engine='vllm_omni' is wired for one trainer process; use diffusers on N ranks"
