@@ -52,9 +52,12 @@ def test_two_fsdp_ranks_match_one(tmp_path):
     one, two = final_weights(tmp_path / "one", 2), final_weights(tmp_path / "two", 2)
     start = final_weights(tmp_path / "one", 1)
     assert one.keys() == two.keys() and len(one) > 0
-    assert max((one[k] - start[k]).abs().max().item() for k in one) > 1e-4  # training moved the weights
+    moved = max((one[k] - start[k]).abs().max().item() for k in one)
+    assert moved > 1e-2  # the second step moved the weights by ~lr
+    # AdamW divides each gradient element by its own magnitude, so a near-zero element whose sum over ranks
+    # rounds differently moves by a visible fraction of lr: agreement is to 1e-4, 100x below the motion.
     for k in one:
-        torch.testing.assert_close(one[k], two[k], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(one[k], two[k], rtol=1e-4, atol=1e-4)
 
 
 def test_full_weights_two_fsdp_ranks_match_one(tmp_path):
