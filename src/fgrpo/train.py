@@ -144,7 +144,7 @@ def train(cfg: TrainConfig, *, experiment_source: str | Path | None = None) -> d
         # 3. rewards -> all ranks -> group advantages
         with timer("reward"):
             out = reward(traj.images.cpu().numpy(), prompts)
-            check_scores(out, prompts, cfg.reward.name)
+            check_scores(out, prompts, cfg.reward.url or cfg.reward.name)
             local_rewards = torch.as_tensor(out.scores, dtype=torch.float32, device=d.device)
         with timer("sync"):
             rewards = parallel.all_gather_cat(local_rewards)
@@ -226,7 +226,7 @@ def validate(
         device,
     )
     out = reward(traj.images.cpu().numpy(), local_prompts)
-    check_scores(out, local_prompts, cfg.reward.name)
+    check_scores(out, local_prompts, cfg.reward.url or cfg.reward.name)
     scores = parallel.all_gather_cat(
         torch.as_tensor(out.scores, dtype=torch.float32, device=traj.images.device)
     )
