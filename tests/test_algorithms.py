@@ -185,3 +185,23 @@ def test_every_algorithm_preset_validates_and_keeps_the_base_budget():
             validate_config(cfg, world_size=1)
             assert _budget(cfg) == _budget(base)
     assert set(algorithms.ALGORITHMS) == {"grpo", "dppo", "mixgrpo", "nft", "awm"}
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_training_points_do_not_depend_on_the_batch_a_sample_is_in(shared):
+    """NFT/AWM points come from each sample's own seed: the rows of a rank's slice equal those of the whole batch
+    (so 2 ranks train the points 1 rank would); shared steps come from the step's stream, alike on every rank."""
+    from types import SimpleNamespace
+
+    x0 = torch.randn(6, 3, 4)
+    traj = SimpleNamespace(x0=x0, seeds=torch.tensor([11, 12, 13, 14, 15, 16]), sigmas=torch.linspace(1, 0, 11))
+
+    def gen():
+        return torch.Generator().manual_seed(5)
+
+    full = algorithms.draw_points(traj, 3, (0, 10), gen(), shared=shared)
+    part = algorithms.draw_points(
+        SimpleNamespace(x0=x0[3:], seeds=traj.seeds[3:], sigmas=traj.sigmas), 3, (0, 10), gen(), shared=shared
+    )
+    assert torch.equal(part.noise, full.noise[3:]) and torch.equal(part.sigma, full.sigma[3:])
+    assert not torch.equal(full.noise[0], full.noise[1])  # different samples, different noise

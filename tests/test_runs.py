@@ -133,6 +133,28 @@ def test_resume_falls_back_past_a_corrupt_checkpoint(done):
         path = RunDir(tmp_path / "e2e").start(cfg_for(tmp_path, resume="auto"), is_main=True, say=print)
     assert path.name == "step_000001"
     RunDir(tmp_path / "e2e").unlock()
+    # the skipped checkpoint is set aside: the run redoes step 2, and keep_last must not keep the damaged one
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path / "e2e" / "checkpoints")] == [1]
+    assert [p.name.split(".")[0] for p in (tmp_path / "e2e" / "stale_checkpoints").iterdir()] == ["step_000002"]
+
+
+def test_a_longer_resume_with_a_decaying_lr_is_refused(tmp_path):
+    """num_steps may grow on resume, except when the lr decays over the run: every later lr would change."""
+    c = Config()
+    recorded = dataclasses.replace(c, optim=dataclasses.replace(c.optim, schedule="linear"))
+    (tmp_path / "config.json").write_text(json.dumps(dataclasses.asdict(c)))
+    RunDir(tmp_path).check_config(dataclasses.replace(c, num_steps=c.num_steps + 1), say=print)  # constant: fine
+    (tmp_path / "config.json").write_text(json.dumps(dataclasses.asdict(recorded)))
+    with pytest.raises(RunDirError, match=r"num_steps: 3 -> 4.*--optim.decay-steps"):
+        RunDir(tmp_path).check_config(dataclasses.replace(recorded, num_steps=4), say=print)
+
+
+def test_resuming_a_finished_run_keeps_its_final_validation_row(done):
+    tmp_path = done
+    with open(tmp_path / "e2e" / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 2, "val/reward_mean": 0.5}) + "\n")  # what the final validation logs
+    train_mod.train(cfg_for(tmp_path, resume="auto"))
+    assert [r["step"] for r in rows(tmp_path)] == [0, 1, 2]
 
 
 def test_metrics_row_is_written_before_the_checkpoint_that_claims_the_step(tmp_path, monkeypatch):

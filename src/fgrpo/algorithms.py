@@ -54,6 +54,7 @@ from fgrpo.rollout.engine import (
     recompute_log_probs_and_means,
     validation_sampling,
 )
+from fgrpo.rollout.seeds import TRAIN_POINTS, sample_generator, sample_seed
 
 Stats = dict[str, list[float]]
 
@@ -402,6 +403,24 @@ class TrainingPoints:
         return sde.forward_noise(x0, noise, sigma), x0, noise, sigma
 
 
+def draw_points(
+    traj: Trajectory, k: int, steps_range: tuple[int, int], generator: torch.Generator, *, shared: bool
+) -> TrainingPoints:
+    """K forward-process points per sample. A sample's noise (and, unless `shared`, its grid steps) come from a
+    generator of its own rollout seed, so its points do not depend on the batch or the rank it lands on; shared
+    steps (one set for the global batch) come from `generator`, the step's stream every rank draws alike."""
+    assert traj.x0 is not None
+    lo, hi = steps_range
+    gens = [sample_generator(sample_seed(int(seed), TRAIN_POINTS)) for seed in traj.seeds.tolist()]
+    if shared:
+        steps = schedule.stratified_steps(len(gens), k, lo, hi, generator, shared=True)
+    else:
+        steps = torch.cat([schedule.stratified_steps(1, k, lo, hi, g, shared=False) for g in gens])
+    noise = torch.stack([torch.randn(k, *traj.x0.shape[1:], generator=g) for g in gens])
+    device = traj.x0.device
+    return TrainingPoints(traj.x0, noise.to(device), traj.sigmas[steps.to(device)])
+
+
 def _velocities(model: FlowModel, traj: Trajectory, points: TrainingPoints, micro_batch: int) -> torch.Tensor:
     """[B, K, *latent] velocities (no CFG) at every training point, in the rollout's micro-batches."""
     B = len(traj)
@@ -427,7 +446,7 @@ def forward_process_update(
     """Inner epochs x mini-batches of `algo.point_loss` at K forward-process points x_t = (1 - t) x0 + t noise
     per sample, t = the schedule's sigma at grid steps drawn by core.schedule.stratified_steps.
 
-    The points (steps and noise) are drawn once per step from `generator`; `algo.old_pass` evaluates the old
+    The points are drawn once per step (`draw_points`); `algo.old_pass` evaluates the old
     policy on all of them before any update; the training velocity has no CFG (NFT's and AWM's recipes).
     Gradient scaling and mini-batching as in `window_update`.
     """
@@ -437,11 +456,9 @@ def forward_process_update(
             f"algo.name={a.name!r} trains on the rollout's clean latents; this engine returns none"
         )
     B, K = len(traj), a.train_steps
-    steps = schedule.stratified_steps(
-        B, K, a.train_steps_lo, a.train_steps_hi or s.num_steps, generator, shared=algo.shared_steps
-    ).to(traj.x0.device)  # [B, K]
-    noise = torch.randn(B, K, *traj.x0.shape[1:], generator=generator).to(traj.x0.device)
-    points = TrainingPoints(traj.x0, noise, traj.sigmas[steps])
+    points = draw_points(
+        traj, K, (a.train_steps_lo, a.train_steps_hi or s.num_steps), generator, shared=algo.shared_steps
+    )
     old = algo.old_pass(model, traj, points)  # [B, K, ...]
     mb = g.train_micro_batch or s.micro_batch
     stats: Stats = defaultdict(list)

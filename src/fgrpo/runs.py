@@ -17,10 +17,13 @@ import fcntl
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
-from fgrpo import checkpoint
+import torch
+
+from fgrpo import checkpoint, parallel
 from fgrpo import logging as flog
 
 # Fields that may differ between a run and its resume: they change what is logged or saved, or how fast the
@@ -125,7 +128,7 @@ class RunDir:
             self._lock_fd = None
 
     def move_aside(self) -> Path:
-        """Rename the whole directory to `<name>.old-<time>` (the lock is not held yet); returns the new path."""
+        """Rename the whole directory to `<name>.old-<time>`; returns the new path."""
         stamp = time.strftime("%Y%m%d-%H%M%S")
         dest = self.path.with_name(f"{self.path.name}.old-{stamp}")
         n = 1
@@ -137,31 +140,63 @@ class RunDir:
     def start(self, cfg: Any, *, is_main: bool, say=print) -> Path | None:
         """Check and take the directory for the run `cfg` asks for; returns the checkpoint to resume or None.
 
-        Rank 0 locks and checks; every rank gets the same answer (the checkpoint is chosen by rank 0's rules
-        from the shared file system, so all ranks see the same newest verified step).
+        Rank 0 locks, checks and chooses the checkpoint; every rank gets its answer (or its error), so no rank
+        goes on alone and the checkpoint files are verified once.
         """
-        resume, overwrite = cfg.run.resume, cfg.run.overwrite
+        answer: tuple[str | None, str | None] = (None, None)  # (error, checkpoint path)
+        error: Exception | None = None
         if is_main:
-            if not resume:
-                used = self.holds_a_run() if self.path.exists() else []
-                if used and not overwrite:
-                    raise RunDirError(
-                        f"{self.path} already holds a run ({', '.join(used)}); continue it with --run.resume auto, "
-                        f"or start over with --run.overwrite (moves it to {self.path.name}.old-<time>)"
-                    )
-                if used:
-                    self.lock()  # nobody else may be writing it while it moves
-                    self.unlock()
-                    say(f"moved the earlier run to {self.move_aside()}")
-            self.lock()
+            try:
+                path = self._start_main(cfg, say)
+                answer = (None, str(path) if path is not None else None)
+            except (RunDirError, checkpoint.CheckpointError, FileNotFoundError, ValueError) as e:
+                answer = (f"{type(e).__name__}: {e}", None)
+                error = e
+        if parallel.initialized() and parallel.world_size() > 1:
+            box = [answer]
+            torch.distributed.broadcast_object_list(box, src=0)
+            answer = box[0]
+        if answer[0] is not None:
+            if error is not None:
+                raise error
+            raise RunDirError(f"rank 0 refused the run directory: {answer[0]}")
+        return Path(answer[1]) if answer[1] is not None else None
+
+    def _start_main(self, cfg: Any, say) -> Path | None:
+        resume, overwrite = cfg.run.resume, cfg.run.overwrite
+        if not resume:
+            used = self.holds_a_run() if self.path.exists() else []
+            if used and not overwrite:
+                raise RunDirError(
+                    f"{self.path} already holds a run ({', '.join(used)}); continue it with --run.resume auto, "
+                    f"or start over with --run.overwrite (moves it to {self.path.name}.old-<time>)"
+                )
+            if used:
+                self.lock()  # held while the directory moves: the lock file moves with it
+                moved = self.move_aside()
+                self.unlock()
+                say(f"moved the earlier run to {moved}")
+        self.lock()
         if not resume:
             return None
+        if (self.path / "config.json").is_file():
+            self.check_config(cfg, say=say)
         path = checkpoint.latest_valid(self.checkpoints) if resume == "auto" else checkpoint.resolve(resume)
         if path is None:
             say(f"--run.resume auto: no complete checkpoint under {self.checkpoints}; starting from step 0")
-        if is_main and (self.path / "config.json").is_file():
-            self.check_config(cfg, say=say)
+        self.set_aside_checkpoints_after(path)
         return path
+
+    def set_aside_checkpoints_after(self, resumed: Path | None) -> None:
+        """Move checkpoints newer than the resumed one (damaged ones skipped by latest_valid, or a resume from an
+        older step) to `stale_checkpoints/`: the run redoes their steps, and keep_last must not prefer them."""
+        step = int(resumed.name.removeprefix("step_")) if resumed is not None else -1
+        for s, p in checkpoint.list_checkpoints(self.checkpoints):
+            if s > step:
+                dest = self.path / "stale_checkpoints" / f"{p.name}.{time.strftime('%Y%m%d-%H%M%S')}"
+                dest.parent.mkdir(exist_ok=True)
+                os.rename(p, dest)
+                warnings.warn(f"resume: moved {p} (after the resumed step) to {dest}", stacklevel=2)
 
     def check_config(self, cfg: Any, *, say=print) -> None:
         """Refuse a resume whose config differs from the recorded one in a field that changes the training."""
@@ -169,11 +204,15 @@ class RunDir:
         changes = config_changes(flat_config(recorded), flat_config(cfg))
         changes.pop("run.resume", None)
         refused = {k: v for k, v in changes.items() if not _resumable(k)}
+        o = cfg.optim
+        if "num_steps" in changes and o.schedule != "constant" and o.decay_steps == 0:
+            refused["num_steps"] = changes["num_steps"]  # the decay spans the run: its lr would change
         if refused:
             listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in refused.items())
             raise RunDirError(
                 f"--run.resume: the config differs from the run's {self.path / 'config.json'} in {listed}; "
-                "resume with the recorded values, or start a new run (another --exp-name, or --run.overwrite)"
+                "resume with the recorded values (with a decaying lr, a longer run needs --optim.decay-steps as "
+                "recorded), or start a new run (another --exp-name, or --run.overwrite)"
             )
         for k, (a, b) in changes.items():
             say(f"resume: {k} {a!r} -> {b!r}")

@@ -111,9 +111,9 @@ def train(cfg: TrainConfig, *, experiment_source: str | Path | None = None) -> d
             rank_tensors=algo.state(),
         )
         flog.print0(f"resumed from {resume_from} at step {start_step}")
-    if (
-        d.is_main
-    ):  # rows of steps after the checkpoint are redone below: drop them, keep the file one row a step
+    # Rows of the steps after the checkpoint are redone below: drop them, so the file keeps one row a step (a
+    # finished run resumed has nothing to redo and keeps its final validation's row).
+    if d.is_main and start_step < cfg.num_steps:
         run.drop_metrics_from(start_step)
     logger = flog.make_logger(cfg, run.path, enabled=d.is_main, experiment_source=experiment_source)
 

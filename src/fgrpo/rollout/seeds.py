@@ -21,6 +21,7 @@ GROUP_INIT_NOISE = -1  # (run seed, step, group index, -1): the initial noise a 
 MINIBATCH_ORDER = -2  # (run seed, step, 0, -2): the shuffling of a step's samples into mini-batches
 PROMPT_ORDER = -3  # (run seed, epoch, 0, -3): the permutation of the prompts in an epoch
 VALIDATION = -4  # (0, 0, prompt index, -4): the validation seeds, the same for every run and step
+TRAIN_POINTS = -5  # (sample seed, -5): a sample's forward-process training points (NFT, AWM)
 
 
 def sample_seed(*keys: int) -> int:
