@@ -433,6 +433,14 @@ def test_meta_records_size_and_sha256_of_every_file(tmp_path):
         ),
         (lambda p: (p / "lr_scheduler.json").unlink(), r"lr_scheduler\.json.*missing"),
         (lambda p: (p / "meta.json").write_text('{"step": 1, '), r"meta\.json"),
+        (
+            lambda p: (p / "meta.json").write_text(
+                json.dumps(
+                    {k: v for k, v in json.loads((p / "meta.json").read_text()).items() if k != "files"}
+                )
+            ),
+            r"meta\.json.*lists no files",
+        ),
     ],
 )
 def test_load_refuses_a_damaged_file_and_names_it(tmp_path, damage, match):

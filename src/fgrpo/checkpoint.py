@@ -227,6 +227,8 @@ def verify(step_dir: str | os.PathLike) -> dict[str, Any]:
             f"checkpoint: {meta_path} has format_version {version}; this fgrpo reads {_READABLE_VERSIONS}"
         )
     files = meta.get("files")
+    if version != 1 and files is None:
+        raise CheckpointError(f"checkpoint: {meta_path} (format_version {version}) lists no files to verify")
     if version == 1 or files is None:
         warnings.warn(
             f"checkpoint: {d} (format_version {version}) records no checksums; its files cannot be verified",
@@ -414,11 +416,12 @@ def save(
     if optimizer is not None:
         optim_sd = _gather_optimizer(model, optimizer) if optimizer.state else _fresh_optimizer(optimizer)
     own = {k: v.detach().cpu() for k, v in (rank_tensors or {}).items()}
-    if initialized():
-        owns: list[Any] = [None] * world
-        dist.all_gather_object(owns, own)
-    else:
-        owns = [own]
+    owns: list[Any] = [own]
+    if (
+        initialized()
+    ):  # to rank 0 only (it writes them): a full-weight EMA on every rank would be world x its size
+        owns = [None] * world if this_rank == 0 else []
+        dist.gather_object(own, owns if this_rank == 0 else None, dst=0)
 
     final = root / step_dir_name(step)
     if this_rank == 0:
