@@ -24,8 +24,8 @@ Deviations from the reference code, each for a reason:
   reference keeps the pre-epoch model); its KL to the EMA policy is not implemented (only the KL to the
   reference, through grpo.kl_coef).
 - MixGRPO's window slides from sampling.window_range's start to the last step that keeps it whole
-  (core.schedule.sliding_window); the DPM-Solver++ tail of MixGRPO-Flash is in the core
-  (sde.dpmpp_2m_step) but not wired into the rollout.
+  (core.schedule.sliding_window); MixGRPO-Flash's DPM-Solver++ tail after the window is the rollout's
+  `sampling.ode_tail="dpmpp_2m"` (the `mixgrpo-flash` presets).
 """
 
 from __future__ import annotations

@@ -31,8 +31,7 @@ def dppo_loss(
     No ratio clip and no advantage clamp: inside the trust region (D < tau) or when the update moves rho back
     towards 1, the gradient is -A rho grad(log_prob) / B; a masked entry contributes 0 to the mean (it still
     counts in B) and passes no gradient. The mask itself carries no gradient. The divergence and the masking
-    rule are the paper's KL-masked objective as verl-omni's docs/algo/flowdppo.md states it (the equation
-    numbers of the paper were not checked here).
+    rule are the paper's KL-masked objective as verl-omni's docs/algo/flowdppo.md and its FlowDPPOLoss state it.
 
     Args:
         log_prob: [B] log-prob of the stored x_next under the current policy (differentiable; sde.log_prob with

@@ -1,4 +1,5 @@
-"""The slowly moving "old" policy of DiffusionNFT and AWM: its decay schedule and the in-place EMA update.
+"""The slowly moving "old" policy (DiffusionNFT's; AWM's reference keeps one for a KL term, not implemented
+here): its decay schedule and the in-place EMA update.
 
 old <- d * old + (1 - d) * theta after each refresh; d = 0 copies theta. Pure torch on lists of tensors
 (LoRA weights, local shards or DTensors alike); no module state.
