@@ -22,7 +22,7 @@ from typing import Literal
 
 import torch
 
-from fgrpo.core.grpo import _MAX_LOG_RATIO
+from fgrpo.core.grpo import clamp_log_ratio
 
 Level = Literal["token", "sequence", "geometric"]
 Mode = Literal["truncate", "mask"]
@@ -69,7 +69,7 @@ def _level_log_weight(log_w: torch.Tensor, level: Level) -> torch.Tensor:
         lw = log_w.mean(dim=1, keepdim=True).expand_as(log_w)  # log (prod_j w_j)^(1/W)
     else:
         raise ValueError(f"level must be 'token', 'sequence' or 'geometric', got {level!r}")
-    return lw.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    return clamp_log_ratio(lw)
 
 
 def raw_weights(log_w: torch.Tensor, *, level: Level = "token") -> torch.Tensor:
@@ -148,7 +148,7 @@ def divergence(log_w: torch.Tensor, *, estimator: Estimator) -> torch.Tensor:
     Differs from the reference code: k3 is expm1(log w) - log w (exact near 0, where exp(log w) - 1 rounds).
     """
     _check_entries("log_w", log_w)
-    lw = log_w.detach().float().clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    lw = clamp_log_ratio(log_w.detach().float())
     if estimator == "k1":
         return -lw
     if estimator == "k2":
@@ -288,9 +288,9 @@ def correction_metrics(
         w = weight.detach().float()
         r = raw_weights(lw, level=level)
         lo = 1.0 / upper if lower is None else lower
-        lw_c = lw.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        lw_c = clamp_log_ratio(lw)
         m1, m2 = w.mean(), (w**2).mean()
-        seq_lw = lw.sum(dim=1).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)  # [B]
+        seq_lw = clamp_log_ratio(lw.sum(dim=1))  # [B]
         return {
             "is_mean": m1,
             "is_max": w.max(),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from fgrpo.core.grpo import _MAX_LOG_RATIO, gaussian_kl
+from fgrpo.core.grpo import clamp_log_ratio, gaussian_kl
 
 
 def dppo_loss(
@@ -69,7 +69,7 @@ def dppo_loss(
     if std.ndim == 1 and mean.ndim > 1:
         std = std.reshape(std.shape + (1,) * (mean.ndim - 1))  # [B] -> [B, 1, ..., 1]
     log_ratio = log_prob.float() - old_log_prob.float().detach()
-    ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    ratio = torch.exp(clamp_log_ratio(log_ratio))
     adv = advantages.float().detach()
     with torch.no_grad():
         div = gaussian_kl(mean.detach(), old_mean.detach(), std, kind="exact", reduce="mean")  # [B]

@@ -53,7 +53,13 @@ def group_advantages(
 
 
 # exp() of a log-ratio beyond this is far outside any clip range; the clamp only prevents inf/NaN.
-_MAX_LOG_RATIO = 20.0
+MAX_LOG_RATIO = 20.0
+
+
+def clamp_log_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
+    """log_ratio clamped to +-MAX_LOG_RATIO before any exp: no effect inside a useful trust region, and an overflow
+    becomes a finite ratio (a zero or bounded gradient) instead of inf / NaN."""
+    return log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
 
 
 def clipped_policy_loss(
@@ -114,7 +120,7 @@ def clipped_policy_loss(
         bias = d2.mean(dim=tuple(range(1, d2.ndim))) if d2.ndim > 1 else d2  # [B]
         step_std = std.expand(mean.shape).reshape(mean.shape[0], -1)[:, 0]  # [B], std is constant per sample
         log_ratio = (log_ratio + bias) * step_std
-    ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    ratio = torch.exp(clamp_log_ratio(log_ratio))
     adv = advantages.float().clamp(-adv_clip_max, adv_clip_max)
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1 - clip_range, 1 + clip_range)
