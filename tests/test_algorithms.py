@@ -194,7 +194,9 @@ def test_training_points_do_not_depend_on_the_batch_a_sample_is_in(shared):
     from types import SimpleNamespace
 
     x0 = torch.randn(6, 3, 4)
-    traj = SimpleNamespace(x0=x0, seeds=torch.tensor([11, 12, 13, 14, 15, 16]), sigmas=torch.linspace(1, 0, 11))
+    traj = SimpleNamespace(
+        x0=x0, seeds=torch.tensor([11, 12, 13, 14, 15, 16]), sigmas=torch.linspace(1, 0, 11)
+    )
 
     def gen():
         return torch.Generator().manual_seed(5)

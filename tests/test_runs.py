@@ -135,7 +135,9 @@ def test_resume_falls_back_past_a_corrupt_checkpoint(done):
     RunDir(tmp_path / "e2e").unlock()
     # the skipped checkpoint is set aside: the run redoes step 2, and keep_last must not keep the damaged one
     assert [s for s, _ in checkpoint.list_checkpoints(tmp_path / "e2e" / "checkpoints")] == [1]
-    assert [p.name.split(".")[0] for p in (tmp_path / "e2e" / "stale_checkpoints").iterdir()] == ["step_000002"]
+    assert [p.name.split(".")[0] for p in (tmp_path / "e2e" / "stale_checkpoints").iterdir()] == [
+        "step_000002"
+    ]
 
 
 def test_a_longer_resume_with_a_decaying_lr_is_refused(tmp_path):
@@ -143,7 +145,9 @@ def test_a_longer_resume_with_a_decaying_lr_is_refused(tmp_path):
     c = Config()
     recorded = dataclasses.replace(c, optim=dataclasses.replace(c.optim, schedule="linear"))
     (tmp_path / "config.json").write_text(json.dumps(dataclasses.asdict(c)))
-    RunDir(tmp_path).check_config(dataclasses.replace(c, num_steps=c.num_steps + 1), say=print)  # constant: fine
+    RunDir(tmp_path).check_config(
+        dataclasses.replace(c, num_steps=c.num_steps + 1), say=print
+    )  # constant: fine
     (tmp_path / "config.json").write_text(json.dumps(dataclasses.asdict(recorded)))
     with pytest.raises(RunDirError, match=r"num_steps: 3 -> 4.*--optim.decay-steps"):
         RunDir(tmp_path).check_config(dataclasses.replace(recorded, num_steps=4), say=print)
