@@ -46,7 +46,7 @@ class Recording(DiffusersEngine):
 @pytest.fixture
 def recording(monkeypatch):
     Recording.seen = []
-    monkeypatch.setattr(train_mod, "build_engine", lambda model, engine, path: Recording(model))
+    monkeypatch.setattr(train_mod, "build_engine", lambda model, engine, path, **kw: Recording(model))
     return Recording.seen
 
 
@@ -97,7 +97,7 @@ def test_nft_samples_with_the_ema_and_the_ema_follows_core_ema(tmp_path, monkeyp
             sampled.append([algorithms._local(p).detach().clone() for p in ps])
             return super().generate(prompts, seeds, cfg, **kw)
 
-    monkeypatch.setattr(train_mod, "build_engine", lambda model, engine, path: Weighing(model))
+    monkeypatch.setattr(train_mod, "build_engine", lambda model, engine, path, **kw: Weighing(model))
     calls = []
     real_update = algorithms.EmaWeights.update
 

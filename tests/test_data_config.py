@@ -76,7 +76,7 @@ def test_load_prompts_formats_and_errors(tmp_path):
             },
             "sampling.ode_tail",
         ),
-        ({"model": ModelConfig(compile=True)}, "--grpo.old-log-prob recompute"),
+        ({"model": ModelConfig(compile=True, exact_rollout=False)}, "--grpo.old-log-prob recompute"),
         ({"num_steps": 3, "optim": OptimConfig(schedule="cosine", warmup_steps=6)}, "optim.decay_steps=6"),
     ],
 )
@@ -109,6 +109,8 @@ def test_validate_config_accepts_the_recipe():
     validate_config(TrainConfig(), world_size=4)
     compiled = TrainConfig(model=ModelConfig(compile=True), grpo=GRPOConfig(old_log_prob="recompute"))
     validate_config(compiled, world_size=4)
+    # compiled with the rollout's window through the training graph: the rollout's log-probs are reused
+    validate_config(TrainConfig(model=ModelConfig(compile=True)), world_size=4)
 
 
 def test_group_init_seeds_one_per_group():

@@ -43,7 +43,7 @@ class RecordingEngine:
 def test_out_of_process_engine_is_woken_synced_and_slept(tmp_path, monkeypatch):
     engines = []
 
-    def build(model, engine, path):
+    def build(model, engine, path, **kw):
         engines.append(RecordingEngine(model))
         return engines[0]
 
@@ -71,7 +71,7 @@ def test_group_init_noise_reaches_the_engine(tmp_path, monkeypatch):
             seen.append(init_seeds)
             return super().generate(prompts, seeds, cfg, init_seeds=init_seeds)
 
-    monkeypatch.setattr(train_mod, "build_engine", lambda model, engine, path: Capturing(model))
+    monkeypatch.setattr(train_mod, "build_engine", lambda model, engine, path, **kw: Capturing(model))
     base = Config()
     cfg = dataclasses.replace(
         base,

@@ -98,7 +98,9 @@ def train(cfg: TrainConfig, *, experiment_source: str | Path | None = None) -> d
             min_ratio=o.min_lr_ratio,
         ),
     )
-    engine = build_engine(model, cfg.rollout_engine, cfg.model.path)
+    engine = build_engine(
+        model, cfg.rollout_engine, cfg.model.path, train_graph=cfg.model.compile and cfg.model.exact_rollout
+    )
     algo = algorithms.build(cfg, params)
 
     start_step = 0

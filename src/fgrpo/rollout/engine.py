@@ -15,6 +15,7 @@ every row's numbers depend on the shapes of the forward, not on the other rows' 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Iterator, Sequence
 
@@ -113,10 +114,17 @@ def check_request(
 
 
 class DiffusersEngine:
-    """Rollouts in this process with the model's own (diffusers) modules: the trainer's exact kernels."""
+    """Rollouts in this process with the model's own (diffusers) modules: the trainer's exact kernels.
 
-    def __init__(self, model: FlowModel):
+    train_graph: run the forwards of the SDE window (the transitions that are trained) with autograd on, as the
+    trainer runs them, and drop the graph at once. Compiled, a no-grad and a grad forward are two graphs whose
+    kernels round differently (~1e-4 in log-prob); through the training graph the first update's forward
+    reproduces the rollout's log-probs bit for bit. Eager, both modes give the same bits.
+    """
+
+    def __init__(self, model: FlowModel, *, train_graph: bool = False):
         self.model = model
+        self.train_graph = train_graph
 
     @torch.no_grad()
     def generate(
@@ -185,7 +193,8 @@ class DiffusersEngine:
                 if not sde_rows.any():
                     x, _ = transition(model, x, sigma, sigma_next, c, cfg, stochastic=False)
                     continue
-                v = model.velocity(x, sigma, c, guidance_scale=cfg.guidance_scale)
+                with torch.enable_grad() if self.train_graph else contextlib.nullcontext():
+                    v = model.velocity(x, sigma, c, guidance_scale=cfg.guidance_scale).detach()
                 if flash and i == last:
                     x0_prev = sde.x0_prediction(x, v, sigma)
                 given = _GivenVelocity(v)
@@ -291,13 +300,16 @@ def minibatch_rows(
     return [list(chunk.split(micro_batch)) for chunk in perm.chunk(num_minibatches)]
 
 
-def build_engine(model: FlowModel, engine: str, model_path: str) -> RolloutEngine:
-    """The configured rollout engine: this process's diffusers modules, or vLLM-Omni with its own weights."""
+def build_engine(
+    model: FlowModel, engine: str, model_path: str, *, train_graph: bool = False
+) -> RolloutEngine:
+    """The configured rollout engine: this process's diffusers modules (train_graph: see DiffusersEngine), or
+    vLLM-Omni with its own weights."""
     if engine == "vllm_omni":
         from fgrpo.rollout.vllm_omni import VllmOmniEngine
 
         return VllmOmniEngine(model_path, enable_sleep_mode=True)
-    return DiffusersEngine(model)
+    return DiffusersEngine(model, train_graph=train_graph)
 
 
 @torch.no_grad()
