@@ -17,8 +17,11 @@ from fgrpo.rollout.base import SamplingConfig
 
 @dataclass(frozen=True)
 class ModelConfig:
-    kind: Literal["qwen_image", "sd3", "textbed", "tiny_qwen_image", "tiny_sd3"] = "qwen_image"
-    """Which generator: real Qwen-Image / SD3.5, the pretrained tiny text renderer, or tiny random models."""
+    kind: Literal[
+        "qwen_image", "qwen_image_edit", "sd3", "textbed", "tiny_qwen_image", "tiny_qwen_image_edit", "tiny_sd3"
+    ] = "qwen_image"
+    """Which generator: real Qwen-Image / Qwen-Image-Edit / SD3.5, the pretrained tiny text renderer, or tiny random
+    models. The edit kinds need prompts that name a condition image (.jsonl rows {"prompt": ..., "image": path})."""
     path: str = "Qwen/Qwen-Image"
     """Local diffusers directory or hub id (ignored by the tiny kinds; textbed: '' = the bundled checkpoint)."""
     dtype: Literal["bf16", "fp32"] = "bf16"
@@ -240,9 +243,17 @@ COMPILED_LOGPROB_GAP = 1e-4
 # Algorithms that sample with the ODE and train at fresh forward-process points (no SDE window, no log-probs).
 FORWARD_PROCESS_ALGOS = ("nft", "awm")
 
-# Pixels per latent token side: VAE downsampling x transformer patch (Qwen-Image and SD3: 8 x 2, as their
+# Pixels per latent token side: VAE downsampling x transformer patch (Qwen-Image(-Edit) and SD3: 8 x 2, as their
 # tiny test versions); the text renderer packs 4x4 pixel patches.
-RESOLUTION_MULTIPLE = {"qwen_image": 16, "sd3": 16, "tiny_qwen_image": 16, "tiny_sd3": 16, "textbed": 4}
+RESOLUTION_MULTIPLE = {
+    "qwen_image": 16,
+    "qwen_image_edit": 16,
+    "sd3": 16,
+    "tiny_qwen_image": 16,
+    "tiny_qwen_image_edit": 16,
+    "tiny_sd3": 16,
+    "textbed": 4,
+}
 
 
 def _flag(field_name: str) -> str:
