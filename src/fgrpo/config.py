@@ -18,7 +18,13 @@ from fgrpo.rollout.base import SamplingConfig
 @dataclass(frozen=True)
 class ModelConfig:
     kind: Literal[
-        "qwen_image", "qwen_image_edit", "sd3", "textbed", "tiny_qwen_image", "tiny_qwen_image_edit", "tiny_sd3"
+        "qwen_image",
+        "qwen_image_edit",
+        "sd3",
+        "textbed",
+        "tiny_qwen_image",
+        "tiny_qwen_image_edit",
+        "tiny_sd3",
     ] = "qwen_image"
     """Which generator: real Qwen-Image / Qwen-Image-Edit / SD3.5, the pretrained tiny text renderer, or tiny random
     models. The edit kinds need prompts that name a condition image (.jsonl rows {"prompt": ..., "image": path})."""
