@@ -1,4 +1,5 @@
-"""fgrpo.core.correction: hand-computed oracles, a slow-loop reference, boundaries, finiteness, no gradient."""
+"""fgrpo.core.correction and the weighted Flow-GRPO loss: hand-computed oracles, a slow-loop reference,
+boundaries, finiteness, no gradient."""
 
 import math
 
@@ -8,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fgrpo.core import correction as C
+from fgrpo.core import grpo
 
 FAST = settings(max_examples=25, deadline=None)
 
@@ -245,29 +247,64 @@ def test_no_gradient_through_weights():
     assert not w.requires_grad
     assert not C.normalize_weights(w).requires_grad
     assert not C.rejection_mask(lw, estimator="k3", upper=0.1).requires_grad
-    # weighted_loss detaches a weight that does carry a graph: the gradient reaches the loss terms only
-    grad_weight = torch.tensor([[1.0, 2.0], [0.0, 0.5]], requires_grad=True)
-    loss_terms = torch.tensor([[1.0, -1.0], [3.0, 2.0]], requires_grad=True)
-    C.weighted_loss(loss_terms, grad_weight * 1).backward()
-    assert grad_weight.grad is None
-    assert torch.equal(loss_terms.grad, torch.tensor([[0.25, 0.5], [0.0, 0.125]]))  # w / N, N = 4
 
 
-def test_weighted_loss_oracle_and_microbatch_accumulation():
-    """L = mean(w * l) = (1*1 + 2*(-1) + 0*3 + 0.5*2) / 4 = 0. The training loop's accumulation, which adds
-    each (rows, window step j) piece's mean times len(rows) / (B W), gives the same L: the lead can pass
-    weight[rows, j] per piece."""
-    w = torch.tensor([[1.0, 2.0], [0.0, 0.5]])
-    loss_terms = torch.tensor([[1.0, -1.0], [3.0, 2.0]])
-    assert C.weighted_loss(loss_terms, w).item() == 0.0
+def test_weighted_policy_loss_oracle():
+    """rho = 1 (log_prob = old), A = [1, -2, 0.5], clip 0.2, so the per-entry terms max(-A rho, -A clip(rho)) are
+    -A = [-1, 2, -0.5]; w = [2, 0.5, 0]: L = (2 * -1 + 0.5 * 2 + 0 * -0.5) / 3 = -1/3, and dL/dlog_prob =
+    -A w rho / B = [-2/3, 1/3, 0] (the masked entry passes nothing). The weight, which here carries a graph,
+    gets no gradient."""
+    old = torch.tensor([0.3, -1.0, 2.0])
+    log_prob = old.clone().requires_grad_(True)
+    weight = torch.tensor([2.0, 0.5, 0.0], requires_grad=True)
+    adv = torch.tensor([1.0, -2.0, 0.5])
+    loss, metrics = grpo.clipped_policy_loss(log_prob, old, adv, clip_range=0.2, weight=weight * 1)
+    assert loss.item() == pytest.approx(-1 / 3, abs=1e-7)
+    loss.backward()
+    torch.testing.assert_close(log_prob.grad, torch.tensor([-2 / 3, 1 / 3, 0.0]))
+    assert weight.grad is None
+    assert metrics["ratio_mean"].item() == 1.0  # the metrics describe the ratio, not the weight
+
+
+@FAST
+@given(st.integers(1, 6), st.integers(0, 2**16))
+def test_weight_none_is_the_unweighted_loss_bit_for_bit(b, seed):
+    """weight=None is mean_b max(-A rho, -A clip(rho)) as written before the weight existed (an independent
+    transcription), and weight = 1 gives the same bits and the same gradient."""
+    g = torch.Generator().manual_seed(seed)
+    old, adv = torch.randn(b, generator=g), torch.randn(b, generator=g)
+    lp = (old + 0.3 * torch.randn(b, generator=g)).requires_grad_(True)
+    lp1 = lp.detach().clone().requires_grad_(True)
+    loss, _ = grpo.clipped_policy_loss(lp, old, adv, clip_range=0.1)
+    loss1, _ = grpo.clipped_policy_loss(lp1, old, adv, clip_range=0.1, weight=torch.ones(b))
+    rho = torch.exp(lp.detach() - old)
+    a = adv.clamp(-5, 5)
+    reference = torch.maximum(-a * rho, -a * rho.clamp(0.9, 1.1)).mean()
+    assert torch.equal(loss.detach(), reference) and torch.equal(loss1, loss)
+    loss.backward()
+    loss1.backward()
+    assert torch.equal(lp.grad, lp1.grad)
+
+
+def test_weighted_loss_microbatch_accumulation():
+    """The training loop adds each (rows, window step j) piece's weighted mean times len(rows) / (B W); with the
+    piece's weight[rows, j] that is mean_bj(w_bj l_bj) over the whole [B, W] batch."""
     g = torch.Generator().manual_seed(1)
     B, W = 6, 3
-    w, loss_terms = torch.rand(B, W, generator=g), torch.randn(B, W, generator=g)
-    pieces = 0.0
+    w = torch.rand(B, W, generator=g)
+    old, adv = torch.randn(B, W, generator=g), torch.randn(B, generator=g)
+    lp = old + 0.05 * torch.randn(B, W, generator=g)
+    pieces = torch.zeros(())
     for j in range(W):
         for rows in (torch.tensor([0, 3]), torch.tensor([1, 2, 5]), torch.tensor([4])):
-            pieces += C.weighted_loss(loss_terms[rows, j], w[rows, j]) * len(rows) / (B * W)
-    torch.testing.assert_close(pieces, C.weighted_loss(loss_terms, w))
+            loss, _ = grpo.clipped_policy_loss(
+                lp[rows, j], old[rows, j], adv[rows], clip_range=0.2, weight=w[rows, j]
+            )
+            pieces += loss * len(rows) / (B * W)
+    rho = torch.exp(lp - old)
+    a = adv[:, None]
+    terms = torch.maximum(-a * rho, -a * rho.clamp(0.8, 1.2))
+    torch.testing.assert_close(pieces, (w * terms).mean())
 
 
 def test_normalize_weights():
@@ -296,5 +333,7 @@ def test_bad_input_errors():
         C.is_weights(torch.zeros(2, 2), mode="mask", lower=3.0, upper=2.0)
     with pytest.raises(ValueError, match="level"):
         C.is_weights(torch.zeros(2, 2), level="seq")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="must match"):
-        C.weighted_loss(torch.zeros(2, 2), torch.zeros(2))
+    with pytest.raises(ValueError, match=r"weight \(2, 2\) must be \[B\]"):
+        grpo.clipped_policy_loss(
+            torch.zeros(2), torch.zeros(2), torch.zeros(2), clip_range=0.1, weight=torch.ones(2, 2)
+        )

@@ -3,8 +3,9 @@ sampled, whose log-probs the rollout recorded) and the old policy (the trainer's
 whose log-probs the trainer recomputes). Pure torch, fp32.
 
 An "entry" is one trained denoising transition of a sample: tensors are [B, W], B samples and W window steps.
-A "sequence" is a sample's window. The weights multiply the per-entry policy loss; they change the measure
-the loss is averaged under, never the objective, so they carry no gradient.
+A "sequence" is a sample's window. The weights multiply the per-entry policy loss (the `weight` of
+core.grpo.clipped_policy_loss); they change the measure the loss is averaged under, never the objective, so
+they carry no gradient.
 
 Variants, with the names verl's rollout-correction config gives them (rollout_is / rollout_is_threshold /
 rollout_rs / rollout_rs_threshold):
@@ -227,27 +228,6 @@ def normalize_weights(weight: torch.Tensor, mean: torch.Tensor | None = None) ->
     w = weight.detach().float()
     m = w.mean() if mean is None else mean.detach().float()
     return torch.where(m > 1e-8, w / m.clamp_min(1e-8), w)
-
-
-def weighted_loss(per_entry_loss: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Apply a correction to a per-entry policy loss: L = mean_entries(w * l).
-
-    A masked entry (w = 0) contributes nothing and passes no gradient, and still counts in the mean, so
-    masking does not re-scale the other entries' gradients (verl-omni's diffusion convention: rejection is a
-    zero weight, not a shorter mask). The gradient is dL/dl = w / N, N the number of entries.
-
-    Args:
-        per_entry_loss: [B, W] or [B] per-entry (or per-sample) loss terms, e.g. max(-A rho, -A clip(rho)).
-        weight: same shape, from is_weights / rejection_mask / normalize_weights (no gradient flows into it).
-
-    Returns:
-        scalar fp32.
-    """
-    if per_entry_loss.shape != weight.shape:
-        raise ValueError(
-            f"per_entry_loss {tuple(per_entry_loss.shape)} and weight {tuple(weight.shape)} must match"
-        )
-    return (weight.detach().float() * per_entry_loss.float()).mean()
 
 
 def correction_metrics(

@@ -73,6 +73,7 @@ def clipped_policy_loss(
     mean: torch.Tensor | None = None,
     old_mean: torch.Tensor | None = None,
     std: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's clipped surrogate for one denoising step of B samples.
 
@@ -80,6 +81,11 @@ def clipped_policy_loss(
     loss = mean_b max(-A rho, -A clip(rho, 1 - eps, 1 + eps)).
     Its gradient is -A rho grad(log_prob) / B where the unclipped term is active and exactly 0 where the
     clip binds (A > 0 and rho > 1 + eps, or A < 0 and rho < 1 - eps).
+
+    With a per-entry weight w (the rollout correction's truncated or masked importance weight between the
+    behaviour and the old policy, core.correction.is_weights), loss = mean_b w_b max(-A rho, -A clip(rho)):
+    w changes the measure the loss averages under, so no gradient flows into it, and an entry with w = 0
+    passes no gradient but still counts in the mean (verl-omni's convention: rejection is a zero weight).
 
     ratio_norm=True is GRPO-Guard's RatioNorm (arXiv 2510.22319, as verl-omni implements it). For a Gaussian
     step the log-ratio is -||mu - mu_old||^2 / (2 std^2) - <mu - mu_old, noise> / std (mean-reduced): its
@@ -96,6 +102,7 @@ def clipped_policy_loss(
         clip_range: eps > 0.
         adv_clip_max: bound on |A|.
         ratio_norm, mean, old_mean, std: GRPO-Guard's ratio normalisation, see above.
+        weight: [B] per-entry weights >= 0, or None for the unweighted loss (exactly the formula without w).
 
     Returns:
         loss: scalar. metrics: detached scalars ratio_mean/min/max, clip_frac (share of samples whose rho is
@@ -124,7 +131,15 @@ def clipped_policy_loss(
     adv = advantages.float().clamp(-adv_clip_max, adv_clip_max)
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1 - clip_range, 1 + clip_range)
-    loss = torch.maximum(unclipped, clipped).mean()
+    per_entry = torch.maximum(unclipped, clipped)  # [B]
+    if weight is None:
+        loss = per_entry.mean()
+    else:
+        if weight.shape != per_entry.shape:
+            raise ValueError(
+                f"weight {tuple(weight.shape)} must be [B] like log_prob {tuple(log_prob.shape)}"
+            )
+        loss = (weight.detach().float() * per_entry).mean()
     with torch.no_grad():
         r = ratio.detach()
         metrics = {
