@@ -205,6 +205,32 @@ class RunConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    rollout_ranks: int = 0
+    """Ranks that only roll out (the last N ranks); the others train. 0 = every rank rolls out then trains
+    (synchronous, colocated). N > 0: the rollout samples step k + max_staleness while the trainer updates on
+    step k, and receives the trainer's weights after every update."""
+    max_staleness: int = 1
+    """Policy versions a sample may lag the trainer (versions count weight updates). The rollout samples step k
+    with the weights of version k - max_staleness; a batch older than that is dropped and counted, never
+    trained on. 0 reproduces the synchronous loop."""
+    correction: Literal["none", "tis", "masked_is"] = "tis"
+    """Off-policy correction of stale samples, whose old-policy log-probs the trainer recomputes: 'tis' weighs
+    each entry's loss by min(pi_old / pi_behaviour, is_threshold), 'masked_is' zeroes entries whose ratio
+    leaves [is_threshold_low, is_threshold], 'none' trains on them unweighted."""
+    is_level: Literal["token", "sequence"] = "token"
+    """Importance ratio per trained transition ('token') or per sample (the product over its window)."""
+    is_threshold: float = 2.0
+    """Upper bound of the importance weight (truncation or mask; verl's default 2.0)."""
+    is_threshold_low: float = 0.0
+    """masked_is: lower bound of the kept ratios; 0 = 1 / is_threshold."""
+
+    def trainer_ranks(self, world_size: int) -> int:
+        """Ranks that train: all of them in the synchronous mode."""
+        return world_size - self.rollout_ranks
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """Everything the loop needs; experiment files build one of these."""
 
@@ -227,6 +253,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @property
     def samples_per_step(self) -> int:
@@ -317,13 +344,15 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
                 f"{name}={px}: model.kind={m.kind!r} needs a positive multiple of {multiple} pixels "
                 f"(VAE x patch); e.g. {_flag(name)} {max(multiple, round(px / multiple) * multiple)}"
             )
+    _validate_parallel(cfg, world_size)
+    trainers = cfg.parallel.trainer_ranks(world_size)
     n = cfg.samples_per_step
-    if n % world_size:
+    if n % trainers:
         raise ValueError(
-            f"grpo.prompts_per_step*grpo.group_size={n} is not divisible by the {world_size} ranks; "
+            f"grpo.prompts_per_step*grpo.group_size={n} is not divisible by the {trainers} training ranks; "
             "change grpo.prompts_per_step or grpo.group_size"
         )
-    local = n // world_size
+    local = n // trainers
     if local % g.optimizer_steps_per_step:
         raise ValueError(
             f"grpo.optimizer_steps_per_step={g.optimizer_steps_per_step} does not divide the {local} samples "
@@ -424,4 +453,66 @@ def _validate_window(cfg: TrainConfig) -> None:
         raise ValueError(
             f"sampling.window_range={s.window_range} with window_size={s.window_size} must satisfy "
             f"0 <= lo, lo + window_size <= hi <= num_steps={s.num_steps}"
+        )
+
+
+# What the asynchronous mode does not carry yet, each with the reason (validate_config refuses them by name).
+ASYNC_UNSUPPORTED_ALGOS = {
+    "nft": "samples with the EMA old policy, which lives on the trainer",
+    "awm": "trains forward-process points, which have no behaviour log-probs to correct",
+    "dppo": "its loss takes no importance weight yet",
+}
+
+
+def _validate_parallel(cfg: TrainConfig, world_size: int) -> None:
+    """Checks of the parallel section (the asynchronous mode's split and correction)."""
+    p, g, s = cfg.parallel, cfg.grpo, cfg.sampling
+    for ok, name, value, want in (
+        (p.rollout_ranks >= 0, "parallel.rollout_ranks", p.rollout_ranks, ">= 0 (0 = synchronous)"),
+        (p.max_staleness >= 0, "parallel.max_staleness", p.max_staleness, ">= 0"),
+        (p.is_threshold > 0, "parallel.is_threshold", p.is_threshold, "> 0"),
+        (
+            0 <= p.is_threshold_low <= p.is_threshold,
+            "parallel.is_threshold_low",
+            p.is_threshold_low,
+            f"in [0, parallel.is_threshold={p.is_threshold}] (0 = 1 / is_threshold)",
+        ),
+    ):
+        if not ok:
+            raise ValueError(f"{name}={value}: must be {want}; pass {_flag(name)} with a valid value")
+    R = p.rollout_ranks
+    if R == 0:
+        return
+    T = world_size - R
+    if T < 1:
+        raise ValueError(
+            f"parallel.rollout_ranks={R} leaves no training rank of the {world_size}; pass a value below "
+            f"{world_size} (torchrun --nproc-per-node sets the world size)"
+        )
+    if T % R:
+        raise ValueError(
+            f"parallel.rollout_ranks={R} must divide the {T} training ranks (each trainer's samples come from "
+            "one rollout rank); e.g. 1 + 1, 1 + 3, 2 + 6 of 8"
+        )
+    n_train = cfg.samples_per_step // T if cfg.samples_per_step % T == 0 else 0
+    if T > R and n_train and n_train % s.micro_batch:
+        raise ValueError(
+            f"sampling.micro_batch={s.micro_batch} must divide the {n_train} samples of a training rank, so its "
+            "forwards see the rollout's micro-batches (exact old log-probs); pick a divisor"
+        )
+    if cfg.algo.name in ASYNC_UNSUPPORTED_ALGOS:
+        raise ValueError(
+            f"algo.name={cfg.algo.name!r} has no asynchronous mode yet (it "
+            f"{ASYNC_UNSUPPORTED_ALGOS[cfg.algo.name]}); drop --parallel.rollout-ranks or use grpo / mixgrpo"
+        )
+    if cfg.rollout_engine != "diffusers":
+        raise ValueError(
+            f"rollout_engine={cfg.rollout_engine!r} has no asynchronous mode yet; drop --parallel.rollout-ranks"
+        )
+    if cfg.run.resume:
+        raise ValueError("parallel.rollout_ranks>0 cannot resume yet; drop --run.resume or the rollout ranks")
+    if g.old_log_prob != "rollout":
+        raise ValueError(
+            "parallel.rollout_ranks>0 recomputes the old log-probs of stale batches itself; drop "
+            "--grpo.old-log-prob"
         )
