@@ -10,7 +10,8 @@ Runs are the experiment's presets, named `<cpu|gpu>_<algo>_s<seed>` by --exp-nam
 
 CPU table: held-out OCR at the start and the end of each algorithm's runs (mean +- std over seeds). GPU table:
 seconds of wall time (the sum of the logged step times, validation included; process start not counted) until
-the first validation at or above 0.9, and the last validation of the run.
+the first validation at or above 0.9, the last validation at or before 300 s, and the last validation of the run;
+then per algorithm over its seeds.
 """
 
 from __future__ import annotations
@@ -37,11 +38,34 @@ def curve(rows: list[dict]) -> list[tuple[int, float, float]]:
     return out
 
 
+def first_hit(v: list[tuple[int, float, float]], target: float) -> tuple[int, float] | None:
+    """(step, seconds) of the first validation at or above target, or None."""
+    return next(((s, t) for s, t, y in v if y >= target), None)
+
+
+def score_at(v: list[tuple[int, float, float]], seconds: float) -> float | None:
+    """The last validation at or before `seconds` of wall time (None if the run logged none by then, or
+    stopped before reaching that time: its score there is unknown)."""
+    if not v or v[-1][1] < seconds:
+        return None
+    before = [y for _, t, y in v if t <= seconds]
+    return before[-1] if before else None
+
+
+def _fmt_hit(h: tuple[int, float] | None) -> str:
+    return "not reached" if h is None else f"{h[1]:.0f} s (step {h[0]})"
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("root", type=Path, help="directory holding the run directories")
     ap.add_argument("--plot", type=Path, default=None, help="write the curves to this PNG")
     ap.add_argument("--target", type=float, default=0.9)
+    ap.add_argument("--at-seconds", type=float, default=300.0, help="GPU table: the score at this wall time")
     args = ap.parse_args()
 
     runs: dict[str, dict[str, dict[int, list]]] = {"cpu": defaultdict(dict), "gpu": defaultdict(dict)}
@@ -66,11 +90,33 @@ def main() -> None:
             f"{' / '.join(f'{e:.3f}' for e in ends)} | {statistics.mean(gains):+.3f} ({min(gains):+.3f}) |"
         )
 
-    print(f"\n| algorithm | seed | first >= {args.target} | last validation (step, s) |\n|---|---|---|---|")
+    at = args.at_seconds
+    print(
+        f"\n| algorithm | seed | first >= {args.target} | at {at:.0f} s | last validation (step, s) |"
+        "\n|---|---|---|---|---|"
+    )
     for algo in ALGOS:
         for seed, v in sorted(runs["gpu"].get(algo, {}).items()):
-            hit = next((f"{t:.0f} s (step {s})" for s, t, y in v if y >= args.target), "not reached")
-            print(f"| {algo} | {seed} | {hit} | {v[-1][2]:.3f} (step {v[-1][0]}, {v[-1][1]:.0f} s) |")
+            print(
+                f"| {algo} | {seed} | {_fmt_hit(first_hit(v, args.target))} | {_fmt(score_at(v, at))} | "
+                f"{v[-1][2]:.3f} (step {v[-1][0]}, {v[-1][1]:.0f} s) |"
+            )
+    print(
+        f"\n| algorithm | seeds | first >= {args.target}, per seed | reached | at {at:.0f} s (mean ± std) |"
+        "\n|---|---|---|---|---|"
+    )
+    for algo in ALGOS:
+        g = runs["gpu"].get(algo)
+        if not g:
+            continue
+        hits = [first_hit(v, args.target) for v in g.values()]
+        scores = [x for x in (score_at(v, at) for v in g.values()) if x is not None]
+        std = statistics.stdev(scores) if len(scores) > 1 else float("nan")
+        print(
+            f"| {algo} | {len(g)} | {' / '.join(_fmt_hit(h) for h in hits)} | "
+            f"{sum(h is not None for h in hits)} of {len(hits)} | "
+            + (f"{statistics.mean(scores):.3f} ± {std:.3f} |" if scores else "- |")
+        )
 
     if args.plot:
         import matplotlib

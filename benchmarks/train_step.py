@@ -11,6 +11,7 @@ compute, fp32 masters, gradient checkpointing), recompute of old log-probs.
     python benchmarks/train_step.py --compile            # regional torch.compile of the blocks
     python benchmarks/train_step.py --tiny               # CPU wiring check with a tiny model
     python benchmarks/train_step.py --compile --algo nft # another update rule (grpo dppo mixgrpo nft awm)
+    python benchmarks/train_step.py --compile --algo grpo,nft,awm   # several, one model build and warm compile
     torchrun --nproc-per-node 2 benchmarks/train_step.py --prompts 4   # 2 GPUs, 32 images per GPU
     python benchmarks/train_step.py --opt-steps 1 --iters 0 --save-update /tmp/u.safetensors
     torchrun --nproc-per-node 2 benchmarks/train_step.py --opt-steps 1 --iters 0 --compare-update /tmp/u.safetensors
@@ -48,12 +49,19 @@ def main() -> None:
     ap.add_argument(
         "--algo",
         default="grpo",
-        choices=["grpo", "dppo", "mixgrpo", "nft", "awm"],
-        help="update rule (fgrpo/algorithms.py); nft/awm roll out with the ODE and train "
-        "--train-points forward-process points a sample without CFG",
+        help="update rule(s), comma-separated: grpo dppo mixgrpo nft awm (fgrpo/algorithms.py); nft/awm roll "
+        "out with the ODE and train --train-points forward-process points a sample, without CFG (their recipes)",
     )
     ap.add_argument(
-        "--train-points", type=int, default=2, help="nft/awm: points per sample (the tiny presets' 2)"
+        "--train-points",
+        type=int,
+        default=0,
+        help="nft/awm: points per sample (0 = the recipe's: 9 for nft, 6 for awm)",
+    )
+    ap.add_argument(
+        "--no-exact-rollout",
+        action="store_true",
+        help="compiled: roll out through the no-grad graph (model.exact_rollout=False) instead of the training one",
     )
     ap.add_argument("--full", action="store_true", help="train all transformer weights instead of LoRA")
     ap.add_argument("--layers", type=int, default=60, help="transformer blocks of the real-size model")
@@ -90,6 +98,10 @@ def main() -> None:
     from fgrpo.rollout.base import SamplingConfig
     from fgrpo.rollout.engine import DiffusersEngine, recompute_log_probs_and_means
 
+    algos = args.algo.split(",")
+    unknown = [a for a in algos if a not in algorithms.ALGORITHMS]
+    if unknown:
+        raise SystemExit(f"--algo: unknown {unknown}; choose from {' '.join(algorithms.ALGORITHMS)}")
     d = parallel.init_distributed("cpu" if args.tiny else "cuda")
     n = args.prompts * args.group
     if n % d.world_size:
@@ -98,7 +110,7 @@ def main() -> None:
     torch.manual_seed(0)  # the same random weights and LoRA init on every rank and in every run
     model = build_tiny() if args.tiny else build_real(d.device, text_encoder=False, layers=args.layers)
     res = 64 if args.tiny else 512
-    sampling = SamplingConfig(
+    base_sampling = SamplingConfig(
         height=res,
         width=res,
         num_steps=10,
@@ -117,37 +129,26 @@ def main() -> None:
         lora_rank=64,
         lora_alpha=128,
         gradient_checkpointing=True,
+        compile=args.compile,
+        exact_rollout=not args.no_exact_rollout,
     )
     lr = 3e-5 if args.full else 3e-4
-    cfg = dataclasses.replace(
-        TrainConfig(),
-        model=mcfg,
-        sampling=sampling,
-        grpo=GRPOConfig(
-            group_size=args.group, prompts_per_step=args.prompts, optimizer_steps_per_step=args.opt_steps
-        ),
-        optim=OptimConfig(lr=lr, weight_decay=1e-4),
-        algo=AlgoConfig(name=args.algo, train_steps=args.train_points, ema_delay=0),
-    )
-    forward_process = args.algo in FORWARD_PROCESS_ALGOS
     params = setup_trainable(model.transformer, mcfg)
     if args.compile:
         configure_transformer(model.transformer, compile_blocks=True)
     parallel.shard_transformer(model.transformer, param_dtype=None if args.tiny else torch.bfloat16)
     params = [p for p in model.transformer.parameters() if p.requires_grad]
     names = [k for k, p in model.transformer.named_parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=1e-4)
-    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1.0)
-    engine = DiffusersEngine(model)
-    algo = algorithms.build(cfg, params)
     ids = range(d.rank * n_local, (d.rank + 1) * n_local)  # this rank's slice of the global batch
     prompts = [f'A storefront sign that says "WORD{i // args.group}"' for i in ids]
     n_trainable = sum(p.numel() for p in params)  # a DTensor's numel() is the global size
     print0 = (lambda *a, **k: print(*a, **k, flush=True)) if d.is_main else (lambda *a, **k: None)
+    train_graph = args.compile and not args.no_exact_rollout
     print0(
         f"# {d.world_size} rank(s), {n} images per step ({n_local} per rank), "
         f"{'full weights' if args.full else 'LoRA r64'} ~{n_trainable / 1e9:.2f} B trainable, "
-        f"{args.layers} blocks, CFG {args.cfg}, {args.opt_steps} optimizer steps"
+        f"{args.layers} blocks, {args.opt_steps} optimizer steps, rollout window through the "
+        f"{'training' if train_graph else 'no-grad'} graph"
     )
 
     def sync():
@@ -156,58 +157,130 @@ def main() -> None:
         if d.world_size > 1:
             torch.distributed.barrier()
 
-    rows = []
-    nccl_s = float("nan")
-    for it in range(args.iters + 1):
-        profile = args.profile and it == args.iters and d.device.type == "cuda"
-        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if profile else None
-        if prof is not None:
-            prof.__enter__()
-        if d.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        sync()
-        t0 = time.perf_counter()
-        with torch.no_grad(), algo.sampling_weights():
-            traj = engine.generate(prompts, [it * 1000 + i for i in ids], algo.sampling(it))
-        sync()
-        t1 = time.perf_counter()
-        rewards = torch.randn(n, generator=torch.Generator().manual_seed(it)).to(d.device)
-        adv = grpo.group_advantages(rewards, args.group, std="global")[ids.start : ids.stop]
-        if not forward_process:
-            recompute_log_probs_and_means(model, traj, sampling)  # the 'recompute' variant's extra pass
-        sync()
-        t2 = time.perf_counter()
-        m = algo.update(model, params, optimizer, sched, traj, adv, torch.Generator().manual_seed(it))
-        m.update(algo.after_update(it))
-        m.setdefault("logprob_gap/max", float("nan"))  # NFT/AWM have no transition log-probs
-        sync()
-        t3 = time.perf_counter()
-        if prof is not None:
-            prof.__exit__(None, None, None)
-            events = [e for e in prof.key_averages() if "nccl" in e.key.lower()]
-            nccl_s = (
-                sum(
-                    getattr(e, "device_time_total", 0.0) or getattr(e, "cuda_time_total", 0.0) for e in events
-                )
-                / 1e6
-            )
-            for e in sorted(events, key=lambda e: -e.device_time_total)[:4]:
-                print0(f"#   {e.key[:70]}: {e.device_time_total / 1e6:.2f}s x{e.count}")
-        peak = torch.cuda.max_memory_allocated() / 2**30 if d.device.type == "cuda" else 0.0
-        if it > 0 or args.iters == 0:  # the first step warms up kernels (and compiles)
-            rows.append((t1 - t0, t2 - t1, t3 - t2, peak, m["logprob_gap/max"]))
-        print0(
-            f"step {it}: rollout {t1 - t0:.2f}s old-logprob {t2 - t1:.2f}s train {t3 - t2:.2f}s "
-            f"peak {peak:.1f} GiB gap {m['logprob_gap/max']:.2e}"
-            + (f" nccl {nccl_s:.2f}s" if profile else "")
+    for name in algos:
+        forward_process = name in FORWARD_PROCESS_ALGOS
+        # NFT and AWM sample with the ODE and without CFG and train 9 / 6 grid points a sample (their recipes)
+        points = args.train_points or {"nft": 9, "awm": 6}.get(name, 2)
+        sampling = (
+            dataclasses.replace(base_sampling, guidance_scale=1.0) if forward_process else base_sampling
         )
-        if it == 0 and m.get("skipped_steps", 0):
-            print0(
-                f"# warning: {m['skipped_steps']:.0f} optimizer step(s) skipped (non-finite gradient norm)"
+        cfg = dataclasses.replace(
+            TrainConfig(),
+            model=mcfg,
+            sampling=sampling,
+            grpo=GRPOConfig(
+                group_size=args.group, prompts_per_step=args.prompts, optimizer_steps_per_step=args.opt_steps
+            ),
+            optim=OptimConfig(lr=lr, weight_decay=1e-4),
+            algo=AlgoConfig(name=name, train_steps=points, ema_delay=0),
+        )
+        optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=1e-4)
+        sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1.0)
+        engine = DiffusersEngine(model, train_graph=train_graph)
+        algo = algorithms.build(cfg, params)
+        print0(
+            f"\n## {name}: CFG {sampling.guidance_scale}"
+            + (f", {points} points a sample" if forward_process else "")
+        )
+        rows = []
+        nccl_s = float("nan")
+        for it in range(args.iters + 1):
+            profile = args.profile and it == args.iters and d.device.type == "cuda"
+            prof = (
+                torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if profile else None
             )
-        if it == 0 and (args.save_update or args.compare_update):
-            save_or_compare_update(names, params, optimizer, args.save_update, args.compare_update, d.is_main)
+            if prof is not None:
+                prof.__enter__()
+            if d.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            sync()
+            t0 = time.perf_counter()
+            with torch.no_grad(), algo.sampling_weights():
+                traj = engine.generate(prompts, [it * 1000 + i for i in ids], algo.sampling(it))
+            sync()
+            t1 = time.perf_counter()
+            rewards = torch.randn(n, generator=torch.Generator().manual_seed(it)).to(d.device)
+            adv = grpo.group_advantages(rewards, args.group, std="global")[ids.start : ids.stop]
+            if not forward_process:
+                recompute_log_probs_and_means(model, traj, sampling)  # the 'recompute' variant's extra pass
+            sync()
+            t2 = time.perf_counter()
+            m = algo.update(model, params, optimizer, sched, traj, adv, torch.Generator().manual_seed(it))
+            m.update(algo.after_update(it))
+            m.setdefault("logprob_gap/max", float("nan"))  # NFT/AWM have no transition log-probs
+            sync()
+            t3 = time.perf_counter()
+            if prof is not None:
+                prof.__exit__(None, None, None)
+                events = [e for e in prof.key_averages() if "nccl" in e.key.lower()]
+                nccl_s = (
+                    sum(
+                        getattr(e, "device_time_total", 0.0) or getattr(e, "cuda_time_total", 0.0)
+                        for e in events
+                    )
+                    / 1e6
+                )
+                for e in sorted(events, key=lambda e: -e.device_time_total)[:4]:
+                    print0(f"#   {e.key[:70]}: {e.device_time_total / 1e6:.2f}s x{e.count}")
+            peak = torch.cuda.max_memory_allocated() / 2**30 if d.device.type == "cuda" else 0.0
+            if it > 0 or args.iters == 0:  # the first step warms up kernels (and compiles)
+                rows.append((t1 - t0, t2 - t1, t3 - t2, peak, m["logprob_gap/max"]))
+            print0(
+                f"step {it}: rollout {t1 - t0:.2f}s old-logprob {t2 - t1:.2f}s train {t3 - t2:.2f}s "
+                f"peak {peak:.1f} GiB gap {m['logprob_gap/max']:.2e}"
+                + (f" nccl {nccl_s:.2f}s" if profile else "")
+            )
+            if it == 0 and m.get("skipped_steps", 0):
+                print0(
+                    f"# warning: {m['skipped_steps']:.0f} optimizer step(s) skipped (non-finite gradient norm)"
+                )
+            if it == 0 and (args.save_update or args.compare_update):
+                save_or_compare_update(
+                    names, params, optimizer, args.save_update, args.compare_update, d.is_main
+                )
 
+        roll, old, train, peak, gap = (sum(r[k] for r in rows) / len(rows) for k in range(5))
+        W, steps = sampling.window_size, sampling.num_steps
+        forwards = 2 if sampling.guidance_scale > 1 else 1
+        fwd_roll = n_local * steps * forwards
+        # window algorithms: W steps x CFG sequences x (forward + input-grad backward + checkpoint recompute);
+        # NFT/AWM: K points x (the old policy's no-grad forward + the same 3), one sequence (no CFG in training)
+        fwd_train = n_local * points * 4 if forward_process else n_local * W * forwards * 3
+        depth = args.layers / 60
+        floor_s = (fwd_roll + fwd_train) * TFLOP_PER_FORWARD_512 * depth / MATMUL_TFLOPS_H200
+        total = roll + train
+        print0()
+        print0(
+            f"| phase | s | images/GPU/s | effective TFLOP/s per GPU | ({'compiled' if args.compile else 'eager'}, "
+            f"{d.world_size} GPU(s), {n_local} images per GPU, micro-batch {args.micro_batch}, peak {peak:.1f} GiB, "
+            f"first-update log-prob gap {gap:.1e}) |"
+        )
+        print0("|---|---:|---:|---:|")
+        phases = [
+            ("rollout", roll, fwd_roll),
+            ("old log-prob (recompute only)", old, n_local * W * forwards),
+            ("train", train, fwd_train),
+            ("total (rollout + train)", total, fwd_roll + fwd_train),
+            ("total with recompute", total + old, fwd_roll + fwd_train + n_local * W * forwards),
+        ]
+        for phase, t, fwd in (
+            phases if not forward_process else [phases[i] for i in (0, 2, 3)]
+        ):  # no log-probs
+            print0(
+                f"| {phase} | {t:.2f} | {n_local / t:.3f} | {fwd * TFLOP_PER_FORWARD_512 * depth / t:.0f} |"
+            )
+        if args.profile:
+            print0(
+                f"\ntime in NCCL kernels during the profiled step: {nccl_s:.2f} s "
+                f"({nccl_s / (total + old):.1%} of the step; overlapped with compute where FSDP2 prefetches)"
+            )
+        if not args.tiny:
+            print0(
+                f"\nimages/GPU/s {n_local / total:.3f} = {n_local / total / VERL_OMNI_IMAGES_PER_GPU_S:.2f}x verl-omni's "
+                f"published {VERL_OMNI_IMAGES_PER_GPU_S}; FLOP floor {floor_s:.1f} s -> ceiling {n_local / floor_s:.2f} "
+                f"images/GPU/s ({floor_s / total:.0%} of it)"
+            )
+        del engine, optimizer, algo
     if args.comm_probe and d.device.type == "cuda":
         ag = comm_probe(model.transformer)
         weights_gib = (
@@ -217,43 +290,7 @@ def main() -> None:
             f"# all-gather of the {args.layers} blocks' bf16 weights ({weights_gib:.1f} GiB, each rank receives "
             f"{weights_gib * (d.world_size - 1) / d.world_size:.1f} GiB): {ag * 1e3:.0f} ms per full pass"
         )
-    roll, old, train, peak, gap = (sum(r[k] for r in rows) / len(rows) for k in range(5))
-    W, steps = sampling.window_size, sampling.num_steps
-    forwards = 2 if args.cfg > 1 else 1
-    fwd_roll = n_local * steps * forwards
-    # window algorithms: W steps x CFG sequences x (forward + input-grad backward + checkpoint recompute);
-    # NFT/AWM: K points x (the old policy's no-grad forward + the same 3), one sequence (no CFG in training)
-    fwd_train = n_local * args.train_points * 4 if forward_process else n_local * W * forwards * 3
-    depth = args.layers / 60
-    floor_s = (fwd_roll + fwd_train) * TFLOP_PER_FORWARD_512 * depth / MATMUL_TFLOPS_H200
-    total = roll + train
-    print0()
-    print0(
-        f"| phase | s | images/GPU/s | effective TFLOP/s per GPU | ({'compiled' if args.compile else 'eager'}, "
-        f"{d.world_size} GPU(s), {n_local} images per GPU, micro-batch {args.micro_batch}, peak {peak:.1f} GiB, "
-        f"first-update log-prob gap {gap:.1e}) |"
-    )
-    print0("|---|---:|---:|---:|")
-    for name, t, fwd in [
-        ("rollout", roll, fwd_roll),
-        ("old log-prob (recompute only)", old, n_local * W * forwards),
-        ("train", train, fwd_train),
-        ("total (rollout + train)", total, fwd_roll + fwd_train),
-        ("total with recompute", total + old, fwd_roll + fwd_train + n_local * W * forwards),
-    ]:
-        print0(f"| {name} | {t:.2f} | {n_local / t:.3f} | {fwd * TFLOP_PER_FORWARD_512 * depth / t:.0f} |")
-    if args.profile:
-        print0(
-            f"\ntime in NCCL kernels during the profiled step: {nccl_s:.2f} s "
-            f"({nccl_s / (total + old):.1%} of the step; overlapped with compute where FSDP2 prefetches)"
-        )
-    if not args.tiny:
-        print0(
-            f"\nimages/GPU/s {n_local / total:.3f} = {n_local / total / VERL_OMNI_IMAGES_PER_GPU_S:.2f}x verl-omni's "
-            f"published {VERL_OMNI_IMAGES_PER_GPU_S}; FLOP floor {floor_s:.1f} s -> ceiling {n_local / floor_s:.2f} "
-            f"images/GPU/s ({floor_s / total:.0%} of it)"
-        )
-    del engine, optimizer, params, model
+    del params, model
     parallel.shutdown()
 
 
