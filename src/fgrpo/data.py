@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -11,15 +12,36 @@ from fgrpo.rewards.ocr import extract_target
 from fgrpo.rollout.seeds import PROMPT_ORDER, stream_generator
 
 
+class ImagePrompt(str):
+    """A prompt that names its condition image: the text itself (what rewards, logs and text-only models read)
+    carrying `image`, the path of the image file an image-conditioned model (Qwen-Image-Edit) edits."""
+
+    image: str
+
+    def __new__(cls, text: str, image: str | os.PathLike) -> ImagePrompt:
+        self = super().__new__(cls, text)
+        self.image = str(image)
+        return self
+
+    # Pickling (reward worker processes) rebuilds the prompt through __new__: pass the image too. str's own
+    # returns (text,) only, so the wider tuple is a deliberate override.
+    def __getnewargs__(self) -> tuple[str, str]:  # pyright: ignore[reportIncompatibleMethodOverride]
+        return str(self), self.image
+
+
 def load_prompts(
     path: str | Path, *, require_quoted: bool = False, field: str = "data.train_prompts"
 ) -> list[str]:
     """Prompts from a .txt (one per line) or .jsonl (a 'prompt' key per line) file, or the bundled
     text-renderer words ('textbed:train' / 'textbed:heldout', each word as '"WORD"').
 
+    A .jsonl row may name a condition image, {"prompt": ..., "image": "path.png"} (relative to the file's folder
+    or absolute): its prompt is then an `ImagePrompt` whose `image` is that file's path.
+
     require_quoted: every prompt must quote a non-blank target (the OCR reward's `extract_target`).
     Raises ValueError naming `field`, the file and the line for a file that is not UTF-8, a .jsonl line that
-    is not an object with a non-empty string 'prompt', or (require_quoted) a prompt without a target.
+    is not an object with a non-empty string 'prompt', an 'image' that is not a file, or (require_quoted) a
+    prompt without a target.
     """
     if str(path).startswith("textbed:"):  # the bundled text renderer's word lists
         from fgrpo.models.textbed import prompt_for, read_words
@@ -47,7 +69,7 @@ def load_prompts(
         if not line.strip():
             continue
         if p.suffix == ".jsonl":
-            numbered.append((n, _jsonl_prompt(line, f"{field}: line {n} of '{p}'")))
+            numbered.append((n, _jsonl_prompt(line, f"{field}: line {n} of '{p}'", p.parent)))
         else:
             numbered.append((n, line.strip()))
     if not numbered:
@@ -63,7 +85,7 @@ def load_prompts(
     return [prompt for _, prompt in numbered]
 
 
-def _jsonl_prompt(line: str, where: str) -> str:
+def _jsonl_prompt(line: str, where: str, folder: Path) -> str:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
@@ -78,7 +100,15 @@ def _jsonl_prompt(line: str, where: str) -> str:
     prompt = row["prompt"]
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError(f"{where}: 'prompt' must be a non-empty string, got {prompt!r}")
-    return prompt
+    if "image" not in row:
+        return prompt
+    image = row["image"]
+    if not isinstance(image, str) or not (folder / image).is_file():
+        raise ValueError(
+            f"{where}: 'image' {image!r} is not a file; give the condition image's path, relative to the file's "
+            "folder or absolute"
+        )
+    return ImagePrompt(prompt, folder / image)
 
 
 def step_prompt_indices(num_prompts: int, step: int, per_step: int, seed: int) -> torch.Tensor:

@@ -4,27 +4,30 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
+Key = TypeVar("Key", bound=Hashable)
 
-class PromptCache:
+
+class PromptCache(Generic[Key]):
     """A bounded LRU of per-prompt encodings (a tuple of tensors per key).
 
     The G samples of a group share one prompt, and prompts recur across steps; the text encoder is
     run once per distinct string, alone (batch of one, no padding), so an encoding depends on its
-    prompt only and never on which other prompts shared the batch.
+    prompt only and never on which other prompts shared the batch. A key may be any hashable (an
+    image-conditioned model keys on the (prompt, image) pair).
     """
 
-    def __init__(self, encode_one: Callable[[str], tuple[torch.Tensor, ...]], max_size: int = 1024):
+    def __init__(self, encode_one: Callable[[Key], tuple[torch.Tensor, ...]], max_size: int = 1024):
         if max_size < 1:
             raise ValueError(f"prompt cache max_size must be >= 1, got {max_size}")
         self._encode_one = encode_one
         self._max_size = max_size
-        self._store: OrderedDict[Hashable, tuple[torch.Tensor, ...]] = OrderedDict()
+        self._store: OrderedDict[Key, tuple[torch.Tensor, ...]] = OrderedDict()
 
-    def __call__(self, prompt: str) -> tuple[torch.Tensor, ...]:
+    def __call__(self, prompt: Key) -> tuple[torch.Tensor, ...]:
         if prompt in self._store:
             self._store.move_to_end(prompt)
             return self._store[prompt]

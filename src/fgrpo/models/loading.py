@@ -98,12 +98,18 @@ def load_model(mcfg: ModelConfig, *, device: torch.device | str, dtype: torch.dt
         from fgrpo.models.qwen_image import QwenImage
 
         model = QwenImage.from_pretrained(mcfg.path, dtype=dtype, device=device)
+    elif mcfg.kind == "qwen_image_edit":
+        from fgrpo.models.qwen_image_edit import QwenImageEdit
+
+        model = QwenImageEdit.from_pretrained(mcfg.path, dtype=dtype, device=device)
     elif mcfg.kind == "sd3":
         from fgrpo.models.sd3 import SD3
 
         model = SD3.from_pretrained(mcfg.path, dtype=dtype, device=device)
     else:
-        raise ValueError(f"model.kind={mcfg.kind!r} is not loadable from a path; use 'qwen_image' or 'sd3'")
+        raise ValueError(
+            f"model.kind={mcfg.kind!r} is not loadable from a path; use 'qwen_image', 'qwen_image_edit' or 'sd3'"
+        )
     configure_transformer(
         model.transformer,
         attention_backend=mcfg.attention_backend,
@@ -119,10 +125,14 @@ def build_model(mcfg: ModelConfig, device: torch.device, seed: int) -> FlowModel
         from fgrpo.models.textbed import load_textbed
 
         return load_textbed(mcfg.path or None, device=device, dtype=dtype)
-    if mcfg.kind in ("tiny_qwen_image", "tiny_sd3"):
+    if mcfg.kind in ("tiny_qwen_image", "tiny_qwen_image_edit", "tiny_sd3"):
         from fgrpo.models import tiny
 
-        build = tiny.tiny_qwen_image if mcfg.kind == "tiny_qwen_image" else tiny.tiny_sd3
+        build = {
+            "tiny_qwen_image": tiny.tiny_qwen_image,
+            "tiny_qwen_image_edit": tiny.tiny_qwen_image_edit,
+            "tiny_sd3": tiny.tiny_sd3,
+        }[mcfg.kind]
         model = build(seed=seed, device=device, dtype=dtype)
         configure_transformer(
             model.transformer, attention_backend=mcfg.attention_backend, compile_blocks=mcfg.compile

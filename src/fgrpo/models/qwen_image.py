@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 from einops import rearrange
@@ -159,7 +159,7 @@ class QwenImage:
         text_encoder_dtype: torch.dtype | None = None,
         load_text_encoder: bool = True,
         **kwargs,
-    ) -> QwenImage:
+    ) -> Self:
         """Load a diffusers-format Qwen-Image directory or hub id (subfolders transformer, vae, ...)."""
         from diffusers.models.autoencoders.autoencoder_kl_qwenimage import AutoencoderKLQwenImage
         from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
@@ -188,7 +188,7 @@ class QwenImage:
         )
 
     @classmethod
-    def from_modules(cls, transformer, vae, text_encoder, tokenizer, *, device=None, **kwargs) -> QwenImage:
+    def from_modules(cls, transformer, vae, text_encoder, tokenizer, *, device=None, **kwargs) -> Self:
         """Freeze the modules (eval mode, no grads), move them to `device`, wrap them."""
         for m in (transformer, vae, text_encoder):
             if m is not None:
@@ -257,6 +257,8 @@ class QwenImage:
         sigma = torch.as_tensor(sigma, device=x_t.device).float().expand(B)
         embeds, mask = cond["prompt_embeds"], cond["prompt_mask"]
         x = pack(x_t)
+        tokens = x.shape[1]
+        x, img_shapes = self._image_sequence(x, cond, h, w)
         do_cfg = guidance_scale > 1.0
         if do_cfg:
             if "neg_prompt_embeds" not in cond:
@@ -275,13 +277,19 @@ class QwenImage:
             encoder_hidden_states=embeds.to(dtype),
             # No mask when nothing is padding: SDPA then takes its fastest (flash) path, as the pipeline does.
             encoder_hidden_states_mask=None if bool(mask.all()) else mask,
-            img_shapes=[(1, h // self.patch, w // self.patch)] * x.shape[0],
+            img_shapes=[img_shapes] * x.shape[0],
             return_dict=False,
-        )[0].float()
+        )[0][:, :tokens].float()
         if do_cfg:
             v_cond, v_uncond = out.chunk(2)
             out = guidance.true_cfg(v_cond, v_uncond, guidance_scale)  # per token of the packed latent
         return unpack(out, h, w)
+
+    def _image_sequence(self, x: torch.Tensor, cond: Cond, h: int, w: int) -> tuple[torch.Tensor, Any]:
+        """The transformer's image tokens for packed x_t [B, N, 4C] and one sample's RoPE shape(s) for
+        `img_shapes`. Here x_t alone; an image-conditioned model appends its condition tokens after the N
+        (velocity keeps the first N output tokens)."""
+        return x, (1, h // self.patch, w // self.patch)
 
     @torch.no_grad()
     def decode(self, x0: torch.Tensor, height: int, width: int) -> torch.Tensor:

@@ -36,11 +36,17 @@ from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 from fgrpo.models import qwen_image, sd3
 from fgrpo.models.qwen_image import PROMPT_DROP, PROMPT_TEMPLATE, QwenImage
+from fgrpo.models.qwen_image_edit import EDIT_PROMPT_DROP, EDIT_PROMPT_TEMPLATE, QwenImageEdit, vl_processor
 from fgrpo.models.sd3 import CLIP_MAX_LENGTH, SD3
 
 # Words the tiny BPEs learn besides the template (tests' prompts tokenise into fewer, longer tokens).
 _EXTRA_TEXT = "a photo of a cat holding a sign that says hello world, a red square on a blue background"
 T5_MAX_LENGTH_TINY = 32
+# Qwen2.5-VL's vision tokens: the image placeholder (in template order), and the video one, which the processor
+# counts in every text (without it in the vocabulary, the padding token would be counted as video).
+VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
+# The tiny edit model's condition images are about 64x64 (the pipeline's 1024² would be 4096 tokens a row).
+TINY_CONDITION_AREA = 64 * 64
 
 
 def _train_bpe(text: str, specials: list[str], pre_tokenizer) -> tuple[dict[str, int], list[tuple[str, str]]]:
@@ -60,25 +66,26 @@ def _train_bpe(text: str, specials: list[str], pre_tokenizer) -> tuple[dict[str,
     return model["vocab"], [tuple(m) for m in model["merges"]]
 
 
-def tiny_qwen_tokenizer() -> Qwen2Tokenizer:
-    """Qwen2Tokenizer (Qwen's pre-tokenizer) with a tiny byte-level vocabulary and the chat special tokens."""
+def tiny_qwen_tokenizer(template: str = PROMPT_TEMPLATE, drop: int = PROMPT_DROP) -> Qwen2Tokenizer:
+    """Qwen2Tokenizer (Qwen's pre-tokenizer) with a tiny byte-level vocabulary and the chat special tokens
+    (and the vision ones where `template` holds an image placeholder), whose split of the template's
+    system/user prefix is `drop` tokens, as with Qwen's real tokenizer."""
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    specials += list(VISION_TOKENS) if VISION_TOKENS[0] in template else []
     pre = pre_tokenizers.Sequence(
         [
             pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
-    vocab, merges = _train_bpe(PROMPT_TEMPLATE.format(_EXTRA_TEXT), specials, pre)
+    vocab, merges = _train_bpe(template.format(_EXTRA_TEXT), specials, pre)
     # transformers annotates merges as list[str]; its tokenizers backend takes the (a, b) pairs we pass.
     tok = Qwen2Tokenizer(vocab=vocab, merges=merges)  # pyright: ignore[reportArgumentType]
     tok.add_special_tokens({"additional_special_tokens": specials[1:]})
-    prefix = PROMPT_TEMPLATE.split("{}")[0]
+    prefix = template.split("{}")[0].split(VISION_TOKENS[0])[0]
     n = len(tok(prefix)["input_ids"])
-    if n != PROMPT_DROP:  # the whole point of training on the template; fail loudly if tokenizers changes
-        raise RuntimeError(
-            f"tiny Qwen tokenizer splits the template prefix into {n} tokens, expected {PROMPT_DROP}"
-        )
+    if n != drop:  # the whole point of training on the template; fail loudly if tokenizers changes
+        raise RuntimeError(f"tiny Qwen tokenizer splits the template prefix into {n} tokens, expected {drop}")
     return tok
 
 
@@ -112,10 +119,14 @@ def tiny_t5_tokenizer() -> PreTrainedTokenizerFast:
 # Qwen-Image
 
 
-def tiny_qwen_image_components(seed: int = 0) -> dict:
+def tiny_qwen_image_components(seed: int = 0, *, tokenizer: Qwen2Tokenizer | None = None) -> dict:
     """Random-init tiny Qwen-Image parts, keyed like QwenImagePipeline's constructor (fp32, CPU)."""
-    tokenizer = tiny_qwen_tokenizer()
+    tokenizer = tokenizer or tiny_qwen_tokenizer()
     vocab = len(tokenizer)
+    # Qwen2.5-VL finds an image's tokens by these ids; only a tokenizer with the vision tokens has them.
+    names = ("vision_start_token_id", "image_token_id", "vision_end_token_id", "video_token_id")
+    vocab_ids = tokenizer.get_vocab()
+    vision_ids = {n: vocab_ids[t] for n, t in zip(names, VISION_TOKENS) if t in vocab_ids}
     hidden = 32
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -135,7 +146,8 @@ def tiny_qwen_image_components(seed: int = 0) -> dict:
         vision_config = dict(
             depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=hidden
         )
-        config = Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config)
+        # pyright matches a ** dict against every keyword; these are the int token ids
+        config = Qwen2_5_VLConfig(text_config=text_config, vision_config=vision_config, **vision_ids)  # pyright: ignore[reportArgumentType]
         text_encoder = Qwen2_5_VLForConditionalGeneration(config)
         transformer = QwenImageTransformer2DModel(
             patch_size=2,
@@ -191,6 +203,38 @@ def save_tiny_qwen_image(path: str | Path, seed: int = 0) -> Path:
     path = Path(path)
     QwenImagePipeline(**tiny_qwen_image_components(seed)).save_pretrained(path)
     return path
+
+
+def tiny_qwen_image_edit_components(seed: int = 0) -> dict:
+    """Random-init tiny Qwen-Image-Edit parts, keyed like QwenImageEditPipeline's constructor (fp32, CPU): the
+    tiny Qwen-Image modules over a tokenizer that knows the edit template and the vision tokens, and a
+    Qwen2-VL processor whose images stay small (a 64² condition image becomes 4 VL tokens)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = tiny_qwen_tokenizer(EDIT_PROMPT_TEMPLATE, EDIT_PROMPT_DROP)
+    parts = tiny_qwen_image_components(seed, tokenizer=tokenizer)
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 56)
+    parts["processor"] = vl_processor(image_processor, tokenizer)
+    return parts
+
+
+def tiny_qwen_image_edit(
+    seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, **kwargs
+) -> QwenImageEdit:
+    """A tiny random Qwen-Image-Edit FlowModel; condition images are resized to about 64² (TINY_CONDITION_AREA)."""
+    c = tiny_qwen_image_edit_components(seed)
+    if dtype != torch.float32:
+        c["transformer"].to(dtype)
+    kwargs.setdefault("condition_area", TINY_CONDITION_AREA)
+    return QwenImageEdit.from_modules(
+        c["transformer"],
+        c["vae"],
+        c["text_encoder"],
+        c["tokenizer"],
+        processor=c["processor"],
+        device=device,
+        **kwargs,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
