@@ -111,7 +111,7 @@ class Algorithm:
         """The weights the rollout samples with (theta unless an algorithm samples an old policy)."""
         return contextlib.nullcontext()
 
-    def loss(self, log_prob, old_log_prob, mean, old_mean, std, advantages):
+    def loss(self, log_prob, old_log_prob, mean, old_mean, std, advantages, weight=None):
         g = self.cfg.grpo
         return grpo.clipped_policy_loss(
             log_prob,
@@ -123,11 +123,14 @@ class Algorithm:
             mean=mean,
             std=std,
             old_mean=old_mean,
+            weight=weight,
         )
 
-    def update(self, model, params, optimizer, lr_scheduler, traj, advantages, generator) -> dict[str, float]:
+    def update(
+        self, model, params, optimizer, lr_scheduler, traj, advantages, generator, off_policy=False
+    ) -> dict[str, float]:
         return window_update(
-            model, params, optimizer, lr_scheduler, traj, advantages, self.cfg, generator, self
+            model, params, optimizer, lr_scheduler, traj, advantages, self.cfg, generator, self, off_policy
         )
 
     def after_update(self, step: int) -> dict[str, float]:
@@ -145,7 +148,11 @@ class FlowDPPO(Algorithm):
 
     needs_old_mean = True
 
-    def loss(self, log_prob, old_log_prob, mean, old_mean, std, advantages):
+    def loss(self, log_prob, old_log_prob, mean, old_mean, std, advantages, weight=None):
+        if weight is not None:
+            raise ValueError(
+                "algo.name='dppo' takes no importance weight (config refuses its asynchronous mode)"
+            )
         return dppo.dppo_loss(
             log_prob, old_log_prob, mean, old_mean, std, advantages, tau=self.cfg.algo.dppo_tau
         )
@@ -177,7 +184,13 @@ class ForwardProcessAlgorithm(Algorithm):
     def sampling(self, step: int) -> SamplingConfig:
         return validation_sampling(self.cfg.sampling, self.cfg.sampling.num_steps)
 
-    def update(self, model, params, optimizer, lr_scheduler, traj, advantages, generator) -> dict[str, float]:
+    def update(
+        self, model, params, optimizer, lr_scheduler, traj, advantages, generator, off_policy=False
+    ) -> dict[str, float]:
+        if off_policy:
+            raise ValueError(
+                f"algo.name={self.cfg.algo.name!r} has no off-policy correction (config refuses it)"
+            )
         return forward_process_update(
             model, params, optimizer, lr_scheduler, traj, advantages, self.cfg, generator, self
         )
@@ -298,8 +311,13 @@ def window_update(
     cfg: TrainConfig,
     generator: torch.Generator,
     algo: Algorithm,
+    off_policy: bool = False,
 ) -> dict[str, float]:
     """Inner epochs x mini-batches of `algo.loss` on the log-probs of this rank's stored window transitions.
+
+    off_policy: the rollout sampled with older weights than these (the asynchronous mode's stale batches).
+    The old log-probs are then recomputed with these weights and the rollout's own become the behaviour
+    policy's: each entry's loss is weighted by the configured correction (cfg.parallel, async_mode).
 
     Gradients are scaled so that the update equals that of one big batch: each micro-batch adds
     (its elements / elements of the mini-batch on this rank) of its mean loss, and FSDP averages
@@ -318,12 +336,18 @@ def window_update(
     old_log_prob, old_mean = traj.log_prob, traj.mean
     first_update = True
     needs_mean = algo.needs_old_mean or g.ratio_norm
-    if g.old_log_prob == "recompute" or (needs_mean and old_mean is None):
+    weight, offpolicy_stats = None, {}
+    if g.old_log_prob == "recompute" or off_policy or (needs_mean and old_mean is None):
         recomputed, old_mean = recompute_log_probs_and_means(model, traj, s)
         if g.old_log_prob == "recompute":
             old_log_prob = recomputed
             _record_gap(gap_per_step, traj.window, recomputed, traj.log_prob)
             first_update = False  # the gap is measured; training starts from the trainer's own numbers
+        if off_policy:
+            from fgrpo.async_mode import off_policy_weights
+
+            old_log_prob, first_update = recomputed, False  # the gap is the staleness, not the numerics
+            weight, offpolicy_stats = off_policy_weights(recomputed, traj.log_prob, cfg.parallel)
     if not needs_mean:
         old_mean = None  # the loss gets the rollout's means only when it reads them
 
@@ -349,6 +373,7 @@ def window_update(
                         old_mean[rows, j] if old_mean is not None else None,
                         std,
                         advantages[rows],
+                        weight[rows, j] if weight is not None else None,
                     )
                     if g.kl_coef > 0:
                         steps = traj.window[rows, j]
@@ -369,7 +394,7 @@ def window_update(
             first_update = False
             optimizer_step(params, optimizer, lr_scheduler, cfg.optim.grad_clip, stats)
 
-    out = summarize(stats)
+    out = summarize(stats) | offpolicy_stats
     for i, gaps in sorted(gap_per_step.items()):
         out[f"logprob_gap/step{i}"] = float(np.max(gaps))
     if gap_per_step:

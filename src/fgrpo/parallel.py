@@ -7,8 +7,9 @@ in-memory process group, so the same loop (FSDP2 included) runs unchanged on a l
 from __future__ import annotations
 
 import gc
+import io
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeGuard
 
 import torch
@@ -97,13 +98,109 @@ def shutdown(*objects_to_drop: object) -> None:
         dist.destroy_process_group()
 
 
-def all_gather_cat(x: torch.Tensor) -> torch.Tensor:
-    """Concatenate equal-shaped per-rank tensors along dim 0, in rank order (identity without a group)."""
+def all_gather_cat(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Concatenate equal-shaped per-rank tensors along dim 0, in rank order (identity without a group).
+    group: the ranks to gather over (a Split's side); None = all of them."""
     if not initialized():
         return x
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, x.contiguous())
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts)
+
+
+@dataclass(frozen=True)
+class Split:
+    """Which ranks train and which roll out, and the process groups between them.
+
+    Synchronous (rollout_ranks 0): every rank does both and every group is None (the default group).
+    Asynchronous: ranks [0, T) train (rank 0, which logs and checkpoints, is a trainer), ranks [T, world) roll
+    out. `group` is this rank's side (FSDP2 shards and rewards are gathered within it); `wire` is a gloo group
+    over all ranks that carries samples and weights between the sides (CPU tensors: gloo's point-to-point
+    sends return at once, so neither side waits for the other to post its receive; None = the default group,
+    when that already is gloo).
+    """
+
+    trainer_ranks: tuple[int, ...]
+    rollout_ranks: tuple[int, ...]
+    group: dist.ProcessGroup | None = None
+    wire: dist.ProcessGroup | None = field(default=None, repr=False)
+
+    @property
+    def is_async(self) -> bool:
+        return self.trainer_ranks != self.rollout_ranks
+
+    @property
+    def trains(self) -> bool:
+        return rank() in self.trainer_ranks
+
+    @property
+    def rolls_out(self) -> bool:
+        return rank() in self.rollout_ranks
+
+    def side_rank(self) -> int:
+        """This rank's index within its side."""
+        side = self.trainer_ranks if self.trains else self.rollout_ranks
+        return side.index(rank())
+
+    def mesh(self, device: torch.device):
+        """The DeviceMesh FSDP2 shards this rank's model over (None = all ranks, fully_shard's default)."""
+        if self.group is None:
+            return None
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return DeviceMesh.from_group(self.group, device.type)
+
+
+def split(rollout_ranks: int) -> Split:
+    """Cut the world into trainer and rollout ranks (collective: every rank calls it, in the same order)."""
+    world = world_size()
+    everyone = tuple(range(world))
+    if rollout_ranks == 0:
+        return Split(everyone, everyone)
+    trainers, rollouts = everyone[: world - rollout_ranks], everyone[world - rollout_ranks :]
+    # new_group is collective over the whole world, members or not.
+    groups = [dist.new_group(list(trainers)), dist.new_group(list(rollouts))]
+    wire = None if dist.get_backend() == "gloo" else dist.new_group(list(everyone), backend="gloo")
+    return Split(trainers, rollouts, groups[0] if rank() in trainers else groups[1], wire)
+
+
+@dataclass
+class Pending:
+    """Point-to-point sends in flight; their buffers stay referenced until `wait()`."""
+
+    works: list = field(default_factory=list)
+    buffers: list[torch.Tensor] = field(default_factory=list)
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+        self.works.clear()
+        self.buffers.clear()
+
+
+def isend_object(obj: object, dst: int, pending: Pending, *, group=None, tag: int = 0) -> None:
+    """Send a picklable object (CPU tensors inside) to global rank `dst` without waiting for it to arrive.
+
+    torch.save's pickle, as a size then a byte tensor; `recv_object` on `dst` is its other half. The sends join
+    `pending`, which must be waited on before the process group is destroyed.
+    """
+    raw = io.BytesIO()
+    torch.save(obj, raw)
+    data = torch.frombuffer(bytearray(raw.getbuffer()), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    for t in (size, data):
+        pending.works.append(dist.isend(t, dst, group=group, tag=tag))
+        pending.buffers.append(t)
+
+
+def recv_object(src: int, *, group=None, tag: int = 0) -> object:
+    """Receive what `isend_object` sent from global rank `src` (blocks until it arrives)."""
+    size = torch.empty(1, dtype=torch.int64)
+    dist.recv(size, src, group=group, tag=tag)
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.recv(data, src, group=group, tag=tag)
+    # Our own payload (a Trajectory, metrics, tensors), not a file from elsewhere: full unpickling is safe.
+    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
 
 
 def is_dtensor(t: torch.Tensor) -> TypeGuard[DTensor]:
@@ -119,12 +216,14 @@ def shard_transformer(
     reduce_dtype: torch.dtype | None = torch.float32,
     block_attr: str = "transformer_blocks",
     reshard_after_forward: bool = True,
+    mesh=None,
 ) -> nn.Module:
     """FSDP2 in TorchTitan's pattern: fully_shard every transformer block, then the root.
 
     Parameters stay fp32 masters (sharded); `param_dtype` is what forward/backward compute in (bf16 on
     GPUs), `reduce_dtype` what gradients are reduced in (fp32, so small LoRA gradients don't round away).
-    Call after LoRA is attached and before the optimizer is built.
+    Call after LoRA is attached and before the optimizer is built. mesh: the ranks to shard over
+    (`Split.mesh`, one side of the asynchronous mode); None = all ranks.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -135,6 +234,6 @@ def shard_transformer(
             f"shard_transformer: {type(transformer).__name__} has no '{block_attr}'; pass block_attr="
         )
     for block in blocks:
-        fully_shard(block, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(transformer, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(transformer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     return transformer

@@ -14,6 +14,11 @@ DiffusionNFT, AWM):
             backward (scaled so the gradient does not depend on the split); optimizer step per mini-batch
         algo.after_update (the EMA old policy); LoRA sync to an out-of-process engine; log; checkpoint
 
+The loop body is three functions - `experience` (prompts, rollout, rewards, advantages), `update` and `record`
+(log, checkpoint) - so the asynchronous mode (`--parallel.rollout-ranks N`, fgrpo/async_mode.py) runs the same
+code split over two sets of ranks: rollout ranks call `experience` for step k + max_staleness while trainer
+ranks call `update` and `record` for step k.
+
 Deviations from flow_grpo, and why:
 - Every rank samples an arbitrary slice of the P*G samples (the G samples of a prompt may live on
   different ranks); rewards are all-gathered before the advantages, so the result does not depend on
@@ -36,8 +41,9 @@ from pathlib import Path
 
 import torch
 
-from fgrpo import algorithms, checkpoint, parallel
+from fgrpo import algorithms, async_mode, checkpoint, parallel
 from fgrpo import logging as flog
+from fgrpo.async_mode import Batch
 from fgrpo.config import TrainConfig, validate_config
 from fgrpo.core import grpo
 from fgrpo.core.schedule import lr_multiplier
@@ -64,6 +70,14 @@ def train(cfg: TrainConfig, *, experiment_source: str | Path | None = None) -> d
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     d = parallel.init_distributed(cfg.device)
     validate_config(cfg, d.world_size)
+    metrics = _train(cfg, d, experiment_source)
+    # FSDP tensors and optimizer state died with _train's frame: the group can go (parallel.shutdown's rule).
+    parallel.shutdown()
+    return metrics
+
+
+def _train(cfg: TrainConfig, d: parallel.Dist, experiment_source: str | Path | None) -> dict[str, float]:
+    split = parallel.split(cfg.parallel.rollout_ranks)  # every rank trains and rolls out, or one of the two
     train_prompts = load_prompts(cfg.data.train_prompts, require_quoted=cfg.reward.is_ocr)
     val_prompts = load_prompts(
         cfg.data.val_prompts, require_quoted=cfg.reward.is_ocr, field="data.val_prompts"
@@ -83,7 +97,9 @@ def train(cfg: TrainConfig, *, experiment_source: str | Path | None = None) -> d
     model = build_model(cfg.model, d.device, cfg.seed)
     setup_trainable(model.transformer, cfg.model)
     parallel.shard_transformer(
-        model.transformer, param_dtype=torch.bfloat16 if cfg.model.dtype == "bf16" else None
+        model.transformer,
+        param_dtype=torch.bfloat16 if cfg.model.dtype == "bf16" else None,
+        mesh=split.mesh(d.device),
     )
     params = [p for p in model.transformer.parameters() if p.requires_grad]  # now DTensors
     o = cfg.optim
@@ -120,19 +136,14 @@ def train(cfg: TrainConfig, *, experiment_source: str | Path | None = None) -> d
     logger = flog.make_logger(cfg, run.path, enabled=d.is_main, experiment_source=experiment_source)
 
     G, P = cfg.grpo.group_size, cfg.grpo.prompts_per_step
-    n_local = P * G // d.world_size
-    sample_ids = torch.arange(d.rank * n_local, (d.rank + 1) * n_local)  # this rank's slice of the step
-    metrics: dict[str, float] = {}
+    n_local = P * G // len(split.trainer_ranks if split.trains else split.rollout_ranks)
+    i = split.side_rank()
+    sample_ids = torch.arange(i * n_local, (i + 1) * n_local)  # this rank's slice of the step
     bad_steps = 0
     bar = flog.Progress(total=cfg.num_steps, initial=start_step)
-    for step in range(start_step, cfg.num_steps):
-        timer = flog.PhaseTimer()
-        # 0. validation of the weights that enter this step (step 0: the starting model)
-        val_metrics = {}
-        if cfg.run.val_every and step % cfg.run.val_every == 0:
-            with timer("val"):
-                val_metrics = validate(engine, reward, val_prompts, cfg, logger, step, d.device)
 
+    def experience(step: int, timer: flog.PhaseTimer) -> Batch:
+        """1.-3. of the step: prompts and seeds, rollout, rewards -> group advantages."""
         # 1. prompts and seeds: pure functions of (seed, step)
         prompt_ids = step_prompt_indices(len(train_prompts), step, P, cfg.seed)
         prompts = [train_prompts[int(prompt_ids[int(i) // G])] for i in sample_ids]
@@ -143,58 +154,105 @@ def train(cfg: TrainConfig, *, experiment_source: str | Path | None = None) -> d
         with timer("rollout"), algo.sampling_weights():
             traj = rollout(engine, prompts, seeds, algo.sampling(step), d.device, init_seeds)
 
-        # 3. rewards -> all ranks -> group advantages
+        # 3. rewards -> all ranks (of the rollout side) -> group advantages
         with timer("reward"):
             out = reward(traj.images.cpu().numpy(), prompts)
             check_scores(out, prompts, cfg.reward.url or cfg.reward.name)
             local_rewards = torch.as_tensor(out.scores, dtype=torch.float32, device=d.device)
         with timer("sync"):
-            rewards = parallel.all_gather_cat(local_rewards)
+            rewards = parallel.all_gather_cat(local_rewards, split.group)
             advantages = grpo.group_advantages(rewards, G, std=cfg.grpo.adv_std)
-            local_adv = advantages[sample_ids.to(d.device)]
+        return Batch(step, traj, rewards, advantages, dict(out.metrics))
 
-        # 4. policy update
+    def update(step: int, batch: Batch, timer: flog.PhaseTimer, off_policy: bool = False) -> dict[str, float]:
+        """4. the policy update on this rank's samples (off_policy: stale samples, see async_mode)."""
         with timer("train"):
-            order = rs.stream_generator(cfg.seed, step, rs.MINIBATCH_ORDER)  # the same on resume
-            train_metrics = algo.update(model, params, optimizer, lr_scheduler, traj, local_adv, order)
+            order = rs.stream_generator(cfg.seed, batch.step, rs.MINIBATCH_ORDER)  # the same on resume
+            local_adv = batch.advantages[sample_ids.to(d.device)]
+            train_metrics = algo.update(
+                model, params, optimizer, lr_scheduler, batch.traj, local_adv, order, off_policy=off_policy
+            )
             train_metrics.update(algo.after_update(step))
         with timer("sync"):
             if isinstance(engine, LoraSyncedEngine):
                 engine.update_lora(checkpoint.export_lora(run.path / "engine_lora", model.transformer))
+        return train_metrics
 
-        # 5. log (before the checkpoint that claims this step, so a crash between them loses no row), checkpoint
+    def checkpoint_due(step: int) -> bool:
+        return cfg.num_steps == step + 1 or bool(cfg.run.ckpt_every and (step + 1) % cfg.run.ckpt_every == 0)
+
+    def save(step: int) -> None:
+        """Collective over every rank; in the asynchronous mode rollout ranks join it with their model copy."""
+        checkpoint.save(
+            run.checkpoints,
+            step + 1,
+            model=model.transformer,
+            optimizer=optimizer if split.trains else None,
+            lr_scheduler=lr_scheduler if split.trains else None,
+            extra_state={"exp_name": cfg.exp_name},
+            rank_tensors=algo.state(),
+            keep_last=cfg.run.keep_last,
+        )
+
+    def record(
+        step: int,
+        batch: Batch,
+        train_metrics: dict[str, float],
+        timer: flog.PhaseTimer,
+        extra: dict[str, float],
+    ) -> dict[str, float]:
+        """5. log (before the checkpoint that claims this step, so a crash between them loses no row),
+        checkpoint, and stop a run whose every optimizer step is skipped."""
+        nonlocal bad_steps
+        rewards = batch.rewards
         grouped = rewards.view(P, G)
         metrics = {
             "reward/mean": rewards.mean().item(),
             "reward/std": rewards.std(unbiased=False).item(),
             "reward/zero_std_group_frac": (grouped.std(dim=1, unbiased=False) == 0).float().mean().item(),
-            **{f"reward/{k}": float(v) for k, v in out.metrics.items()},
+            **{f"reward/{k}": float(v) for k, v in batch.reward_metrics.items()},
             **{f"train/{k}": v for k, v in train_metrics.items()},
             "lr": float(lr_scheduler.get_last_lr()[0]),
-            **val_metrics,
+            **extra,
             **timer.metrics(images=P * G),
         }
         if cfg.run.log_images_every and step % cfg.run.log_images_every == 0:
-            logger.log_images("rollout", traj.images[:16].cpu().numpy(), prompts[:16], step=step)
+            traj = batch.traj
+            logger.log_images("rollout", traj.images[:16].cpu().numpy(), traj.prompts[:16], step=step)
         logger.log(metrics, step=step)
         bar.update(metrics)
-        if cfg.num_steps == step + 1 or (cfg.run.ckpt_every and (step + 1) % cfg.run.ckpt_every == 0):
-            checkpoint.save(
-                run.checkpoints,
-                step + 1,
-                model=model.transformer,
-                optimizer=optimizer,
-                lr_scheduler=lr_scheduler,
-                extra_state={"exp_name": cfg.exp_name},
-                rank_tensors=algo.state(),
-                keep_last=cfg.run.keep_last,
-            )
+        if checkpoint_due(step):
+            save(step)
         bad_steps = bad_steps + 1 if train_metrics["skipped_steps"] == train_metrics["optimizer_steps"] else 0
         if bad_steps >= cfg.run.max_bad_steps:
             raise FloatingPointError(
                 f"{bad_steps} steps in a row skipped every optimizer step (non-finite gradients) at step {step}; "
                 "the run trains nothing: lower optim.lr or check the reward (run.max_bad_steps sets the limit)"
             )
+        return metrics
+
+    metrics: dict[str, float] = {}
+    if not split.is_async:
+        for step in range(start_step, cfg.num_steps):
+            timer = flog.PhaseTimer()
+            # 0. validation of the weights that enter this step (step 0: the starting model)
+            val_metrics = {}
+            if cfg.run.val_every and step % cfg.run.val_every == 0:
+                with timer("val"):
+                    val_metrics = validate(engine, reward, val_prompts, cfg, logger, step, d.device)
+            batch = experience(step, timer)  # 1.-3.
+            train_metrics = update(step, batch, timer)  # 4.
+            metrics = record(step, batch, train_metrics, timer, val_metrics)  # 5.
+    elif split.trains:
+        metrics = async_mode.run_trainer(cfg, split, model.transformer, d.device, update, record)
+    else:
+        async_mode.run_rollout(
+            cfg,
+            split,
+            model.transformer,
+            experience,
+            lambda step: save(step) if checkpoint_due(step) else None,
+        )
 
     bar.close()
     if cfg.run.val_every and start_step < cfg.num_steps:  # the trained model, logged as step num_steps
@@ -206,8 +264,6 @@ def train(cfg: TrainConfig, *, experiment_source: str | Path | None = None) -> d
         checkpoint.export_lora(run.path / "lora", model.transformer)
     logger.finish()
     run.unlock()
-    del engine, optimizer, params, model
-    parallel.shutdown()
     return metrics
 
 

@@ -1,0 +1,282 @@
+"""The asynchronous, disaggregated mode (`--parallel.rollout-ranks N`): rollout ranks sample while trainer
+ranks update, with bounded staleness and an off-policy correction.
+
+    trainer ranks [0, T)                                rollout ranks [T, world)
+    push version 0 ------------------------------------> load weights
+                                                        for batch b: wait for the weights after step
+                                                          b - max_staleness - 1, then train.experience(b)
+    for each batch received: <------------------------- (rollout, rewards, advantages; the same code as the
+      staleness = version - batch.version                 synchronous loop), sent with its version
+      too old: dropped, counted, logged
+      else: train.update (stale: old log-probs
+        recomputed, IS-weighted loss); version += 1
+      push the new trainable tensors ------------------> (LoRA or full weights, versioned)
+
+Versions count weight updates: version v is the policy after v updates. The rollout samples batch b with the
+weights of version b - max_staleness (0 for the first batches), so the trainer, at version b when it trains
+batch b, sees staleness exactly min(b, max_staleness); with max_staleness 0 the rollout waits for every update
+and the run is the synchronous one, number for number. A batch that arrives older than max_staleness is
+dropped by the trainer (rollout.buffer's drop rule), never trained on: the schedule above never produces one,
+so a drop is a broken producer made visible. The run is deterministic: which weights sample which batch does
+not depend on timing.
+
+Off-policy correction (verl's rollout correction, core.correction): for a stale batch the trainer recomputes
+the old policy's log-probs of the stored transitions (its weights when the step starts), the PPO ratio is
+pi_theta / pi_old, and each entry's loss is weighted by the truncated (TIS) or masked importance weight
+pi_old / pi_behaviour, pi_behaviour being the rollout's recorded log-probs.
+
+The wire is gloo point-to-point (parallel.isend_object): a trainer rank receives its rows of each batch from
+one rollout rank; rank 0 sends each rollout rank every update. Samples and weights cross as CPU tensors (for
+full weights on GPUs an NCCL broadcast would be faster; not measured yet).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from fgrpo import logging as flog
+from fgrpo import parallel
+from fgrpo.config import ParallelConfig, TrainConfig
+from fgrpo.core import correction
+from fgrpo.rollout.base import Trajectory
+from fgrpo.rollout.buffer import RolloutBuffer
+
+BATCH_TAG, WEIGHTS_TAG = 1, 2
+
+
+@dataclass
+class Batch:
+    """One step's experience: what the rollout side makes and the trainer side consumes."""
+
+    step: int  # the step whose prompts and seeds it holds (rollout.seeds are functions of (seed, step))
+    traj: Trajectory  # the receiving rank's rows
+    rewards: torch.Tensor  # [P*G] the whole step's rewards
+    advantages: torch.Tensor  # [P*G] the whole step's group advantages
+    reward_metrics: dict[str, float]
+    version: int = 0  # the policy version that sampled it
+    times: dict[str, float] = field(default_factory=dict)  # the rollout side's phase times
+
+
+@dataclass
+class Weights:
+    """A message from trainer rank 0 to a rollout rank: after batch `index`, the policy is `version`."""
+
+    index: int  # the batch it answers (-1: the initial weights)
+    version: int
+    tensors: dict[str, torch.Tensor] | None  # the full trainable tensors; None when the batch was dropped
+    trained_step: int | None  # the training step it finished (None: dropped), for the checkpoint collectives
+    stop: bool = False
+
+
+def select_rows(traj: Trajectory, rows: slice) -> Trajectory:
+    """The trajectory of samples `rows` (the schedule `sigmas` is shared by all samples and stays whole)."""
+    picked = {}
+    for f in dataclasses.fields(traj):
+        v = getattr(traj, f.name)
+        if f.name == "sigmas" or v is None:
+            picked[f.name] = v
+        elif f.name == "cond":
+            picked[f.name] = {k: c[rows] for k, c in v.items()}
+        else:
+            picked[f.name] = v[rows]
+    return Trajectory(**picked)
+
+
+def trainable_tensors(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full CPU copies of the trainable tensors (collective over the trainer ranks: FSDP2 shards gathered)."""
+    out = {}
+    for name, p in transformer.named_parameters():
+        if p.requires_grad:
+            t = p.detach()
+            out[name] = (t.full_tensor() if parallel.is_dtensor(t) else t).cpu().clone()
+    return out
+
+
+@torch.no_grad()
+def load_trainable(transformer: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy full tensors into the matching trainable parameters, each rank its own FSDP2 shard."""
+    from torch.distributed.tensor import distribute_tensor
+
+    params = {n: p for n, p in transformer.named_parameters() if p.requires_grad}
+    if params.keys() != tensors.keys():
+        raise ValueError(
+            f"pushed weights name {sorted(set(tensors) ^ set(params))[:3]}... that the rollout model does not "
+            "train (or the reverse): both sides must set up the same trainable tensors"
+        )
+    for name, p in params.items():
+        full = tensors[name].to(device=p.device, dtype=p.dtype)
+        if parallel.is_dtensor(p):
+            # Each rank cuts its own shard from the full tensor (src_data_rank=None: no communication).
+            local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+            p.to_local().copy_(local)
+        else:
+            p.copy_(full)
+
+
+def off_policy_weights(
+    old_log_prob: torch.Tensor, behaviour_log_prob: torch.Tensor, p: ParallelConfig
+) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """The configured correction's [B, W] weights (None for 'none') and their statistics ('offpolicy/...').
+
+    The statistics (behaviour/old gap, IS weight mean/min/max, ESS, truncated and masked shares) are logged
+    with every correction, 'none' included (with weight 1), so the gap is visible before one turns it on.
+    """
+    log_w = correction.log_ratio(old_log_prob, behaviour_log_prob)
+    lower = p.is_threshold_low or None
+    if p.correction == "none":
+        weight = None
+    else:
+        mode = "truncate" if p.correction == "tis" else "mask"
+        weight = correction.is_weights(log_w, level=p.is_level, mode=mode, upper=p.is_threshold, lower=lower)
+    stats = correction.correction_metrics(
+        log_w,
+        torch.ones_like(log_w) if weight is None else weight,
+        level=p.is_level,
+        upper=p.is_threshold,
+        lower=lower,
+    )
+    return weight, {f"offpolicy/{k}": float(v) for k, v in stats.items()}
+
+
+class Wire:
+    """Who sends what to whom: rollout rank i feeds trainer ranks [i k, (i + 1) k), k = T / R, each the next
+    n / T rows of its n / R samples; rank 0 sends every rollout rank the weights."""
+
+    def __init__(self, split: parallel.Split):
+        self.split = split
+        T, R = len(split.trainer_ranks), len(split.rollout_ranks)
+        self.per_rollout = T // R
+        self.pending = parallel.Pending()
+
+    # rollout side
+    def send_batch(self, batch: Batch) -> None:
+        i, k = self.split.side_rank(), self.per_rollout
+        n = len(batch.traj) // k
+        cpu = batch.traj.to("cpu")
+        for q in range(k):
+            part = dataclasses.replace(batch, traj=select_rows(cpu, slice(q * n, (q + 1) * n)))
+            dst = self.split.trainer_ranks[i * k + q]
+            parallel.isend_object(part, dst, self.pending, group=self.split.wire, tag=BATCH_TAG)
+
+    def recv_weights(self) -> Weights:
+        msg = parallel.recv_object(self.split.trainer_ranks[0], group=self.split.wire, tag=WEIGHTS_TAG)
+        assert isinstance(msg, Weights)
+        return msg
+
+    # trainer side
+    def recv_batch(self, device: torch.device) -> Batch:
+        src = self.split.rollout_ranks[self.split.side_rank() // self.per_rollout]
+        batch = parallel.recv_object(src, group=self.split.wire, tag=BATCH_TAG)
+        assert isinstance(batch, Batch)
+        batch.traj = batch.traj.to(device)
+        return batch
+
+    def send_weights(self, msg: Weights) -> None:
+        """Rank 0 only. The previous pushes are waited for first, so at most one is in flight per rollout rank."""
+        self.pending.wait()
+        for dst in self.split.rollout_ranks:
+            parallel.isend_object(msg, dst, self.pending, group=self.split.wire, tag=WEIGHTS_TAG)
+
+
+def run_trainer(
+    cfg: TrainConfig,
+    split: parallel.Split,
+    transformer: torch.nn.Module,
+    device: torch.device,
+    update: Callable[[int, Batch, flog.PhaseTimer, bool], dict[str, float]],
+    record: Callable[[int, Batch, dict[str, float], flog.PhaseTimer, dict[str, float]], dict[str, float]],
+) -> dict[str, float]:
+    """The trainer ranks' loop: receive, check staleness, train (train.update), push, log and checkpoint
+    (train.record). Returns the last step's metrics."""
+    wire, s = Wire(split), cfg.parallel.max_staleness
+    is_main = parallel.rank() == split.trainer_ranks[0]
+    buffer: RolloutBuffer[Batch] = RolloutBuffer(max_size=1, max_staleness=s)
+
+    def push(index: int, version: int, trained_step: int | None, stop: bool = False) -> None:
+        tensors = trainable_tensors(transformer) if trained_step is not None or index < 0 else None
+        if is_main:
+            wire.send_weights(Weights(index, version, tensors, trained_step, stop))
+
+    version, step, index, dropped_since = 0, 0, 0, 0
+    push(-1, version, None)
+    metrics: dict[str, float] = {}
+    while step < cfg.num_steps:
+        timer = flog.PhaseTimer()
+        with timer("wait"):
+            batch = wire.recv_batch(device)
+        fresh = accept(buffer, batch, version)
+        if fresh is None:
+            dropped_since += 1
+            flog.print0(
+                f"dropped batch {index}: version {batch.version}, trainer at {version}, max_staleness {s}"
+            )
+            push(index, version, None)
+            index += 1
+            continue
+        staleness = version - batch.version
+        train_metrics = update(step, batch, timer, staleness > 0)
+        version += 1
+        with timer("push"):
+            push(index, version, step, stop=step + 1 == cfg.num_steps)
+        async_metrics = {
+            "async/staleness": float(staleness),
+            "async/version": float(batch.version),
+            "async/dropped": float(dropped_since),
+            "async/dropped_total": float(len(buffer.dropped)),
+            **{f"rollout_{k}": v for k, v in batch.times.items()},  # the rollout side's phases
+        }
+        metrics = record(step, batch, train_metrics, timer, async_metrics)
+        dropped_since, step, index = 0, step + 1, index + 1
+    for _ in range(s):  # the batches the rollout sampled ahead of the last update: received, not trained
+        wire.recv_batch(device)
+    wire.pending.wait()
+    return metrics
+
+
+def accept(buffer: RolloutBuffer[Batch], batch: Batch, version: int) -> Batch | None:
+    """The batch if version - batch.version <= max_staleness, else None (the buffer records the drop)."""
+    buffer.put(batch, batch.version)
+    try:
+        entry = buffer.get(version, timeout=0)
+    except TimeoutError:  # the only batch was too old and has been dropped
+        return None
+    return entry.batch if entry is not None else None
+
+
+def run_rollout(
+    cfg: TrainConfig,
+    split: parallel.Split,
+    transformer: torch.nn.Module,
+    experience: Callable[[int, flog.PhaseTimer], Batch],
+    after_step: Callable[[int], None],
+) -> None:
+    """The rollout ranks' loop: sample batch b (train.experience) with the weights of version
+    b - max_staleness, send it, until the trainer's last update. after_step(step) joins the collectives the
+    trainer runs after its update of `step` (the checkpoint)."""
+    wire, s = Wire(split), cfg.parallel.max_staleness
+    last = wire.recv_weights()
+    assert last.tensors is not None
+    load_trainable(transformer, last.tensors)
+    version = last.version
+    b = 0
+    while True:
+        while last.index < b - s - 1:  # the weights after batch b - s - 1, i.e. of version b - s
+            last = wire.recv_weights()
+            if last.tensors is not None:
+                load_trainable(transformer, last.tensors)
+                version = last.version
+            if last.trained_step is not None:
+                after_step(last.trained_step)
+            if last.stop:
+                wire.pending.wait()  # the trainer receives the batches sampled ahead before it stops
+                return
+        timer = flog.PhaseTimer()
+        batch = experience(b, timer)
+        batch.version = version
+        batch.times = timer.metrics()
+        wire.send_batch(batch)
+        b += 1
