@@ -1,0 +1,228 @@
+"""The asynchronous mode: max_staleness 0 on 1 rollout + 1 trainer gloo rank is the synchronous run bit for bit;
+max_staleness 1 trains on batches one version old with the recomputed old policy and the IS weight; the
+trainer's drop rule and message protocol with a fake wire; the config refusals."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fgrpo import async_mode
+from fgrpo.config import AlgoConfig, GRPOConfig, ParallelConfig, RunConfig, TrainConfig, validate_config
+from fgrpo.rollout.buffer import RolloutBuffer
+
+ENTRY = str(Path(__file__).with_name("train_entry.py"))
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+STEPS = 3
+
+
+def _run(out_dir, *flags, nproc=1):
+    cmd = [sys.executable, ENTRY]
+    if nproc > 1:
+        port = str(29500 + (os.getpid() + len(flags)) % 1000)
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--master-port",
+            port,
+        ]
+        cmd.append(ENTRY)
+    cmd += ["--run.out-dir", str(out_dir), "--num-steps", str(STEPS), *flags]
+    res = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return [json.loads(line) for line in open(Path(out_dir) / "e2e" / "metrics.jsonl")]
+
+
+def _weights(out_dir, step):
+    return load_file(str(Path(out_dir) / "e2e" / "checkpoints" / f"step_{step:06d}" / "model.safetensors"))
+
+
+def _same_numbers(a: dict, b: dict) -> list[str]:
+    """Keys of both rows whose values differ, wall-clock ones aside."""
+    keys = [k for k in a if k in b and k != "time" and not k.startswith(("time/", "perf/"))]
+    assert len(keys) > 15
+    return [k for k in keys if a[k] != b[k]]
+
+
+@pytest.fixture(scope="module")
+def sync_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sync")
+    return out, _run(out)
+
+
+@pytest.mark.slow
+def test_staleness_0_is_the_synchronous_run_bit_for_bit(sync_run, tmp_path):
+    """1 rollout rank + 1 trainer rank with max_staleness 0: every logged number (rewards, losses, ratios,
+    gradient norms, log-prob gaps) and every checkpointed LoRA tensor equal the synchronous run on one rank.
+    This needs the pushed weights to arrive whole before each batch: a missing push would change the
+    rewards from step 1 on."""
+    sync_out, sync_rows = sync_run
+    rows = _run(tmp_path, "--parallel.rollout-ranks", "1", "--parallel.max-staleness", "0", nproc=2)
+    assert len(rows) == len(sync_rows) == STEPS
+    for a, b in zip(sync_rows, rows):
+        assert _same_numbers(a, b) == []
+        assert b["async/staleness"] == 0 and b["async/dropped_total"] == 0
+        assert not any(k.startswith("train/offpolicy/") for k in b)
+    for step in range(1, STEPS + 1):
+        one, two = _weights(sync_out, step), _weights(tmp_path, step)
+        assert one.keys() == two.keys() and len(one) > 0
+        assert all(torch.equal(one[k], two[k]) for k in one)
+    moved = max((_weights(sync_out, STEPS)[k] - _weights(sync_out, 1)[k]).abs().max().item() for k in one)
+    assert moved > 1e-3  # the weights did move, so equality is not that of an idle run
+
+
+@pytest.mark.slow
+def test_staleness_1_trains_one_version_behind_with_the_correction(sync_run, tmp_path):
+    """max_staleness 1: batch k is sampled with version max(0, k - 1), so the trainer sees staleness 0, 1, 1.
+    Step 0 is the synchronous step 0 exactly (same batch, same weights); the stale steps recompute the old
+    log-probs (the behaviour/old gap is > 0: the rollout's weights really are one update old) and log the
+    truncated IS weights, which lie in (0, 2]."""
+    sync_out, sync_rows = sync_run
+    rows = _run(tmp_path, "--parallel.rollout-ranks", "1", "--parallel.max-staleness", "1", nproc=2)
+    assert [r["async/staleness"] for r in rows] == [0, 1, 1]
+    assert [r["async/version"] for r in rows] == [0, 0, 1]
+    assert _same_numbers(sync_rows[0], rows[0]) == []
+    one, two = _weights(sync_out, 1), _weights(tmp_path, 1)
+    assert all(torch.equal(one[k], two[k]) for k in one)
+    assert rows[1]["reward/mean"] != sync_rows[1]["reward/mean"]  # batch 1 sampled by version 0, not 1
+    for r in rows[1:]:
+        assert r["train/offpolicy/gap_abs_max"] > 1e-4
+        assert 0 < r["train/offpolicy/is_min"] <= r["train/offpolicy/is_max"] <= 2.0
+        assert r["async/dropped_total"] == 0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The trainer's loop with a fake wire: drops, messages, drain
+
+
+def _batch(step, version):
+    traj = dataclasses.make_dataclass("T", [])()  # the fake update never reads it
+    return async_mode.Batch(step, traj, torch.zeros(4), torch.zeros(4), {}, version=version)  # pyright: ignore
+
+
+class FakeWire:
+    """Hands out batches of chosen versions and records the weight messages."""
+
+    versions: list[int] = []
+    sent: list[async_mode.Weights] = []
+
+    def __init__(self, split):
+        self.batches = iter([_batch(i, v) for i, v in enumerate(self.versions)])
+        self.pending = async_mode.parallel.Pending()
+        FakeWire.sent = []
+
+    def recv_batch(self, device):
+        return next(self.batches)
+
+    def send_weights(self, msg):
+        FakeWire.sent.append(msg)
+
+
+def _fake_trainer(monkeypatch, versions, max_staleness, num_steps):
+    monkeypatch.setattr(async_mode, "Wire", FakeWire)
+    FakeWire.versions = versions
+    cfg = TrainConfig(
+        num_steps=num_steps, parallel=ParallelConfig(rollout_ranks=1, max_staleness=max_staleness)
+    )
+    split = async_mode.parallel.Split((0,), (1,))
+    layer = torch.nn.Linear(2, 1)
+    trained, logged = [], []
+
+    def update(step, batch, timer, off_policy):
+        trained.append((step, batch.step, off_policy))
+        with torch.no_grad():
+            layer.weight.add_(1.0)  # a visible "update": the pushed tensors must show it
+        return {}
+
+    def record(step, batch, train_metrics, timer, extra):
+        logged.append(extra)
+        return extra
+
+    async_mode.run_trainer(cfg, split, layer, torch.device("cpu"), update, record)
+    return trained, logged, FakeWire.sent
+
+
+def test_a_batch_older_than_max_staleness_is_dropped_counted_and_logged(monkeypatch):
+    """max_staleness 1, batches of versions 0, 0, 0, 2 (a producer that fell behind): the trainer trains batch 0
+    (staleness 0) and batch 1 (staleness 1), drops batch 2 (version 0 against the trainer's 2), trains batch 3 as
+    its step 2; the drop is in step 2's row, the dropped batch gets a message without weights, the last update's
+    message says stop, and one batch sampled ahead is drained after it."""
+    trained, logged, sent = _fake_trainer(monkeypatch, [0, 0, 0, 2, 3], max_staleness=1, num_steps=3)
+    assert trained == [(0, 0, False), (1, 1, True), (2, 3, False)]
+    assert [r["async/staleness"] for r in logged] == [0, 1, 0]
+    assert [r["async/dropped"] for r in logged] == [0, 0, 1]
+    assert [r["async/dropped_total"] for r in logged] == [0, 0, 1]
+    assert [(m.index, m.version, m.trained_step, m.stop) for m in sent] == [
+        (-1, 0, None, False),
+        (0, 1, 0, False),
+        (1, 2, 1, False),
+        (2, 2, None, False),
+        (3, 3, 2, True),
+    ]
+    assert sent[3].tensors is None
+    w = [m.tensors["weight"] for m in sent if m.tensors is not None]
+    assert [float(t.flatten()[0] - w[0].flatten()[0]) for t in w] == [
+        0.0,
+        1.0,
+        2.0,
+        3.0,
+    ]  # versioned snapshots
+
+
+def test_accept_keeps_staleness_up_to_the_bound():
+    buf: RolloutBuffer = RolloutBuffer(max_size=1, max_staleness=2)
+    assert async_mode.accept(buf, _batch(0, 0), 3) is None  # staleness 3
+    assert async_mode.accept(buf, _batch(1, 1), 3) is not None  # staleness 2
+    assert [(d.version, d.current_version) for d in buf.dropped] == [(0, 3)]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Config
+
+
+def _async_cfg(**kw):
+    base = dict(
+        grpo=GRPOConfig(group_size=4, prompts_per_step=4, optimizer_steps_per_step=1),
+        run=RunConfig(val_every=0),
+        parallel=ParallelConfig(rollout_ranks=1),
+    )
+    return TrainConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize(
+    "cfg, world, match",
+    [
+        (_async_cfg(parallel=ParallelConfig(rollout_ranks=2)), 2, "leaves no training rank"),
+        (_async_cfg(parallel=ParallelConfig(rollout_ranks=2)), 5, "must divide the 3 training ranks"),
+        (_async_cfg(parallel=ParallelConfig(rollout_ranks=1, max_staleness=-1)), 2, "parallel.max_staleness"),
+        (_async_cfg(parallel=ParallelConfig(rollout_ranks=1, is_threshold=0)), 2, "parallel.is_threshold"),
+        (_async_cfg(algo=AlgoConfig(name="nft")), 2, "'nft' has no asynchronous mode"),
+        (_async_cfg(algo=AlgoConfig(name="dppo")), 2, "'dppo' has no asynchronous mode"),
+        (_async_cfg(rollout_engine="vllm_omni"), 2, "'vllm_omni' has no asynchronous mode"),
+        (_async_cfg(run=RunConfig(val_every=5)), 2, "--run.val-every 0"),
+        (_async_cfg(run=RunConfig(val_every=0, resume="auto")), 2, "cannot resume yet"),
+    ],
+)
+def test_config_refusals(cfg, world, match):
+    with pytest.raises(ValueError, match=match):
+        validate_config(cfg, world)
+
+
+def test_config_splits_that_work_and_the_micro_batch_rule():
+    """1 + 1 and 2 + 6 of 8 (48 samples: 24 per rollout rank, 8 per trainer, one rollout micro-batch of 8 each).
+    With 4 samples per trainer a rollout micro-batch of 8 would straddle two trainers: refused."""
+    validate_config(_async_cfg(), 2)
+    grpo = GRPOConfig(group_size=4, prompts_per_step=12, optimizer_steps_per_step=1)
+    validate_config(_async_cfg(grpo=grpo, parallel=ParallelConfig(rollout_ranks=2)), 8)
+    grpo = GRPOConfig(group_size=4, prompts_per_step=6, optimizer_steps_per_step=1)
+    with pytest.raises(ValueError, match="sampling.micro_batch=8 must divide the 4 samples"):
+        validate_config(_async_cfg(grpo=grpo, parallel=ParallelConfig(rollout_ranks=2)), 8)
