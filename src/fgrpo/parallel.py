@@ -161,7 +161,10 @@ def split(rollout_ranks: int) -> Split:
     # new_group is collective over the whole world, members or not.
     groups = [dist.new_group(list(trainers)), dist.new_group(list(rollouts))]
     wire = None if dist.get_backend() == "gloo" else dist.new_group(list(everyone), backend="gloo")
-    return Split(trainers, rollouts, groups[0] if rank() in trainers else groups[1], wire)
+    mine = groups[0] if rank() in trainers else groups[1]
+    # new_group answers a non-member with an int sentinel; each rank belongs to its own side and to the wire.
+    assert isinstance(mine, dist.ProcessGroup) and (wire is None or isinstance(wire, dist.ProcessGroup))
+    return Split(trainers, rollouts, mine, wire)
 
 
 @dataclass
