@@ -4,6 +4,7 @@ trainer's drop rule and message protocol with a fake wire; the config refusals."
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -226,3 +227,23 @@ def test_config_splits_that_work_and_the_micro_batch_rule():
     grpo = GRPOConfig(group_size=4, prompts_per_step=6, optimizer_steps_per_step=1)
     with pytest.raises(ValueError, match="sampling.micro_batch=8 must divide the 4 samples"):
         validate_config(_async_cfg(grpo=grpo, parallel=ParallelConfig(rollout_ranks=2)), 8)
+
+
+def test_off_policy_weights_per_correction():
+    """log(pi_old / pi_behaviour) = [[0, ln 3], [ln 0.25, 0]], threshold 2 (lower 1/2 for the mask):
+    tis: min(r, 2) = [[1, 2], [0.25, 1]];  masked_is: r inside [0.5, 2] else 0 = [[1, 0], [0, 1]];
+    none: no weight, statistics of weight 1; sequence level: r_b = prod_j r_bj = [3, 0.25] -> [2, 0.25]."""
+    behaviour = torch.zeros(2, 2)
+    old = torch.tensor([[0.0, math.log(3.0)], [math.log(0.25), 0.0]])
+    w, stats = async_mode.off_policy_weights(old, behaviour, ParallelConfig(correction="tis"))
+    torch.testing.assert_close(w, torch.tensor([[1.0, 2.0], [0.25, 1.0]]))
+    assert stats["offpolicy/gap_abs_max"] == pytest.approx(math.log(4.0))
+    w, stats = async_mode.off_policy_weights(old, behaviour, ParallelConfig(correction="masked_is"))
+    torch.testing.assert_close(w, torch.tensor([[1.0, 0.0], [0.0, 1.0]]))
+    assert stats["offpolicy/is_frac_zero"] == 0.5
+    w, stats = async_mode.off_policy_weights(old, behaviour, ParallelConfig(correction="none"))
+    assert w is None and stats["offpolicy/is_max"] == 1.0
+    w, _ = async_mode.off_policy_weights(
+        old, behaviour, ParallelConfig(correction="tis", is_level="sequence")
+    )
+    torch.testing.assert_close(w, torch.tensor([[2.0, 2.0], [0.25, 0.25]]))
