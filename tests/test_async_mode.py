@@ -136,6 +136,7 @@ def _fake_trainer(monkeypatch, versions, max_staleness, num_steps):
     )
     split = async_mode.parallel.Split((0,), (1,))
     layer = torch.nn.Linear(2, 1)
+    torch.nn.init.zeros_(layer.weight)  # updates of +1 then give exactly 0, 1, 2, ...
     trained, logged = [], []
 
     def update(step, batch, timer, off_policy):
