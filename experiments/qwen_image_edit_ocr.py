@@ -15,7 +15,7 @@ Presets (tyro subcommands; every field can still be overridden with a flag):
             per-group advantage std, clip range 1e-4, LoRA r64/a128 on the attention + MLP projections, AdamW
             3e-4 (wd 1e-4), validation with 40 ODE steps every 20 steps.
     tiny    the same file end to end on a CPU in seconds: a tiny random Qwen-Image-Edit (fgrpo.models.tiny), 64²,
-            a handful of rows; it proves the wiring, a random model paints no text.
+            no CFG, 8 rows a split; it proves the wiring, a random model paints no text.
 
 How we deviate from verl-omni's recipe: the model is Qwen/Qwen-Image-Edit through diffusers' QwenImageEditPipeline
 layout (verl-omni trains Qwen-Image-Edit-2511 through the EditPlus pipeline: "Picture 1:" prompts, a 384² VL
