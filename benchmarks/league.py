@@ -43,13 +43,11 @@ def first_hit(v: list[tuple[int, float, float]], target: float) -> tuple[int, fl
     return next(((s, t) for s, t, y in v if y >= target), None)
 
 
-def score_at(v: list[tuple[int, float, float]], seconds: float) -> float | None:
-    """The last validation at or before `seconds` of wall time (None if the run logged none by then, or
-    stopped before reaching that time: its score there is unknown)."""
-    if not v or v[-1][1] < seconds:
-        return None
+def score_at(v: list[tuple[int, float, float]], seconds: float, run_seconds: float) -> float | None:
+    """The last validation at or before `seconds` of wall time; None if the run logged none by then or
+    stopped (after `run_seconds` of logged steps) before that time, where its score is unknown."""
     before = [y for _, t, y in v if t <= seconds]
-    return before[-1] if before else None
+    return before[-1] if before and run_seconds >= seconds else None
 
 
 def _fmt_hit(h: tuple[int, float] | None) -> str:
@@ -69,10 +67,13 @@ def main() -> None:
     args = ap.parse_args()
 
     runs: dict[str, dict[str, dict[int, list]]] = {"cpu": defaultdict(dict), "gpu": defaultdict(dict)}
+    seconds: dict[tuple[str, int], float] = {}  # logged wall time of each GPU run
     for d in sorted(args.root.iterdir()):
         m = NAME.match(d.name)
         if m and (d / "metrics.jsonl").is_file():
-            runs[m.group(1)][m.group(2)][int(m.group(3))] = curve(read_metrics(d / "metrics.jsonl"))
+            rows = read_metrics(d / "metrics.jsonl")
+            runs[m.group(1)][m.group(2)][int(m.group(3))] = curve(rows)
+            seconds[m.group(2), int(m.group(3))] = sum(r.get("time/total", 0.0) for r in rows)
 
     print(
         "| algorithm | seeds | start | end (mean ± std) | per seed | gain (smallest) |\n|---|---|---|---|---|---|"
@@ -98,7 +99,7 @@ def main() -> None:
     for algo in ALGOS:
         for seed, v in sorted(runs["gpu"].get(algo, {}).items()):
             print(
-                f"| {algo} | {seed} | {_fmt_hit(first_hit(v, args.target))} | {_fmt(score_at(v, at))} | "
+                f"| {algo} | {seed} | {_fmt_hit(first_hit(v, args.target))} | {_fmt(score_at(v, at, seconds[algo, seed]))} | "
                 f"{v[-1][2]:.3f} (step {v[-1][0]}, {v[-1][1]:.0f} s) |"
             )
     print(
@@ -109,8 +110,8 @@ def main() -> None:
         g = runs["gpu"].get(algo)
         if not g:
             continue
-        hits = [first_hit(v, args.target) for v in g.values()]
-        scores = [x for x in (score_at(v, at) for v in g.values()) if x is not None]
+        hits = [first_hit(v, args.target) for _, v in sorted(g.items())]  # in seed order
+        scores = [x for x in (score_at(v, at, seconds[algo, k]) for k, v in g.items()) if x is not None]
         std = statistics.stdev(scores) if len(scores) > 1 else float("nan")
         print(
             f"| {algo} | {len(g)} | {' / '.join(_fmt_hit(h) for h in hits)} | "
