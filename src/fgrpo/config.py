@@ -21,13 +21,15 @@ class ModelConfig:
         "qwen_image",
         "qwen_image_edit",
         "sd3",
+        "ltx2",
         "textbed",
         "tiny_qwen_image",
         "tiny_qwen_image_edit",
         "tiny_sd3",
+        "tiny_ltx2",
     ] = "qwen_image"
-    """Which generator: real Qwen-Image / Qwen-Image-Edit / SD3.5, the pretrained tiny text renderer, or tiny random
-    models. The edit kinds need prompts that name a condition image (.jsonl rows {"prompt": ..., "image": path})."""
+    """Which generator: real Qwen-Image / Qwen-Image-Edit / SD3.5 / LTX-2 (text to audio-video), the pretrained tiny
+    text renderer, or tiny random models. The edit kinds need prompts that name a condition image (.jsonl rows {"prompt": ..., "image": path})."""
     path: str = "Qwen/Qwen-Image"
     """Local diffusers directory or hub id (ignored by the tiny kinds; textbed: '' = the bundled checkpoint)."""
     dtype: Literal["bf16", "fp32"] = "bf16"
@@ -285,6 +287,8 @@ RESOLUTION_MULTIPLE = {
     "tiny_qwen_image": 16,
     "tiny_qwen_image_edit": 16,
     "tiny_sd3": 16,
+    "ltx2": 32,
+    "tiny_ltx2": 32,
     "textbed": 4,
 }
 
