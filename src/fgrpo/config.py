@@ -29,7 +29,8 @@ class ModelConfig:
         "tiny_ltx2",
     ] = "qwen_image"
     """Which generator: real Qwen-Image / Qwen-Image-Edit / SD3.5 / LTX-2 (text to audio-video), the pretrained tiny
-    text renderer, or tiny random models. The edit kinds need prompts that name a condition image (.jsonl rows {"prompt": ..., "image": path})."""
+    text renderer, or tiny random models. The edit kinds need prompts that name a condition image (.jsonl rows
+    {"prompt": ..., "image": path})."""
     path: str = "Qwen/Qwen-Image"
     """Local diffusers directory or hub id (ignored by the tiny kinds; textbed: '' = the bundled checkpoint)."""
     dtype: Literal["bf16", "fp32"] = "bf16"
@@ -226,10 +227,14 @@ class ParallelConfig:
     """Upper bound of the importance weight (truncation or mask; verl's default 2.0)."""
     is_threshold_low: float = 0.0
     """masked_is: lower bound of the kept ratios; 0 = 1 / is_threshold."""
+    sp: int = 1
+    """Ulysses sequence parallel degree: each sample's tokens are split over sp consecutive ranks, which share its
+    prompt and seed (diffusers' context parallelism, Qwen-Image). Helps when one sample's activations, not the
+    batch, fill a GPU (Qwen-Image at 1328²); the world size must be a multiple; 1 = off."""
 
     def trainer_ranks(self, world_size: int) -> int:
-        """Ranks that train: all of them in the synchronous mode."""
-        return world_size - self.rollout_ranks
+        """Training ranks that hold distinct samples: all of them in the synchronous mode, one per SP group."""
+        return (world_size - self.rollout_ranks) // self.sp
 
 
 @dataclass(frozen=True)
@@ -274,6 +279,9 @@ class TrainConfig:
 # Max per-step |rollout - trainer| log-prob gap with regional compile and model.exact_rollout=False on an H200
 # (RESULTS.md, "Compiled Flow-GRPO step"): the no-grad and the grad forward compile to different kernels.
 COMPILED_LOGPROB_GAP = 1e-4
+
+# Models whose transformer declares diffusers' context-parallel plan and whose prompts are padded for it.
+SEQUENCE_PARALLEL_KINDS = ("qwen_image", "tiny_qwen_image")
 
 # Algorithms that sample with the ODE and train at fresh forward-process points (no SDE window, no log-probs).
 FORWARD_PROCESS_ALGOS = ("nft", "awm")
@@ -468,6 +476,31 @@ ASYNC_UNSUPPORTED_ALGOS = {
 }
 
 
+def _validate_sequence_parallel(cfg: TrainConfig, world_size: int) -> None:
+    """Checks of --parallel.sp: what diffusers' equal Ulysses split needs, and the combinations not wired."""
+    p, s, m = cfg.parallel, cfg.sampling, cfg.model
+    if p.sp < 1 or world_size % p.sp:
+        raise ValueError(
+            f"parallel.sp={p.sp} must be >= 1 and divide the world size {world_size} (torchrun --nproc-per-node); "
+            "pass --parallel.sp with a divisor"
+        )
+    if m.kind not in SEQUENCE_PARALLEL_KINDS:
+        raise ValueError(f"parallel.sp>1 supports model.kind in {SEQUENCE_PARALLEL_KINDS}; drop --parallel.sp")
+    if p.rollout_ranks or cfg.rollout_engine != "diffusers" or m.compile:
+        raise ValueError(
+            "parallel.sp>1 runs with the synchronous in-process rollout only; drop --parallel.rollout-ranks, "
+            "--rollout-engine vllm_omni and --model.compile, or --parallel.sp"
+        )
+    multiple = RESOLUTION_MULTIPLE[m.kind]
+    tokens = (s.height // multiple) * (s.width // multiple)
+    if tokens % p.sp:
+        raise ValueError(
+            f"sampling.height x width = {s.height}x{s.width} gives {tokens} image tokens, not divisible by "
+            f"parallel.sp={p.sp} (diffusers' Ulysses splits them evenly and its uneven split has no backward); "
+            f"pick a size whose token count is, e.g. {s.height + multiple}x{s.width + multiple} for sp 2"
+        )
+
+
 def _validate_parallel(cfg: TrainConfig, world_size: int) -> None:
     """Checks of the parallel section (the asynchronous mode's split and correction)."""
     p, g, s = cfg.parallel, cfg.grpo, cfg.sampling
@@ -484,6 +517,8 @@ def _validate_parallel(cfg: TrainConfig, world_size: int) -> None:
     ):
         if not ok:
             raise ValueError(f"{name}={value}: must be {want}; pass {_flag(name)} with a valid value")
+    if p.sp != 1:
+        _validate_sequence_parallel(cfg, world_size)
     R = p.rollout_ranks
     if R == 0:
         return
