@@ -485,7 +485,9 @@ def _validate_sequence_parallel(cfg: TrainConfig, world_size: int) -> None:
             "pass --parallel.sp with a divisor"
         )
     if m.kind not in SEQUENCE_PARALLEL_KINDS:
-        raise ValueError(f"parallel.sp>1 supports model.kind in {SEQUENCE_PARALLEL_KINDS}; drop --parallel.sp")
+        raise ValueError(
+            f"parallel.sp>1 supports model.kind in {SEQUENCE_PARALLEL_KINDS}; drop --parallel.sp"
+        )
     if p.rollout_ranks or cfg.rollout_engine != "diffusers" or m.compile:
         raise ValueError(
             "parallel.sp>1 runs with the synchronous in-process rollout only; drop --parallel.rollout-ranks, "
@@ -494,10 +496,11 @@ def _validate_sequence_parallel(cfg: TrainConfig, world_size: int) -> None:
     multiple = RESOLUTION_MULTIPLE[m.kind]
     tokens = (s.height // multiple) * (s.width // multiple)
     if tokens % p.sp:
+        up = -(-s.height // (multiple * p.sp)) * multiple * p.sp  # height tokens a multiple of sp
         raise ValueError(
             f"sampling.height x width = {s.height}x{s.width} gives {tokens} image tokens, not divisible by "
-            f"parallel.sp={p.sp} (diffusers' Ulysses splits them evenly and its uneven split has no backward); "
-            f"pick a size whose token count is, e.g. {s.height + multiple}x{s.width + multiple} for sp 2"
+            f"parallel.sp={p.sp} (diffusers' Ulysses splits them evenly; its uneven split has no backward); "
+            f"e.g. --sampling.height {up}"
         )
 
 
