@@ -52,7 +52,7 @@ from fgrpo.models.loading import build_model, setup_trainable
 from fgrpo.rewards import build_reward
 from fgrpo.rewards.base import ServedReward, check_scores
 from fgrpo.rewards.ocr import is_exact
-from fgrpo.rewards.runner import ParallelReward
+from fgrpo.rewards.runner import ParallelReward, RewardStream
 from fgrpo.rollout import seeds as rs
 from fgrpo.rollout.base import LoraSyncedEngine
 from fgrpo.rollout.engine import (
@@ -150,13 +150,14 @@ def _train(cfg: TrainConfig, d: parallel.Dist, experiment_source: str | Path | N
         seeds = rs.sample_seeds(cfg.seed, step, sample_ids)
         init_seeds = rs.group_init_seeds(cfg.seed, step, sample_ids, G) if cfg.grpo.group_init_noise else None
 
-        # 2. rollout
+        # 2. rollout, each micro-batch's images scored while the next one samples
+        stream = RewardStream(reward, prompts)
         with timer("rollout"), algo.sampling_weights():
-            traj = rollout(engine, prompts, seeds, algo.sampling(step), d.device, init_seeds)
+            traj = rollout(engine, prompts, seeds, algo.sampling(step), d.device, init_seeds, stream.add)
 
         # 3. rewards -> all ranks (of the rollout side) -> group advantages
         with timer("reward"):
-            out = reward(traj.images.cpu().numpy(), prompts)
+            out = stream.result()
             check_scores(out, prompts, cfg.reward.url or cfg.reward.name)
             local_rewards = torch.as_tensor(out.scores, dtype=torch.float32, device=d.device)
         with timer("sync"):

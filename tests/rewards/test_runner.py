@@ -89,3 +89,32 @@ def test_parallel_reward_splits_the_batch_over_its_processes_in_order():
 
     with AsyncRewardRunner(empty_ok, max_workers=2) as runner:
         assert runner(images[:0], []).scores.shape == (0,)  # an empty batch is one empty call, not an error
+
+
+def test_reward_stream_scores_blocks_as_they_come_and_joins_them_in_row_order():
+    """Blocks of a batch added in any order give the scores of one call on the whole batch; with a runner each
+    add returns at once (the pool scores while the caller samples the next block), each block cut over the
+    workers; rows that do not tile the batch are an error at result()."""
+    from fgrpo.rewards.runner import RewardStream
+
+    images = np.random.default_rng(2).integers(0, 256, (6, 8, 8, 3), dtype=np.uint8)
+    prompts = list("abcdef")
+    with AsyncRewardRunner(SlowMeanPixel(sleep_s=0.3), max_workers=2) as runner:
+        stream = RewardStream(runner, prompts)
+        t0 = time.perf_counter()
+        stream.add(slice(4, 6), images[4:6])
+        stream.add(slice(0, 4), images[0:4])
+        assert time.perf_counter() - t0 < 0.2
+        out = stream.result()
+        np.testing.assert_array_equal(out.scores, mean_pixel(images))
+        assert out.metrics["slow/calls_count"] == 4  # two blocks, each over the two workers
+    plain = RewardStream(SlowMeanPixel(sleep_s=0.0), prompts)  # an in-process reward scores on add
+    plain.add(slice(0, 3), images[:3])
+    plain.add(slice(3, 6), images[3:])
+    np.testing.assert_array_equal(plain.result().scores, mean_pixel(images))
+    gap = RewardStream(SlowMeanPixel(sleep_s=0.0), prompts)
+    gap.add(slice(0, 3), images[:3])
+    with pytest.raises(ValueError, match="do not tile"):
+        gap.result()
+    with pytest.raises(ValueError, match="rows 0:2 for 3 images"):
+        gap.add(slice(0, 2), images[:3])

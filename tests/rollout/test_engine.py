@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from diffusers import QwenImagePipeline, StableDiffusion3Pipeline
@@ -464,3 +465,44 @@ def test_bad_flash_requests_fail_before_model_work(models, changes, match):
     engine = DiffusersEngine(_NoWork(models["qwen"]))
     with pytest.raises(ValueError, match=match):
         engine.generate(["a"], [1], dataclasses.replace(BASE, **changes))
+
+
+def test_images_reach_the_sink_micro_batch_by_micro_batch(models):
+    """on_images gets every micro-batch's decoded images as soon as they exist (before the next micro-batch is
+    sampled), in row order, equal to the trajectory's images; the rollout helper hands an engine without
+    streaming's images over in one block."""
+    from fgrpo.rollout.engine import rollout
+
+    model = models["qwen"]
+    cfg = dataclasses.replace(BASE, micro_batch=2)
+    got, forwards_before = [], []
+    real_velocity = model.velocity
+
+    def counting(*a, **k):
+        counting.calls += 1
+        return real_velocity(*a, **k)
+
+    counting.calls = 0
+    model.velocity = counting
+    try:
+        traj = DiffusersEngine(model).generate(
+            PROMPTS,
+            SEEDS,
+            cfg,
+            on_images=lambda rows, im: (got.append((rows, im)), forwards_before.append(counting.calls)),
+        )
+    finally:
+        del model.velocity
+    assert [(r.start, r.stop) for r, _ in got] == [(0, 2), (2, 4), (4, 5)]
+    np.testing.assert_array_equal(np.concatenate([im for _, im in got]), traj.images.numpy())
+    per_micro_batch = counting.calls // 3
+    assert forwards_before[:2] == [per_micro_batch, 2 * per_micro_batch]  # no later micro-batch sampled yet
+
+    class Other:  # an engine that cannot stream (e.g. vLLM-Omni)
+        def generate(self, prompts, seeds, cfg):
+            return traj
+
+    blocks = []
+    rollout(Other(), PROMPTS, SEEDS, cfg, torch.device("cpu"), on_images=lambda r, im: blocks.append((r, im)))
+    assert [(r.start, r.stop) for r, _ in blocks] == [(0, 5)]
+    np.testing.assert_array_equal(blocks[0][1], traj.images.numpy())

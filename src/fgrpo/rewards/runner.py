@@ -9,6 +9,10 @@ over several processes. The one pool of fgrpo (trainer, renderer pretraining, be
     reward = ParallelReward({"name": "ocr", "num_threads": 1}, workers=12)   # a Reward scored by 12 processes
     out = reward(images, prompts)                  # 12 contiguous slices at once, joined in order
 
+    stream = RewardStream(reward, prompts)         # a batch scored while it is still being sampled
+    engine.generate(..., on_images=stream.add)     # each micro-batch's images go to the pool as they decode
+    out = stream.result()                          # the same RewardOutput as reward(all images, prompts)
+
 A thread is enough when the reward releases the GIL (onnxruntime, PIL's JPEG encoder, HTTP waits); a
 process pool isolates a reward that holds the GIL or is not thread-safe, and spreads one that does not
 scale with threads (rapidocr's per-image Python loop). Each worker builds its own reward once (from a spec
@@ -122,3 +126,42 @@ class ParallelReward(AsyncRewardRunner):
 
     def __init__(self, spec: Reward | str | dict | list, workers: int):
         super().__init__(spec, kind="process", max_workers=workers)
+
+
+class RewardStream:
+    """Score one batch that arrives in row blocks (a rollout's micro-batches), each block as it comes.
+
+    With an AsyncRewardRunner the blocks are submitted at once (cut into up to `max_workers` slices), so the
+    pool scores micro-batch k while the engine samples k + 1; any other Reward scores each block when it is
+    added. `result()` joins the blocks in row order: the scores equal one call on the whole batch for any
+    reward that scores each image on its own (all of fgrpo's); metrics are `concat_outputs`' merge.
+    """
+
+    def __init__(self, reward: Reward, prompts: Sequence[str]):
+        self.reward, self.prompts = reward, list(prompts)
+        self._parts: list[tuple[int, cf.Future[RewardOutput] | RewardOutput]] = []
+
+    def add(self, rows: slice, images: np.ndarray) -> None:
+        """Rows rows.start:rows.stop of the batch, decoded: uint8 [n, H, W, 3]."""
+        start, stop = rows.start or 0, rows.stop
+        if stop - start != len(images):
+            raise ValueError(f"RewardStream.add: rows {start}:{stop} for {len(images)} images")
+        prompts = self.prompts[start:stop]
+        if not isinstance(self.reward, AsyncRewardRunner):
+            self._parts.append((start, self.reward(images, prompts)))
+            return
+        bounds = np.linspace(0, len(prompts), min(self.reward.max_workers, len(prompts)) + 1).astype(int)
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            if b > a:
+                self._parts.append((start + a, self.reward.submit(images[a:b], prompts[a:b])))
+
+    def result(self) -> RewardOutput:
+        """The whole batch's RewardOutput, rows in order; every row must have been added exactly once."""
+        parts = sorted(self._parts, key=lambda p: p[0])
+        outs = [p.result() if isinstance(p, cf.Future) else p for _, p in parts]
+        covered = sum(len(o.scores) for o in outs)
+        if covered != len(self.prompts) or any(
+            a + len(o.scores) != b for (a, _), o, (b, _) in zip(parts, outs, parts[1:])
+        ):
+            raise ValueError(f"RewardStream: rows added do not tile the batch of {len(self.prompts)}")
+        return concat_outputs(outs)

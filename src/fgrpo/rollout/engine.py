@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from fgrpo.core import schedule, sde
@@ -27,6 +28,9 @@ from fgrpo.models.common import module_device
 from fgrpo.policy import transition, transition_log_prob
 from fgrpo.rollout.base import RolloutEngine, SamplingConfig, SleepingEngine, Trajectory
 from fgrpo.rollout.seeds import sample_generator
+
+# Receives a rollout's decoded images block by block: (rows of the batch, uint8 [n, H, W, 3] numpy array).
+ImageSink = Callable[[slice, np.ndarray], None]
 
 
 class _GivenVelocity:
@@ -133,10 +137,13 @@ class DiffusersEngine:
         seeds: Sequence[int],
         cfg: SamplingConfig,
         init_seeds: Sequence[int] | None = None,
+        on_images: ImageSink | None = None,
     ) -> Trajectory:
         """init_seeds: if given, sample b starts from the x_1 that a sample seeded init_seeds[b] starts from
         (equal init seeds = equal x_1, e.g. one per GRPO group). Its own generator still draws (and drops) its
-        x_1, so its window and SDE noises are the same draws with or without init_seeds."""
+        x_1, so its window and SDE noises are the same draws with or without init_seeds.
+        on_images(rows, images): called with each micro-batch's decoded images (uint8 [m, H, W, 3], on the
+        CPU) as soon as they exist, e.g. to score them while the next micro-batch samples."""
         model = self.model
         check_request(model, prompts, seeds, cfg)
         if init_seeds is not None and len(init_seeds) != len(prompts):
@@ -231,6 +238,8 @@ class DiffusersEngine:
                     x0_prev, sigma_prev = x0_pred, sigma
             x0[rows] = x
             images.append(model.decode(x, cfg.height, cfg.width))
+            if on_images is not None:
+                on_images(rows, images[-1].cpu().numpy())
 
         return Trajectory(
             prompts=prompts,
@@ -320,14 +329,22 @@ def rollout(
     cfg: SamplingConfig,
     device: torch.device,
     init_seeds: list[int] | None = None,
+    on_images: ImageSink | None = None,
 ) -> Trajectory:
-    """engine.generate, with an engine that shares the GPU (vLLM-Omni) woken for it and put back to sleep."""
+    """engine.generate, with an engine that shares the GPU (vLLM-Omni) woken for it and put back to sleep.
+    on_images(rows, images) receives every image once: per micro-batch from the in-process engine, as one block
+    after the rollout from the others."""
     if isinstance(engine, SleepingEngine):
         engine.wake()
-    extra = {} if init_seeds is None else {"init_seeds": init_seeds}
+    extra: dict = {} if init_seeds is None else {"init_seeds": init_seeds}
+    streams = isinstance(engine, DiffusersEngine)
+    if streams and on_images is not None:
+        extra["on_images"] = on_images
     traj = engine.generate(prompts, seeds, cfg, **extra).to(device)
     if isinstance(engine, SleepingEngine):
         engine.sleep()
+    if on_images is not None and not streams:
+        on_images(slice(0, len(prompts)), traj.images.cpu().numpy())
     return traj
 
 
