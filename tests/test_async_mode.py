@@ -1,8 +1,10 @@
-"""The asynchronous mode: max_staleness 0 on 1 rollout + 1 trainer gloo rank is the synchronous run bit for bit;
-max_staleness 1 trains on batches one version old with the recomputed old policy and the IS weight; the
-trainer's drop rule and message protocol with a fake wire; the config refusals."""
+"""The asynchronous mode: max_staleness 0 on 1 rollout + 1 trainer gloo rank is the synchronous run bit for bit,
+validation included; max_staleness 1 trains on batches one version old with the recomputed old policy and the IS
+weight, and validates the trainer's weights; the trainer's drop rule and message protocol with a fake wire; the
+config refusals."""
 
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -21,6 +23,7 @@ from fgrpo.rollout.buffer import RolloutBuffer
 ENTRY = str(Path(__file__).with_name("train_entry.py"))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 STEPS = 3
+VAL = ("--run.val-every", "2", "--run.val-num-steps", "3")  # validation rows at steps 0, 2 and the final 3
 
 
 def _run(out_dir, *flags, nproc=1):
@@ -47,32 +50,79 @@ def _weights(out_dir, step):
     return load_file(str(Path(out_dir) / "e2e" / "checkpoints" / f"step_{step:06d}" / "model.safetensors"))
 
 
-def _same_numbers(a: dict, b: dict) -> list[str]:
+def _same_numbers(a: dict, b: dict, min_keys: int = 15) -> list[str]:
     """Keys of both rows whose values differ, wall-clock ones aside."""
     keys = [k for k in a if k in b and k != "time" and not k.startswith(("time/", "perf/"))]
-    assert len(keys) > 15
+    assert len(keys) >= min_keys
     return [k for k in keys if a[k] != b[k]]
+
+
+def _validate_checkpoints(out_dir, steps: list[int]) -> list[float]:
+    """val/reward_mean of train.validate in this process, on one unsharded rank, with the LoRA of each
+    checkpoint of `steps`."""
+    from fgrpo import logging as flog
+    from fgrpo import parallel
+    from fgrpo.data import load_prompts
+    from fgrpo.models.loading import build_model, setup_trainable
+    from fgrpo.rewards import build_reward
+    from fgrpo.rollout.engine import build_engine
+    from fgrpo.train import validate
+
+    spec = importlib.util.spec_from_file_location("train_entry", ENTRY)
+    assert spec is not None and spec.loader is not None
+    entry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(entry)
+    cfg = entry.Config()
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, val_every=2, val_num_steps=3))
+    model = build_model(cfg.model, torch.device("cpu"), cfg.seed)
+    setup_trainable(model.transformer, cfg.model)
+    prompts = load_prompts(cfg.data.val_prompts)[: cfg.data.val_num_prompts]
+    engine = build_engine(model, cfg.rollout_engine, cfg.model.path)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the runs' OMP_NUM_THREADS
+    out = []
+    try:
+        for step in steps:
+            missing, unexpected = model.transformer.load_state_dict(_weights(out_dir, step), strict=False)
+            assert unexpected == [] and not any("lora" in k for k in missing)
+            val = validate(
+                engine,
+                build_reward(cfg.reward.spec),
+                prompts,
+                cfg,
+                flog.NullLogger(),
+                step,
+                torch.device("cpu"),
+                parallel.Split((0,), (0,)),
+            )
+            out.append(val["val/reward_mean"])
+        return out
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
 def sync_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("sync")
-    return out, _run(out)
+    return out, _run(out, *VAL)
 
 
 @pytest.mark.slow
 def test_staleness_0_is_the_synchronous_run_bit_for_bit(sync_run, tmp_path):
     """1 rollout rank + 1 trainer rank with max_staleness 0: every logged number (rewards, losses, ratios,
-    gradient norms, log-prob gaps) and every checkpointed LoRA tensor equal the synchronous run on one rank.
-    This needs the pushed weights to arrive whole before each batch: a missing push would change the
-    rewards from step 1 on."""
+    gradient norms, log-prob gaps, the validation rewards of steps 0, 2 and the final one) and every
+    checkpointed LoRA tensor equal the synchronous run on one rank. This needs the pushed weights to arrive
+    whole before each batch: a missing push would change the rewards from step 1 on."""
     sync_out, sync_rows = sync_run
-    rows = _run(tmp_path, "--parallel.rollout-ranks", "1", "--parallel.max-staleness", "0", nproc=2)
-    assert len(rows) == len(sync_rows) == STEPS
-    for a, b in zip(sync_rows, rows):
+    rows = _run(tmp_path, "--parallel.rollout-ranks", "1", "--parallel.max-staleness", "0", *VAL, nproc=2)
+    assert len(rows) == len(sync_rows) == STEPS + 1
+    assert [r["step"] for r in rows if "val/reward_mean" in r] == [0, 2, STEPS]
+    for a, b in zip(sync_rows[:STEPS], rows[:STEPS]):
         assert _same_numbers(a, b) == []
         assert b["async/staleness"] == 0 and b["async/dropped_total"] == 0
         assert not any(k.startswith("train/offpolicy/") for k in b)
+    assert _same_numbers(sync_rows[STEPS], rows[STEPS], min_keys=2) == []
+    assert [r.get("val/version") for r in rows[:STEPS]] == [0, None, 2]
     for step in range(1, STEPS + 1):
         one, two = _weights(sync_out, step), _weights(tmp_path, step)
         assert one.keys() == two.keys() and len(one) > 0
@@ -86,11 +136,17 @@ def test_staleness_1_trains_one_version_behind_with_the_correction(sync_run, tmp
     """max_staleness 1: batch k is sampled with version max(0, k - 1), so the trainer sees staleness 0, 1, 1.
     Step 0 is the synchronous step 0 exactly (same batch, same weights); the stale steps recompute the old
     log-probs (the behaviour/old gap is > 0: the rollout's weights really are one update old) and log the
-    truncated IS weights, which lie in (0, 2]."""
+    truncated IS weights, which lie in (0, 2]. Step 2's validation is of the trainer's weights (version 2, the
+    step-2 checkpoint, validated here in-process), not of the rollout's (version 1) that sampled its batch."""
     sync_out, sync_rows = sync_run
-    rows = _run(tmp_path, "--parallel.rollout-ranks", "1", "--parallel.max-staleness", "1", nproc=2)
+    rows = _run(tmp_path, "--parallel.rollout-ranks", "1", "--parallel.max-staleness", "1", *VAL, nproc=2)
+    rows, final = rows[:STEPS], rows[STEPS]
     assert [r["async/staleness"] for r in rows] == [0, 1, 1]
     assert [r["async/version"] for r in rows] == [0, 0, 1]
+    assert rows[2]["val/version"] == 2
+    trainer, rollout, last = _validate_checkpoints(tmp_path, [2, 1, STEPS])
+    assert rows[2]["val/reward_mean"] == trainer != rollout
+    assert final["val/reward_mean"] == last
     assert _same_numbers(sync_rows[0], rows[0]) == []
     one, two = _weights(sync_out, 1), _weights(tmp_path, 1)
     assert all(torch.equal(one[k], two[k]) for k in one)
@@ -137,7 +193,11 @@ def _fake_trainer(monkeypatch, versions, max_staleness, num_steps):
     split = async_mode.parallel.Split((0,), (1,))
     layer = torch.nn.Linear(2, 1)
     torch.nn.init.zeros_(layer.weight)  # updates of +1 then give exactly 0, 1, 2, ...
-    trained, logged = [], []
+    trained, logged, validated = [], [], []
+
+    def validation(step, timer):
+        validated.append(step)
+        return {"val/reward_mean": 0.5} if step % 2 == 0 else {}
 
     def update(step, batch, timer, off_policy):
         trained.append((step, batch.step, off_policy))
@@ -149,7 +209,8 @@ def _fake_trainer(monkeypatch, versions, max_staleness, num_steps):
         logged.append(extra)
         return extra
 
-    async_mode.run_trainer(cfg, split, layer, torch.device("cpu"), update, record)
+    async_mode.run_trainer(cfg, split, layer, torch.device("cpu"), validation, update, record)
+    assert validated == list(range(num_steps))  # once a step, whether a batch was dropped or not
     return trained, logged, FakeWire.sent
 
 
@@ -157,9 +218,11 @@ def test_a_batch_older_than_max_staleness_is_dropped_counted_and_logged(monkeypa
     """max_staleness 1, batches of versions 0, 0, 0, 2 (a producer that fell behind): the trainer trains batch 0
     (staleness 0) and batch 1 (staleness 1), drops batch 2 (version 0 against the trainer's 2), trains batch 3 as
     its step 2; the drop is in step 2's row, the dropped batch gets a message without weights, the last update's
-    message says stop, and one batch sampled ahead is drained after it."""
+    message says stop, and one batch sampled ahead is drained after it. Validation (due at steps 0 and 2) runs once
+    a step, drop or not, and its rows name the trainer's version then."""
     trained, logged, sent = _fake_trainer(monkeypatch, [0, 0, 0, 2, 3], max_staleness=1, num_steps=3)
     assert trained == [(0, 0, False), (1, 1, True), (2, 3, False)]
+    assert [r.get("val/version") for r in logged] == [0, None, 2]
     assert [r["async/staleness"] for r in logged] == [0, 1, 0]
     assert [r["async/dropped"] for r in logged] == [0, 0, 1]
     assert [r["async/dropped_total"] for r in logged] == [0, 0, 1]
@@ -210,7 +273,6 @@ def _async_cfg(**kw):
         (_async_cfg(algo=AlgoConfig(name="nft")), 2, "'nft' has no asynchronous mode"),
         (_async_cfg(algo=AlgoConfig(name="dppo")), 2, "'dppo' has no asynchronous mode"),
         (_async_cfg(rollout_engine="vllm_omni"), 2, "'vllm_omni' has no asynchronous mode"),
-        (_async_cfg(run=RunConfig(val_every=5)), 2, "--run.val-every 0"),
         (_async_cfg(run=RunConfig(val_every=0, resume="auto")), 2, "cannot resume yet"),
     ],
 )

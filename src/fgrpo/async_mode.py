@@ -25,6 +25,12 @@ the old policy's log-probs of the stored transitions (its weights when the step 
 pi_theta / pi_old, and each entry's loss is weighted by the truncated (TIS) or masked importance weight
 pi_old / pi_behaviour, pi_behaviour being the rollout's recorded log-probs.
 
+Validation (train.validation, every run.val_every steps and after the last) runs on the trainer ranks, before
+they receive the step's batch: they hold the current weights, version k before the update of step k, the one
+the synchronous loop validates (its row says so: val/version), while the rollout's copy lags max_staleness
+versions behind. Its images are scored and gathered within the trainer side (parallel.Split.group), so the
+point-to-point protocol never waits on it; the rollout keeps sampling ahead meanwhile, up to its bound.
+
 The wire is gloo point-to-point (parallel.isend_object): a trainer rank receives its rows of each batch from
 one rollout rank; rank 0 sends each rollout rank every update. Samples and weights cross as CPU tensors (for
 full weights on GPUs an NCCL broadcast would be faster; not measured yet).
@@ -187,11 +193,12 @@ def run_trainer(
     split: parallel.Split,
     transformer: torch.nn.Module,
     device: torch.device,
+    validation: Callable[[int, flog.PhaseTimer], dict[str, float]],
     update: Callable[[int, Batch, flog.PhaseTimer, bool], dict[str, float]],
     record: Callable[[int, Batch, dict[str, float], flog.PhaseTimer, dict[str, float]], dict[str, float]],
 ) -> dict[str, float]:
-    """The trainer ranks' loop: receive, check staleness, train (train.update), push, log and checkpoint
-    (train.record). Returns the last step's metrics."""
+    """The trainer ranks' loop: validate (train.validation, when due), receive, check staleness, train
+    (train.update), push, log and checkpoint (train.record). Returns the last step's metrics."""
     wire, s = Wire(split), cfg.parallel.max_staleness
     is_main = parallel.rank() == split.trainer_ranks[0]
     buffer: RolloutBuffer[Batch] = RolloutBuffer(max_size=1, max_staleness=s)
@@ -204,8 +211,13 @@ def run_trainer(
     version, step, index, dropped_since = 0, 0, 0, 0
     push(-1, version, None)
     metrics: dict[str, float] = {}
+    val_metrics: dict[str, float] | None = None
     while step < cfg.num_steps:
         timer = flog.PhaseTimer()
+        if val_metrics is None:  # once a step, a dropped batch aside; the rollout samples meanwhile
+            val_metrics = validation(step, timer)
+            if val_metrics:
+                val_metrics["val/version"] = float(version)
         with timer("wait"):
             batch = wire.recv_batch(device)
         fresh = accept(buffer, batch, version)
@@ -229,8 +241,8 @@ def run_trainer(
             "async/dropped_total": float(len(buffer.dropped)),
             **{f"rollout_{k}": v for k, v in batch.times.items()},  # the rollout side's phases
         }
-        metrics = record(step, batch, train_metrics, timer, async_metrics)
-        dropped_since, step, index = 0, step + 1, index + 1
+        metrics = record(step, batch, train_metrics, timer, val_metrics | async_metrics)
+        dropped_since, step, index, val_metrics = 0, step + 1, index + 1, None
     for _ in range(s):  # the batches the rollout sampled ahead of the last update: received, not trained
         wire.recv_batch(device)
     wire.pending.wait()

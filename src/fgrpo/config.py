@@ -553,8 +553,6 @@ def _validate_parallel(cfg: TrainConfig, world_size: int) -> None:
         )
     if cfg.run.resume:
         raise ValueError("parallel.rollout_ranks>0 cannot resume yet; drop --run.resume or the rollout ranks")
-    if cfg.run.val_every:
-        raise ValueError("parallel.rollout_ranks>0 does not validate yet; pass --run.val-every 0")
     if g.old_log_prob != "rollout":
         raise ValueError(
             "parallel.rollout_ranks>0 recomputes the old log-probs of stale batches itself; drop "

@@ -14,10 +14,10 @@ DiffusionNFT, AWM):
             backward (scaled so the gradient does not depend on the split); optimizer step per mini-batch
         algo.after_update (the EMA old policy); LoRA sync to an out-of-process engine; log; checkpoint
 
-The loop body is three functions - `experience` (prompts, rollout, rewards, advantages), `update` and `record`
-(log, checkpoint) - so the asynchronous mode (`--parallel.rollout-ranks N`, fgrpo/async_mode.py) runs the same
-code split over two sets of ranks: rollout ranks call `experience` for step k + max_staleness while trainer
-ranks call `update` and `record` for step k.
+The loop body is four functions - `validation`, `experience` (prompts, rollout, rewards, advantages), `update`
+and `record` (log, checkpoint) - so the asynchronous mode (`--parallel.rollout-ranks N`, fgrpo/async_mode.py)
+runs the same code split over two sets of ranks: rollout ranks call `experience` for step k + max_staleness
+while trainer ranks call `validation`, `update` and `record` for step k.
 
 Deviations from flow_grpo, and why:
 - Every rank samples an arbitrary slice of the P*G samples (the G samples of a prompt may live on
@@ -142,6 +142,13 @@ def _train(cfg: TrainConfig, d: parallel.Dist, experiment_source: str | Path | N
     bad_steps = 0
     bar = flog.Progress(total=cfg.num_steps, initial=start_step)
 
+    def validation(step: int, timer: flog.PhaseTimer) -> dict[str, float]:
+        """0. validation of the weights that enter this step (step 0: the starting model), every run.val_every."""
+        if not (cfg.run.val_every and step % cfg.run.val_every == 0):
+            return {}
+        with timer("val"):
+            return validate(engine, reward, val_prompts, cfg, logger, step, d.device, split)
+
     def experience(step: int, timer: flog.PhaseTimer) -> Batch:
         """1.-3. of the step: prompts and seeds, rollout, rewards -> group advantages."""
         # 1. prompts and seeds: pure functions of (seed, step)
@@ -236,16 +243,12 @@ def _train(cfg: TrainConfig, d: parallel.Dist, experiment_source: str | Path | N
     if not split.is_async:
         for step in range(start_step, cfg.num_steps):
             timer = flog.PhaseTimer()
-            # 0. validation of the weights that enter this step (step 0: the starting model)
-            val_metrics = {}
-            if cfg.run.val_every and step % cfg.run.val_every == 0:
-                with timer("val"):
-                    val_metrics = validate(engine, reward, val_prompts, cfg, logger, step, d.device)
+            val_metrics = validation(step, timer)  # 0.
             batch = experience(step, timer)  # 1.-3.
             train_metrics = update(step, batch, timer)  # 4.
             metrics = record(step, batch, train_metrics, timer, val_metrics)  # 5.
     elif split.trains:
-        metrics = async_mode.run_trainer(cfg, split, model.transformer, d.device, update, record)
+        metrics = async_mode.run_trainer(cfg, split, model.transformer, d.device, validation, update, record)
     else:
         async_mode.run_rollout(
             cfg,
@@ -256,8 +259,9 @@ def _train(cfg: TrainConfig, d: parallel.Dist, experiment_source: str | Path | N
         )
 
     bar.close()
-    if cfg.run.val_every and start_step < cfg.num_steps:  # the trained model, logged as step num_steps
-        final = validate(engine, reward, val_prompts, cfg, logger, cfg.num_steps, d.device)
+    # The trained model, logged as step num_steps (by the trainer ranks: the rollout's copy lags).
+    if cfg.run.val_every and start_step < cfg.num_steps and split.trains:
+        final = validate(engine, reward, val_prompts, cfg, logger, cfg.num_steps, d.device, split)
         logger.log(final, step=cfg.num_steps)
         metrics.update(final)
         flog.print0(f"final validation: {final}")
@@ -270,12 +274,20 @@ def _train(cfg: TrainConfig, d: parallel.Dist, experiment_source: str | Path | N
 
 @torch.no_grad()
 def validate(
-    engine, reward, prompts: list[str], cfg: TrainConfig, logger, step: int, device: torch.device
+    engine,
+    reward,
+    prompts: list[str],
+    cfg: TrainConfig,
+    logger,
+    step: int,
+    device: torch.device,
+    split: parallel.Split,
 ) -> dict[str, float]:
-    """ODE samples of fixed prompts and seeds (the same every validation), scored by the reward."""
-    world = parallel.world_size()
+    """ODE samples of fixed prompts and seeds (the same every validation), scored by the reward, on the
+    training ranks (all of them; the trainer ranks of the asynchronous mode, which hold the current weights)."""
+    world = len(split.trainer_ranks)
     n = math.ceil(len(prompts) / world) * world
-    ids = torch.arange(n).view(world, -1)[parallel.rank()]
+    ids = torch.arange(n).view(world, -1)[split.side_rank()]
     local_prompts = [prompts[int(i) % len(prompts)] for i in ids]  # pad by wrapping so shapes match
     traj = rollout(
         engine,
@@ -287,7 +299,7 @@ def validate(
     out = reward(traj.images.cpu().numpy(), local_prompts)
     check_scores(out, local_prompts, cfg.reward.url or cfg.reward.name)
     scores = parallel.all_gather_cat(
-        torch.as_tensor(out.scores, dtype=torch.float32, device=traj.images.device)
+        torch.as_tensor(out.scores, dtype=torch.float32, device=traj.images.device), split.group
     )
     scores = scores[: len(prompts)]
     logger.log_images("val", traj.images[:16].cpu().numpy(), local_prompts[:16], step=step)
