@@ -91,7 +91,9 @@ def shutdown(*objects_to_drop: object) -> None:
     Destroying the group while FSDP tensors or optimizer state are still alive aborts ~15 % of gloo
     runs; the caller drops its references first, we collect and barrier, then destroy.
     """
+    global _sp_mesh
     del objects_to_drop
+    _sp_mesh = None
     gc.collect()
     if initialized():
         dist.barrier()
@@ -141,6 +143,19 @@ class Split:
         """This rank's index within its side."""
         side = self.trainer_ranks if self.trains else self.rollout_ranks
         return side.index(rank())
+
+    def data_size(self) -> int:
+        """Shards the step's samples are cut into on this rank's side: its ranks over sp (the ranks of an SP group
+        hold the same samples; sp is 1 in the asynchronous mode)."""
+        return len(self.trainer_ranks if self.trains else self.rollout_ranks) // sp_size()
+
+    def data_rank(self) -> int:
+        """This rank's shard of the samples on its side (`dp_rank()` in the synchronous mode)."""
+        return self.side_rank() // sp_size()
+
+    def data_group(self) -> dist.ProcessGroup | None:
+        """The ranks to gather per-sample results over: one per shard of this side (None = all ranks)."""
+        return self.group if self.is_async else dp_group()
 
     def mesh(self, device: torch.device):
         """The DeviceMesh FSDP2 shards this rank's model over (None = all ranks, fully_shard's default)."""
@@ -204,6 +219,85 @@ def recv_object(src: int, *, group=None, tag: int = 0) -> object:
     dist.recv(data, src, group=group, tag=tag)
     # Our own payload (a Trajectory, metrics, tensors), not a file from elsewhere: full unpickling is safe.
     return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
+
+
+# The dp x ring x ulysses DeviceMesh of `init_sequence_parallel` (None: no sequence parallelism, sp = 1).
+_sp_mesh = None
+
+
+def init_sequence_parallel(sp: int, device: torch.device) -> None:
+    """Lay the ranks out as dp x sp (collective; after `init_distributed`, before the model is sharded).
+
+    An SP group is `sp` consecutive ranks: they hold the same samples and split each sample's tokens
+    (diffusers' Ulysses attention, `enable_sequence_parallel`). The mesh has diffusers' two context-parallel
+    dimensions, ring (size 1) and ulysses (size sp), after the data-parallel one. sp = 1 leaves no mesh.
+    """
+    global _sp_mesh
+    _sp_mesh = None
+    if sp == 1:
+        return
+    if world_size() % sp:
+        raise ValueError(f"parallel.sp={sp} must divide the world size {world_size()}; pass a divisor")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _sp_mesh = init_device_mesh(
+        device.type, (world_size() // sp, 1, sp), mesh_dim_names=("dp", "ring", "ulysses")
+    )
+
+
+def sp_size() -> int:
+    """Ranks that split one sample's sequence (1 without sequence parallelism)."""
+    return 1 if _sp_mesh is None else _sp_mesh["ulysses"].size()
+
+
+def dp_size() -> int:
+    """Ranks that hold distinct samples: the world size over sp."""
+    return world_size() // sp_size()
+
+
+def dp_rank() -> int:
+    """This rank's data shard: the ranks of one SP group share it (= `rank()` without sequence parallelism)."""
+    return rank() // sp_size()
+
+
+def dp_group() -> dist.ProcessGroup | None:
+    """One rank of each SP group, this rank's among them: the ranks to gather per-sample results over
+    (None = all ranks, fully_shard's and all_gather_cat's default, without sequence parallelism)."""
+    return None if _sp_mesh is None else _sp_mesh["dp"].get_group()
+
+
+def enable_sequence_parallel(transformer: nn.Module) -> None:
+    """Split the transformer's sequence over the SP group (diffusers' Ulysses context parallelism); no-op at sp 1.
+
+    Call after `shard_transformer`, which shards over all ranks. Each rank's backward then yields the gradient
+    of its own tokens only, so the SP group's sum is the full gradient of its samples: FSDP2 divides the
+    reduce-scatter sum by the data-parallel size instead of its default, the world size.
+    """
+    if _sp_mesh is None:
+        return
+    from diffusers import ContextParallelConfig
+    from torch.distributed.fsdp import FSDPModule
+
+    heads = getattr(transformer.config, "num_attention_heads", 0)
+    if heads % sp_size():
+        raise ValueError(
+            f"parallel.sp={sp_size()} must divide the transformer's {heads} attention heads (Ulysses gives each "
+            "rank whole heads); pass a divisor"
+        )
+    transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=sp_size(), mesh=_sp_mesh))
+    for m in transformer.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(float(dp_size()))
+            # A divisor other than the group size is NCCL's PREMUL_SUM, which gloo lacks: sum, then divide.
+            m.set_force_sum_reduction_for_comms(True)
+
+
+def sequence_multiple(transformer: nn.Module) -> int:
+    """What each token stream's length must be a multiple of for the transformer's context-parallel split
+    (diffusers' even split; 1 when `enable_sequence_parallel` was not applied)."""
+    config = getattr(transformer, "_parallel_config", None)
+    cp = None if config is None else config.context_parallel_config
+    return 1 if cp is None else cp.ulysses_degree * cp.ring_degree
 
 
 def is_dtensor(t: torch.Tensor) -> TypeGuard[DTensor]:

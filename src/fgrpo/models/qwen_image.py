@@ -36,6 +36,7 @@ from fgrpo.models.common import (
     to_uint8,
     trim_padding,
 )
+from fgrpo.parallel import sequence_multiple
 
 if (
     TYPE_CHECKING
@@ -270,6 +271,10 @@ class QwenImage:
             embeds, mask = torch.cat([embeds, neg]), torch.cat([mask, neg_mask])
             x, sigma = torch.cat([x, x]), torch.cat([sigma, sigma])
         embeds, mask = trim_padding(embeds, mask)
+        # Sequence parallelism splits the text tokens evenly over its ranks; the added tokens are masked keys, so
+        # the image tokens' values do not change.
+        multiple = sequence_multiple(self.transformer)
+        embeds, mask = pad_to(embeds, mask, -(-embeds.shape[1] // multiple) * multiple)
         dtype = self.dtype
         out = self.transformer(
             hidden_states=x.to(dtype),
