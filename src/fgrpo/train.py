@@ -78,6 +78,7 @@ def train(cfg: TrainConfig, *, experiment_source: str | Path | None = None) -> d
 
 def _train(cfg: TrainConfig, d: parallel.Dist, experiment_source: str | Path | None) -> dict[str, float]:
     split = parallel.split(cfg.parallel.rollout_ranks)  # every rank trains and rolls out, or one of the two
+    parallel.init_sequence_parallel(cfg.parallel.sp, d.device)  # SP groups of consecutive ranks share samples
     train_prompts = load_prompts(cfg.data.train_prompts, require_quoted=cfg.reward.is_ocr)
     val_prompts = load_prompts(
         cfg.data.val_prompts, require_quoted=cfg.reward.is_ocr, field="data.val_prompts"
@@ -101,6 +102,7 @@ def _train(cfg: TrainConfig, d: parallel.Dist, experiment_source: str | Path | N
         param_dtype=torch.bfloat16 if cfg.model.dtype == "bf16" else None,
         mesh=split.mesh(d.device),
     )
+    parallel.enable_sequence_parallel(model.transformer)  # rollout and training forwards alike
     params = [p for p in model.transformer.parameters() if p.requires_grad]  # now DTensors
     o = cfg.optim
     optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
@@ -136,8 +138,8 @@ def _train(cfg: TrainConfig, d: parallel.Dist, experiment_source: str | Path | N
     logger = flog.make_logger(cfg, run.path, enabled=d.is_main, experiment_source=experiment_source)
 
     G, P = cfg.grpo.group_size, cfg.grpo.prompts_per_step
-    n_local = P * G // len(split.trainer_ranks if split.trains else split.rollout_ranks)
-    i = split.side_rank()
+    n_local = P * G // split.data_size()
+    i = split.data_rank()
     sample_ids = torch.arange(i * n_local, (i + 1) * n_local)  # this rank's slice of the step
     bad_steps = 0
     bar = flog.Progress(total=cfg.num_steps, initial=start_step)
@@ -168,7 +170,7 @@ def _train(cfg: TrainConfig, d: parallel.Dist, experiment_source: str | Path | N
             check_scores(out, prompts, cfg.reward.url or cfg.reward.name)
             local_rewards = torch.as_tensor(out.scores, dtype=torch.float32, device=d.device)
         with timer("sync"):
-            rewards = parallel.all_gather_cat(local_rewards, split.group)
+            rewards = parallel.all_gather_cat(local_rewards, split.data_group())
             advantages = grpo.group_advantages(rewards, G, std=cfg.grpo.adv_std)
         return Batch(step, traj, rewards, advantages, dict(out.metrics))
 
@@ -285,9 +287,9 @@ def validate(
 ) -> dict[str, float]:
     """ODE samples of fixed prompts and seeds (the same every validation), scored by the reward, on the
     training ranks (all of them; the trainer ranks of the asynchronous mode, which hold the current weights)."""
-    world = len(split.trainer_ranks)
+    world = split.data_size()
     n = math.ceil(len(prompts) / world) * world
-    ids = torch.arange(n).view(world, -1)[split.side_rank()]
+    ids = torch.arange(n).view(world, -1)[split.data_rank()]
     local_prompts = [prompts[int(i) % len(prompts)] for i in ids]  # pad by wrapping so shapes match
     traj = rollout(
         engine,
@@ -299,7 +301,7 @@ def validate(
     out = reward(traj.images.cpu().numpy(), local_prompts)
     check_scores(out, local_prompts, cfg.reward.url or cfg.reward.name)
     scores = parallel.all_gather_cat(
-        torch.as_tensor(out.scores, dtype=torch.float32, device=traj.images.device), split.group
+        torch.as_tensor(out.scores, dtype=torch.float32, device=traj.images.device), split.data_group()
     )
     scores = scores[: len(prompts)]
     logger.log_images("val", traj.images[:16].cpu().numpy(), local_prompts[:16], step=step)
