@@ -106,9 +106,14 @@ def load_model(mcfg: ModelConfig, *, device: torch.device | str, dtype: torch.dt
         from fgrpo.models.sd3 import SD3
 
         model = SD3.from_pretrained(mcfg.path, dtype=dtype, device=device)
+    elif mcfg.kind == "ltx2":
+        from fgrpo.models.ltx2 import LTX2, clip_kwargs
+
+        model = LTX2.from_pretrained(mcfg.path, dtype=dtype, device=device, **clip_kwargs(mcfg))
     else:
         raise ValueError(
-            f"model.kind={mcfg.kind!r} is not loadable from a path; use 'qwen_image', 'qwen_image_edit' or 'sd3'"
+            f"model.kind={mcfg.kind!r} is not loadable from a path; use 'qwen_image', 'qwen_image_edit', 'sd3' or "
+            "'ltx2'"
         )
     configure_transformer(
         model.transformer,
@@ -125,15 +130,21 @@ def build_model(mcfg: ModelConfig, device: torch.device, seed: int) -> FlowModel
         from fgrpo.models.textbed import load_textbed
 
         return load_textbed(mcfg.path or None, device=device, dtype=dtype)
-    if mcfg.kind in ("tiny_qwen_image", "tiny_qwen_image_edit", "tiny_sd3"):
+    if mcfg.kind in ("tiny_qwen_image", "tiny_qwen_image_edit", "tiny_sd3", "tiny_ltx2"):
         from fgrpo.models import tiny
 
         build = {
             "tiny_qwen_image": tiny.tiny_qwen_image,
             "tiny_qwen_image_edit": tiny.tiny_qwen_image_edit,
             "tiny_sd3": tiny.tiny_sd3,
+            "tiny_ltx2": tiny.tiny_ltx2,
         }[mcfg.kind]
-        model = build(seed=seed, device=device, dtype=dtype)
+        extra = {}
+        if mcfg.kind == "tiny_ltx2":
+            from fgrpo.models.ltx2 import clip_kwargs
+
+            extra = clip_kwargs(mcfg)
+        model = build(seed=seed, device=device, dtype=dtype, **extra)
         configure_transformer(
             model.transformer, attention_backend=mcfg.attention_backend, compile_blocks=mcfg.compile
         )

@@ -1,4 +1,4 @@
-"""Tiny random-init Qwen-Image and SD3 (every component, tokenizers included), built offline in code.
+"""Tiny random-init Qwen-Image, SD3 and LTX-2 (every component, tokenizers included), built offline in code.
 
 Same diffusers / transformers classes as the real models, shrunk until a 64x64 denoising step takes
 milliseconds on a CPU. Used by the tests (parity with diffusers' own pipelines), the experiments' tiny
@@ -34,7 +34,8 @@ from transformers import (
 )
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-from fgrpo.models import qwen_image, sd3
+from fgrpo.models import ltx2, qwen_image, sd3
+from fgrpo.models.ltx2 import LTX2
 from fgrpo.models.qwen_image import PROMPT_DROP, PROMPT_TEMPLATE, QwenImage
 from fgrpo.models.qwen_image_edit import EDIT_PROMPT_DROP, EDIT_PROMPT_TEMPLATE, QwenImageEdit, vl_processor
 from fgrpo.models.sd3 import CLIP_MAX_LENGTH, SD3
@@ -47,6 +48,9 @@ T5_MAX_LENGTH_TINY = 32
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
 # The tiny edit model's condition images are about 64x64 (the pipeline's 1024² would be 4096 tokens a row).
 TINY_CONDITION_AREA = 64 * 64
+# The tiny LTX-2's prompt length (Gemma's 1024 would be most of a CPU step) and default clip.
+TINY_LTX2_TEXT_LENGTH = 16
+TINY_LTX2_CLIP = {"num_frames": 9, "frame_rate": 24.0, "height": 32, "width": 32}
 
 
 def _train_bpe(text: str, specials: list[str], pre_tokenizer) -> tuple[dict[str, int], list[tuple[str, str]]]:
@@ -335,3 +339,158 @@ def tiny_sd3(
     tokenizers = [c["tokenizer"], c["tokenizer_2"], c["tokenizer_3"]]
     kwargs.setdefault("max_sequence_length", T5_MAX_LENGTH_TINY)
     return SD3.from_modules(c["transformer"], c["vae"], encoders, tokenizers, device=device, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------
+# LTX-2
+
+
+def tiny_gemma_tokenizer(max_length: int = TINY_LTX2_TEXT_LENGTH) -> PreTrainedTokenizerFast:
+    """A byte-level BPE with Gemma's <bos> ... <eos> framing and <pad> (stands in for Gemma 3's tokenizer)."""
+    return _tiny_fast_tokenizer("<bos>", "<eos>", "<pad>", max_length)
+
+
+def tiny_ltx2_components(seed: int = 0) -> dict:
+    """Random-init tiny LTX-2.3 parts, keyed like LTX2Pipeline's constructor (fp32, CPU).
+
+    The LTX-2.3 switches are on (gated attention, prompt modulation from sigma, per-modality text projections,
+    learnable registers), so the tiny model runs the same code paths as the real one. The VAE compresses 8x in
+    space and 2x in time (the real one 32x and 8x), so a 32x32, 9-frame clip is 5 x 4 x 4 video tokens.
+    """
+    from diffusers.models.autoencoders.autoencoder_kl_ltx2 import AutoencoderKLLTX2Video
+    from diffusers.models.autoencoders.autoencoder_kl_ltx2_audio import AutoencoderKLLTX2Audio
+    from diffusers.models.transformers.transformer_ltx2 import LTX2VideoTransformer3DModel
+    from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    tokenizer = tiny_gemma_tokenizer()
+    hidden, layers = 32, 2
+    video_ch, audio_ch, mel_bins = 8, 2, 16  # audio tokens: 2 channels x 16 / 4 latent mel bins = 8 features
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        text_encoder = Gemma3ForConditionalGeneration(
+            Gemma3Config(
+                text_config=dict(
+                    hidden_size=hidden,
+                    intermediate_size=64,
+                    num_hidden_layers=layers,
+                    num_attention_heads=2,
+                    num_key_value_heads=1,
+                    head_dim=16,
+                    vocab_size=len(tokenizer),
+                    sliding_window=8,
+                    pad_token_id=tokenizer.pad_token_id,
+                    bos_token_id=tokenizer.bos_token_id,
+                    eos_token_id=tokenizer.eos_token_id,
+                ),
+                vision_config=dict(
+                    hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                    patch_size=14,
+                ),
+                mm_tokens_per_image=4,
+            )
+        )  # fmt: skip
+        connectors = LTX2TextConnectors(
+            caption_channels=hidden,
+            text_proj_in_factor=layers + 1,  # every hidden state, the embedding layer's included
+            video_connector_num_attention_heads=4,
+            video_connector_attention_head_dim=8,
+            video_connector_num_layers=1,
+            video_connector_num_learnable_registers=8,
+            audio_connector_num_attention_heads=4,
+            audio_connector_attention_head_dim=8,
+            audio_connector_num_layers=1,
+            audio_connector_num_learnable_registers=8,
+            connector_rope_base_seq_len=32,
+            rope_double_precision=False,
+            rope_type="split",
+            per_modality_projections=True,
+            video_hidden_dim=hidden,
+            audio_hidden_dim=hidden,
+        )
+        transformer = LTX2VideoTransformer3DModel(
+            in_channels=video_ch,
+            out_channels=video_ch,
+            num_attention_heads=2,
+            attention_head_dim=8,
+            cross_attention_dim=16,
+            vae_scale_factors=(2, 8, 8),
+            gated_attn=True,
+            cross_attn_mod=True,
+            audio_in_channels=audio_ch * mel_bins // 4,
+            audio_out_channels=audio_ch * mel_bins // 4,
+            audio_num_attention_heads=2,
+            audio_attention_head_dim=4,
+            audio_cross_attention_dim=8,
+            audio_gated_attn=True,
+            audio_cross_attn_mod=True,
+            num_layers=2,
+            caption_channels=hidden,
+            rope_double_precision=False,
+            rope_type="split",
+        )
+        vae = AutoencoderKLLTX2Video(
+            latent_channels=video_ch,
+            block_out_channels=(8,),
+            decoder_block_out_channels=(8,),
+            layers_per_block=(1, 1),
+            decoder_layers_per_block=(1, 1),
+            spatio_temporal_scaling=(True,),
+            decoder_spatio_temporal_scaling=(True,),
+            decoder_inject_noise=(False, False),
+            downsample_type=("spatiotemporal",),
+            upsample_type=("spatiotemporal",),
+            upsample_residual=(False,),
+            upsample_factor=(1,),
+            patch_size=4,
+            decoder_causal=False,
+        )
+        audio_vae = AutoencoderKLLTX2Audio(
+            base_channels=audio_ch * mel_bins // 4,  # its latent statistics are per packed audio feature
+            output_channels=2,
+            ch_mult=(1,),
+            num_res_blocks=1,
+            resolution=32,
+            latent_channels=audio_ch,
+            mel_bins=mel_bins,
+        )
+        vocoder = LTX2Vocoder(
+            in_channels=2 * mel_bins,
+            hidden_channels=32,
+            upsample_kernel_sizes=[4, 4],
+            upsample_factors=[2, 2],
+            resnet_kernel_sizes=[3],
+            resnet_dilations=[[1, 3, 5]],
+            output_sampling_rate=16000,
+        )
+        # Non-trivial latent statistics, so a wrong (de)normalisation cannot pass the parity tests.
+        for v in (vae, audio_vae):
+            v.latents_mean.copy_(torch.randn_like(v.latents_mean) * 0.3)
+            v.latents_std.copy_(torch.rand_like(v.latents_std) + 0.5)
+    for m in (text_encoder, connectors, transformer, vae, audio_vae, vocoder):
+        m.eval()
+    return dict(
+        transformer=transformer,
+        vae=vae,
+        audio_vae=audio_vae,
+        vocoder=vocoder,
+        connectors=connectors,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        scheduler=FlowMatchEulerDiscreteScheduler.from_config(ltx2.SCHEDULER_CONFIG),
+    )
+
+
+def tiny_ltx2(
+    seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, **kwargs
+) -> LTX2:
+    """A tiny random LTX-2.3 FlowModel: by default a 32x32, 9-frame clip at 24 fps (5 x 4 x 4 video tokens and 9
+    audio tokens; a denoising step takes milliseconds on a CPU)."""
+    c = tiny_ltx2_components(seed)
+    if dtype != torch.float32:
+        c["transformer"].to(dtype)
+    for k, v in TINY_LTX2_CLIP.items():
+        kwargs.setdefault(k, v)
+    kwargs.setdefault("max_sequence_length", TINY_LTX2_TEXT_LENGTH)
+    return LTX2.from_modules(**{k: c[k] for k in ltx2.MODULES}, device=device, **kwargs)
