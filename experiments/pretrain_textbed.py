@@ -1,6 +1,7 @@
 """Pretrain textbed: a tiny text-to-image flow model that draws one upper-case word (32x128, grayscale).
 
-What it trains: diffusers' QwenImageTransformer2DModel (tiny config, 4x4 pixel patches) and a 2-layer
+What it trains: diffusers' QwenImageTransformer2DModel (or SD3Transformer2DModel with --model.arch sd3;
+tiny config, 4x4 pixel patches) and a 2-layer
 byte-level BERT, jointly, from scratch, on synthetic PIL renders of English words (DejaVu Sans Bold,
 random size/position/gray levels, dark on light). Rectified flow (x_t = (1 - t) x0 + t noise,
 v = noise - x0) with logit-normal t, 10 % prompt dropout for CFG, AdamW, bf16 autocast, EMA.
@@ -26,6 +27,8 @@ Commands:
       uv run torchrun --standalone --nproc-per-node N experiments/pretrain_textbed.py recipe
   CPU smoke test (seconds):
       uv run python experiments/pretrain_textbed.py tiny
+  The SD3.5 family's renderer (diffusers' SD3Transformer2DModel with SD3.5-Medium's structure, same task):
+      uv run python experiments/pretrain_textbed.py recipe --model.arch sd3 --out-dir runs/pretrain_textbed_sd3
 """
 
 from __future__ import annotations

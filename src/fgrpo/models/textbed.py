@@ -4,7 +4,9 @@ The testbed for Flow-GRPO on a laptop: it draws one upper-case English word, dar
 32x128 grayscale canvas, from the prompt `"WORD"` (with the double quotes, so an OCR reward that reads
 the target between the first pair of quotes finds it). Its denoiser is diffusers'
 `QwenImageTransformer2DModel` with a tiny config, so rollout, LoRA and FSDP exercise the same class and
-forward signature as Qwen-Image:
+forward signature as Qwen-Image (`arch="sd3"`: diffusers' `SD3Transformer2DModel` with SD3.5-Medium's
+structure — joint attention with qk RMS-norm, dual attention in the first half of the blocks, a pooled text
+vector — over the same tokens, so the same renderer task trains and tests the SD3.5 family):
 
 - "latents" are pixels in [-1, 1], patchified into 4x4 patches: x_t is [B, 8 * 32, 16], exactly like
   Qwen-Image's packed [B, seq, 64] latents (the transformer's own patch_size is 1 because we pack here);
@@ -28,9 +30,11 @@ import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Literal
 
 import torch
 from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
+from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
 from einops import rearrange
 from torch import nn
 from transformers import BertConfig, BertModel
@@ -49,6 +53,8 @@ VOCAB_SIZE = 256 + BYTE_OFFSET
 class TextbedConfig:
     """Architecture of the textbed model (stored as config.json next to the weights)."""
 
+    arch: Literal["qwen_image", "sd3"] = "qwen_image"
+    """Denoiser class: diffusers' QwenImageTransformer2DModel or SD3Transformer2DModel (SD3.5-M's structure)."""
     height: int = 32
     """Image height in pixels (the only trained size)."""
     width: int = 128
@@ -56,13 +62,13 @@ class TextbedConfig:
     patch: int = 4
     """Pixels per patch side; one transformer token per patch (Qwen-Image: 2x2 latent patches of 16 ch)."""
     num_layers: int = 5
-    """Number of QwenImageTransformerBlocks (double-stream joint attention)."""
+    """Number of transformer blocks (double-stream joint attention)."""
     num_heads: int = 6
     """Attention heads; width = num_heads * head_dim."""
     head_dim: int = 32
     """Per-head width; the 3-axis RoPE splits it as axes_dims_rope."""
     axes_dims_rope: tuple[int, int, int] = (8, 12, 12)
-    """RoPE dims for (frame, row, column); must sum to head_dim."""
+    """qwen_image: RoPE dims for (frame, row, column); must sum to head_dim (sd3 has learned positions)."""
     text_dim: int = 128
     """Width of the byte-level BERT text encoder (= the transformer's joint_attention_dim)."""
     text_layers: int = 2
@@ -77,7 +83,9 @@ class TextbedConfig:
             raise ValueError(
                 f"height/width ({self.height}x{self.width}) must be multiples of patch={self.patch}"
             )
-        if sum(self.axes_dims_rope) != self.head_dim:
+        if self.arch not in ("qwen_image", "sd3"):
+            raise ValueError(f"arch={self.arch!r}: use 'qwen_image' or 'sd3'")
+        if self.arch == "qwen_image" and sum(self.axes_dims_rope) != self.head_dim:
             raise ValueError(f"axes_dims_rope {self.axes_dims_rope} must sum to head_dim={self.head_dim}")
 
     @property
@@ -98,9 +106,26 @@ class TextbedConfig:
         return cls(**d)
 
 
-def build_transformer(cfg: TextbedConfig) -> QwenImageTransformer2DModel:
-    """Randomly initialised denoiser: Qwen-Image's transformer over 4x4 pixel patches."""
+def build_transformer(cfg: TextbedConfig) -> QwenImageTransformer2DModel | SD3Transformer2DModel:
+    """Randomly initialised denoiser over 4x4 pixel patches: Qwen-Image's transformer, or SD3's."""
     channels = cfg.patch * cfg.patch
+    if cfg.arch == "sd3":
+        grid = max(cfg.grid)
+        return SD3Transformer2DModel(
+            sample_size=grid,
+            patch_size=1,  # one token per pixel patch: the patch grid enters as a p*p-channel image
+            in_channels=channels,
+            out_channels=channels,
+            num_layers=cfg.num_layers,
+            attention_head_dim=cfg.head_dim,
+            num_attention_heads=cfg.num_heads,
+            joint_attention_dim=cfg.text_dim,
+            caption_projection_dim=cfg.num_heads * cfg.head_dim,
+            pooled_projection_dim=cfg.text_dim,
+            pos_embed_max_size=grid,  # learned positions cropped to the 8 x 32 grid
+            qk_norm="rms_norm",  # SD3.5's
+            dual_attention_layers=tuple(range(cfg.num_layers // 2)),  # SD3.5-Medium: the first half
+        )
     return QwenImageTransformer2DModel(
         patch_size=1,  # patches are packed by `patchify`, as Qwen-Image's pipeline packs 2x2 latent patches
         in_channels=channels,
@@ -199,7 +224,7 @@ class TextbedModel(nn.Module):
     def __init__(
         self,
         cfg: TextbedConfig,
-        transformer: QwenImageTransformer2DModel | None = None,
+        transformer: QwenImageTransformer2DModel | SD3Transformer2DModel | None = None,
         text_encoder: nn.Module | None = None,
     ):
         super().__init__()
@@ -226,6 +251,19 @@ class TextbedModel(nn.Module):
     ) -> torch.Tensor:
         """One transformer forward, [B, seq, p*p] in the transformer's dtype -> raw velocity (same dtype)."""
         gh, gw = self.cfg.grid
+        if self.cfg.arch == "sd3":
+            # SD3 attends to every text token (as to T5's padding) and takes a pooled vector: the masked mean
+            # of the text states stands in for CLIP's pooled embeddings; its time embedding takes 1000 sigma.
+            m = mask.to(embeds.dtype)[..., None]
+            pooled = (embeds * m).sum(1) / m.sum(1)
+            out = self.transformer(
+                hidden_states=rearrange(x_t, "b (h w) c -> b c h w", h=gh, w=gw),
+                encoder_hidden_states=embeds,
+                pooled_projections=pooled,
+                timestep=sigma * 1000,
+                return_dict=False,
+            )[0]
+            return rearrange(out, "b c h w -> b (h w) c")
         return self.transformer(
             hidden_states=x_t,
             encoder_hidden_states=embeds,
