@@ -230,10 +230,14 @@ def _wrap(text: str, font, width: int, max_lines: int) -> list[str]:
 
 
 def to_uint8_hwc(images: Any) -> np.ndarray:
-    """uint8 [B, H, W, 3] numpy from a numpy array or torch tensor of that layout."""
+    """uint8 [B, H, W, 3] numpy from a numpy array or torch tensor of that layout; videos [B, F, H, W, C] become
+    filmstrips of 4 evenly spaced frames (first to last) side by side."""
     if hasattr(images, "detach"):
         images = images.detach().cpu().numpy()
     images = np.asarray(images)
+    if images.ndim == 5:
+        keep = np.linspace(0, images.shape[1] - 1, min(4, images.shape[1])).round().astype(int)
+        images = np.concatenate(list(images[:, keep].transpose(1, 0, 2, 3, 4)), axis=2)
     if images.ndim != 4 or images.shape[-1] not in (1, 3, 4) or images.dtype != np.uint8:
         raise ValueError(
             f"images must be uint8 [B, H, W, C] with C in (1, 3, 4); got {images.dtype} {tuple(images.shape)} "

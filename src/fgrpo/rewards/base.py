@@ -1,4 +1,5 @@
-"""The reward interface: uint8 images [B, H, W, 3] + prompts (+ per-sample metadata) -> scores [B].
+"""The reward interface: uint8 images [B, H, W, 3] (a video model's frames [B, F, H, W, 3]) + prompts (+ per-sample
+metadata) -> scores [B].
 
 Conventions every reward in this package follows (and every wrapper relies on):
 - `scores` is float32 [B] and finite; a reward that cannot score a sample raises (never a silent 0).
@@ -47,8 +48,10 @@ def check_inputs(
     if not isinstance(images, np.ndarray) or images.dtype != np.uint8:
         got = images.dtype if isinstance(images, np.ndarray) else type(images).__name__
         raise TypeError(f"images must be a uint8 numpy array [B, H, W, 3], got {got}; decode to uint8 first")
-    if images.ndim != 4 or images.shape[-1] != 3:
-        raise ValueError(f"images must have shape [B, H, W, 3], got {list(images.shape)}")
+    if images.ndim not in (4, 5) or images.shape[-1] != 3:
+        raise ValueError(
+            f"images must have shape [B, H, W, 3] (or videos [B, F, H, W, 3]), got {list(images.shape)}"
+        )
     if isinstance(prompts, str):
         raise TypeError("prompts must be a sequence of B strings, got a single str; wrap it in a list")
     if len(prompts) != len(images):

@@ -1,7 +1,7 @@
 """build_reward: one entry point from a config value to a Reward.
 
 A spec is one of
-- a name:                 "ocr", "jpeg_compressibility", "jpeg_incompressibility"
+- a name:                 "ocr", "video_ocr", "jpeg_compressibility", "jpeg_incompressibility"
 - a dict with options:    {"name": "ocr", "engine": "vlm", "base_url": "http://127.0.0.1:8000",
                            "model": "Qwen/Qwen2.5-VL-3B-Instruct"}
                           {"name": "http", "url": "http://127.0.0.1:8765", "timeout_s": 30}
@@ -55,6 +55,12 @@ def _ocr(engine: str = "rapidocr", **options: Any) -> Reward:
     return OcrReward(build(**options))
 
 
+def _video_ocr(*, frames: int = 4, consistency_weight: float = 0.5) -> Reward:
+    from fgrpo.rewards.video import VideoOcrReward
+
+    return VideoOcrReward(frames=frames, consistency_weight=consistency_weight)
+
+
 def _jpeg(compressible: bool) -> Callable[..., Reward]:
     def build(*, scale: float = 1 / 500, quality: int = 95) -> Reward:
         from fgrpo.rewards.jpeg import JpegReward
@@ -93,6 +99,7 @@ def _multi(members: Sequence[Any]) -> Reward:
 
 REWARDS: dict[str, Callable[..., Reward]] = {
     "ocr": _ocr,
+    "video_ocr": _video_ocr,
     "jpeg_compressibility": _jpeg(compressible=True),
     "jpeg_incompressibility": _jpeg(compressible=False),
     "http": _http,
