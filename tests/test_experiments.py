@@ -36,12 +36,12 @@ def test_help_parses(path):
     assert "usage:" in res.stdout
 
 
-@pytest.mark.parametrize("name", ["qwen_image_ocr", "sd35_ocr", "qwen_image_edit_ocr"])
+@pytest.mark.parametrize("name", ["qwen_image_ocr", "sd35_ocr", "qwen_image_edit_ocr", "ltx2_ocr"])
 def test_config_presets_instantiate(name):
     module = load(ROOT / "experiments" / f"{name}.py")
     recipe, tiny = module.Config(), module.tiny()
     assert recipe.exp_name == name == tiny.exp_name  # run name = file stem
-    assert recipe.model.kind in ("qwen_image", "sd3", "qwen_image_edit") and recipe.model.lora
+    assert recipe.model.kind in ("qwen_image", "sd3", "qwen_image_edit", "ltx2") and recipe.model.lora
     from fgrpo.config import validate_config
 
     validate_config(recipe, world_size=1)
@@ -103,6 +103,7 @@ def test_qwen_image_recipe_matches_the_published_one():
         ),
         ("sd35_ocr", []),
         ("qwen_image_edit_ocr", []),
+        ("ltx2_ocr", []),
     ],
 )
 def test_tiny_preset_runs_two_steps(tmp_path, name, flags):
@@ -273,3 +274,42 @@ def test_pretrain_textbed_two_ranks_take_the_steps_of_one(tmp_path):
     moved = max((a[k] - init[k]).abs().max().item() for k in a)
     print(f"one vs two ranks: {gap:.2e}; moved by training: {moved:.2e}")
     assert moved > 1e-3 and gap < 1e-3 * moved, (gap, moved)
+
+
+def test_ltx2_recipe_matches_verl_omni():
+    """verl-omni's LTX-2.3 text-to-audio-video Flow-GRPO LoRA script (examples/flowgrpo_trainer/ltx2/
+    run_ltx2_3_t2av_lora.sh): 256x384, 81 frames at 24 fps, 24 steps, CFG 4, CPS noise 0.8 in a 3-step window
+    within [0, 10), n=8 clips of 32 prompts in 2 mini-batches of 16, global std, clip 1e-4, adv clip 5, no KL,
+    lr 3e-4, wd 1e-4, grad clip 1, r64/a128 on its 28 target modules, 50 validation steps every 20 steps."""
+    m = load(ROOT / "experiments" / "ltx2_ocr.py")
+    c = m.Config()
+    s, g, mc = c.sampling, c.grpo, c.model
+    assert (mc.kind, mc.path, mc.num_frames, mc.frame_rate, mc.height, mc.width) == (
+        "ltx2",
+        "dg845/LTX-2.3-Diffusers",
+        81,
+        24.0,
+        256,
+        384,
+    )
+    assert (s.height, s.width, s.num_steps, s.guidance_scale, s.sde_kind, s.noise_level) == (
+        256,
+        384,
+        24,
+        4.0,
+        "cps",
+        0.8,
+    )
+    assert (s.window_size, s.window_range) == (3, (0, 10))
+    assert (g.group_size, g.prompts_per_step, g.optimizer_steps_per_step, g.adv_std) == (8, 32, 2, "global")
+    assert (g.clip_range, g.adv_clip_max, g.kl_coef) == (1e-4, 5.0, 0.0)
+    assert (c.optim.lr, c.optim.weight_decay, c.optim.grad_clip) == (3e-4, 1e-4, 1.0)
+    assert (mc.lora_rank, mc.lora_alpha, len(mc.lora_target_list), mc.gradient_checkpointing) == (
+        64,
+        128,
+        28,
+        True,
+    )
+    assert (c.run.val_num_steps, c.run.val_every, c.run.ckpt_every, c.num_steps) == (50, 20, 50, 100)
+    t = m.tiny()
+    assert (t.model.height, t.model.width) == (t.sampling.height, t.sampling.width)
