@@ -68,5 +68,6 @@ class FlowModel(VelocityModel, Protocol):
         ...
 
     def decode(self, x0: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        """Clean latents [B, *latent_shape] -> images uint8 [B, height, width, 3]."""
+        """Clean latents [B, *latent_shape] -> images uint8 [B, height, width, 3] (a video model: its frames,
+        uint8 [B, F, height, width, 3])."""
         ...

@@ -58,7 +58,7 @@ class Trajectory:
     x_next: torch.Tensor  # [B, W, *latent] fp32, state after it (the sampled action)
     log_prob: torch.Tensor  # [B, W] fp32, log-prob of x_next under the rollout policy
     cond: Cond  # per-sample conditioning ([B] rows) to recompute the velocity in training
-    images: torch.Tensor  # [B, H, W, 3] uint8
+    images: torch.Tensor  # [B, H, W, 3] uint8 (a video model's frames: [B, F, H, W, 3])
     mean: torch.Tensor | None = (
         None  # [B, W, *latent] fp32, the rollout policy's transition mean (Flow-DPPO's old mean)
     )
