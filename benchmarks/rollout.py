@@ -26,6 +26,7 @@ import torch
 
 from fgrpo.models.loading import configure_transformer
 from fgrpo.models.qwen_image import QwenImage
+from fgrpo.models.sd3 import SD3
 from fgrpo.rollout.base import SamplingConfig
 from fgrpo.rollout.engine import DiffusersEngine
 from fgrpo.rollout.seeds import sample_seed
@@ -64,6 +65,62 @@ def build_real(device: torch.device, text_encoder: bool, layers: int = 60) -> Qw
         torch.set_default_dtype(default)
     cls = QwenImage if text_encoder else StubTextQwenImage
     return cls.from_modules(transformer, vae, encoder, tokenizer, device=device)
+
+
+class StubTextSD3(SD3):
+    """SD3.5 whose prompt encoder returns random embeddings of the real shapes (no CLIP-L/G, no T5-XXL):
+    77 CLIP + 256 T5 tokens of width 4096 and a pooled vector of 2048, as StableDiffusion3Pipeline makes."""
+
+    def _encode_one(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(sample_seed(len(prompt), *map(ord, prompt[:32])))
+        cfg = self.transformer.config
+        embeds = torch.randn(77 + self.max_sequence_length, cfg.joint_attention_dim, generator=gen)
+        pooled = torch.randn(cfg.pooled_projection_dim, generator=gen)
+        return embeds.to(self.device, self.dtype), pooled.to(self.device, self.dtype)
+
+
+def build_real_sd3(device: torch.device, layers: int = 24) -> SD3:
+    """SD3.5-Medium at real size with random bf16 weights (stabilityai/stable-diffusion-3.5-medium's transformer
+    and VAE configs: 24 MMDiT-X blocks, dual attention in the first 13, qk RMS-norm; 16-channel VAE) and stub
+    text encoders."""
+    from diffusers import AutoencoderKL, SD3Transformer2DModel
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            transformer = SD3Transformer2DModel(
+                sample_size=128,
+                patch_size=2,
+                in_channels=16,
+                num_layers=layers,
+                attention_head_dim=64,
+                num_attention_heads=24,
+                joint_attention_dim=4096,
+                caption_projection_dim=1536,
+                pooled_projection_dim=2048,
+                out_channels=16,
+                pos_embed_max_size=384,
+                dual_attention_layers=tuple(range(min(13, layers))),
+                qk_norm="rms_norm",
+            )
+            vae = AutoencoderKL(
+                in_channels=3,
+                out_channels=3,
+                down_block_types=("DownEncoderBlock2D",) * 4,
+                up_block_types=("UpDecoderBlock2D",) * 4,
+                block_out_channels=(128, 256, 512, 512),
+                layers_per_block=2,
+                latent_channels=16,
+                shift_factor=0.0609,
+                scaling_factor=1.5305,
+                use_quant_conv=False,
+                use_post_quant_conv=False,
+            )
+    finally:
+        torch.set_default_dtype(default)
+    unused = [torch.nn.Identity(), torch.nn.Identity(), None]  # the stub encodes; CLIPs are never called
+    return StubTextSD3.from_modules(transformer, vae, unused, [None, None, None], device=device)
 
 
 def _real_size_text_encoder():

@@ -1,8 +1,9 @@
-"""One full training step of the Qwen-Image OCR LoRA recipe at real size, phase by phase (any --algo).
+"""One full training step of the Qwen-Image (or SD3.5-M) OCR LoRA recipe at real size, phase by phase (any --algo).
 
 Real-size QwenImageTransformer2DModel (20 B) and AutoencoderKLQwenImage with random weights built on
-the GPU by benchmarks/rollout.py's `build_real`; the 7 B text encoder is replaced by fixed random prompt
-embeddings of realistic lengths (its cost is one forward per distinct prompt, cached over the group). The reward is a stub (random scores);
+the GPU by benchmarks/rollout.py's `build_real` (`--model sd3`: SD3.5-Medium's 2.2 B transformer and VAE,
+`build_real_sd3`); the text encoders are replaced by fixed random prompt embeddings of the real shapes (their
+cost is one forward per distinct prompt, cached over the group). The reward is a stub (random scores);
 the OCR reward's cost is measured separately in benchmarks/rewards.py. Everything else is the
 trainer's own code: DiffusersEngine.generate, algorithms.*.update (LoRA r64, FSDP2 world of one, bf16
 compute, fp32 masters, gradient checkpointing), recompute of old log-probs.
@@ -12,14 +13,16 @@ compute, fp32 masters, gradient checkpointing), recompute of old log-probs.
     python benchmarks/train_step.py --tiny               # CPU wiring check with a tiny model
     python benchmarks/train_step.py --compile --algo nft # another update rule (grpo dppo mixgrpo nft awm)
     python benchmarks/train_step.py --compile --algo grpo,nft,awm   # several, one model build and warm compile
+    python benchmarks/train_step.py --compile --model sd3           # SD3.5-M: flow_grpo's SD3 LoRA recipe
     torchrun --nproc-per-node 2 benchmarks/train_step.py --prompts 4   # 2 GPUs, 32 images per GPU
     python benchmarks/train_step.py --opt-steps 1 --iters 0 --save-update /tmp/u.safetensors
     torchrun --nproc-per-node 2 benchmarks/train_step.py --opt-steps 1 --iters 0 --compare-update /tmp/u.safetensors
                                                          # the 2-GPU update equals the 1-GPU one (same batch)
 
-Ceilings: 16.65 TFLOP per 512² transformer forward (one sequence); per image the recipe does
-10 steps x 2 (true-CFG) forwards in rollout and W=2 x 2 x (forward + input-grad backward + checkpoint
-recompute ~ 3 forwards) in training: 20 + 12 = 32 forwards = 533 TFLOP.
+Ceilings: the FLOPs of one 512² transformer forward of one sequence, counted on the model itself
+(torch.utils.flop_counter; Qwen-Image 14.9 TFLOP with the benchmark's ~14-token prompts); per image the Qwen-Image recipe does 10 steps x 2
+(true-CFG) forwards in rollout and W=2 x 2 x (forward + input-grad backward + checkpoint recompute ~ 3
+forwards) in training: 20 + 12 = 32 forwards = 477 TFLOP; over the bf16 matmul rate of an H200.
 """
 
 from __future__ import annotations
@@ -29,9 +32,8 @@ import dataclasses
 import time
 
 import torch
-from rollout import build_real, build_tiny  # benchmarks/rollout.py: the same random real-size model
+from rollout import build_real, build_real_sd3, build_tiny  # benchmarks/rollout.py: the same random models
 
-TFLOP_PER_FORWARD_512 = 16.65
 MATMUL_TFLOPS_H200 = 755.0  # bf16, measured on an H200 (RESULTS.md)
 VERL_OMNI_IMAGES_PER_GPU_S = 0.305  # published, 4xH800, LoRA + CFG, same recipe
 
@@ -44,7 +46,14 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=8, help="samples per forward (x2 sequences with CFG)")
     ap.add_argument("--opt-steps", type=int, default=2, help="optimizer steps per training step")
     ap.add_argument(
-        "--cfg", type=float, default=4.0, help="true-CFG scale (1 = the no-CFG full-weight recipe)"
+        "--model",
+        default="qwen_image",
+        choices=["qwen_image", "sd3"],
+        help="qwen_image: the OCR LoRA recipe (r64, true CFG 4, flow_sde window 2 of [0, 5)); sd3: SD3.5-M with "
+        "flow_grpo's SD3 LoRA recipe (r32 on attention, CFG 4.5, CPS noise 0.8 in a 3-step window of [0, 5))",
+    )
+    ap.add_argument(
+        "--cfg", type=float, default=0.0, help="CFG scale (0 = the recipe's: 4 / 4.5; 1 = no CFG)"
     )
     ap.add_argument(
         "--algo",
@@ -64,7 +73,9 @@ def main() -> None:
         help="compiled: roll out through the no-grad graph (model.exact_rollout=False) instead of the training one",
     )
     ap.add_argument("--full", action="store_true", help="train all transformer weights instead of LoRA")
-    ap.add_argument("--layers", type=int, default=60, help="transformer blocks of the real-size model")
+    ap.add_argument(
+        "--layers", type=int, default=0, help="transformer blocks of the real-size model (0 = all: 60 / 24)"
+    )
     ap.add_argument("--compile", action="store_true", help="regional torch.compile of the transformer blocks")
     ap.add_argument("--iters", type=int, default=2, help="timed steps (after one warm-up step)")
     ap.add_argument(
@@ -94,7 +105,8 @@ def main() -> None:
         TrainConfig,
     )
     from fgrpo.core import grpo
-    from fgrpo.models.loading import configure_transformer, setup_trainable
+    from fgrpo.models.loading import SD3_LORA_TARGETS, configure_transformer, setup_trainable
+    from fgrpo.models.tiny import tiny_sd3
     from fgrpo.rollout.base import SamplingConfig
     from fgrpo.rollout.engine import DiffusersEngine, recompute_log_probs_and_means
 
@@ -108,32 +120,45 @@ def main() -> None:
         raise SystemExit(f"--prompts x --group = {n} is not divisible by the {d.world_size} ranks")
     n_local = n // d.world_size
     torch.manual_seed(0)  # the same random weights and LoRA init on every rank and in every run
-    model = build_tiny() if args.tiny else build_real(d.device, text_encoder=False, layers=args.layers)
+    sd3 = args.model == "sd3"
+    layers = args.layers or (24 if sd3 else 60)
+    if args.tiny:
+        model = tiny_sd3(seed=0) if sd3 else build_tiny()
+    else:
+        model = (
+            build_real_sd3(d.device, layers)
+            if sd3
+            else build_real(d.device, text_encoder=False, layers=layers)
+        )
     res = 64 if args.tiny else 512
     base_sampling = SamplingConfig(
         height=res,
         width=res,
         num_steps=10,
-        guidance_scale=args.cfg,
-        negative_prompt=" ",
-        sde_kind="flow_sde",
-        noise_level=1.2,
-        window_size=2,
+        guidance_scale=args.cfg or (4.5 if sd3 else 4.0),
+        negative_prompt="" if sd3 else " ",  # each pipeline's empty negative prompt
+        sde_kind="cps" if sd3 else "flow_sde",
+        noise_level=0.8 if sd3 else 1.2,
+        window_size=3 if sd3 else 2,
         window_range=(0, 5),
         micro_batch=args.micro_batch,
     )
+    lora_rank = 32 if sd3 else 64
     mcfg = ModelConfig(
-        kind="qwen_image",
+        kind=args.model,
         dtype="bf16",
         lora=not args.full,
-        lora_rank=64,
-        lora_alpha=128,
+        lora_rank=lora_rank,
+        lora_alpha=2 * lora_rank,
+        lora_targets=",".join(SD3_LORA_TARGETS) if sd3 else ModelConfig().lora_targets,
         gradient_checkpointing=True,
         compile=args.compile,
         exact_rollout=not args.no_exact_rollout,
     )
     lr = 3e-5 if args.full else 3e-4
     params = setup_trainable(model.transformer, mcfg)
+    # one sequence of the benchmark's prompts (~14 text tokens), LoRA included, before any compile
+    tflop_per_forward = forward_tflop(model, res, 'A storefront sign that says "WORD0"')
     if args.compile:
         configure_transformer(model.transformer, compile_blocks=True)
     parallel.shard_transformer(model.transformer, param_dtype=None if args.tiny else torch.bfloat16)
@@ -146,8 +171,8 @@ def main() -> None:
     train_graph = args.compile and not args.no_exact_rollout
     print0(
         f"# {d.world_size} rank(s), {n} images per step ({n_local} per rank), "
-        f"{'full weights' if args.full else 'LoRA r64'} ~{n_trainable / 1e9:.2f} B trainable, "
-        f"{args.layers} blocks, {args.opt_steps} optimizer steps, rollout window through the "
+        f"{args.model}, {'full weights' if args.full else f'LoRA r{lora_rank}'} ~{n_trainable / 1e9:.2f} B "
+        f"trainable, {layers} blocks, {tflop_per_forward:.2f} TFLOP per {res}² forward, {args.opt_steps} optimizer steps, rollout window through the "
         f"{'training' if train_graph else 'no-grad'} graph"
     )
 
@@ -246,8 +271,7 @@ def main() -> None:
         # window algorithms: W steps x CFG sequences x (forward + input-grad backward + checkpoint recompute);
         # NFT/AWM: K points x (the old policy's no-grad forward + the same 3), one sequence (no CFG in training)
         fwd_train = n_local * points * 4 if forward_process else n_local * W * forwards * 3
-        depth = args.layers / 60
-        floor_s = (fwd_roll + fwd_train) * TFLOP_PER_FORWARD_512 * depth / MATMUL_TFLOPS_H200
+        floor_s = (fwd_roll + fwd_train) * tflop_per_forward / MATMUL_TFLOPS_H200
         total = roll + train
         print0()
         print0(
@@ -266,9 +290,7 @@ def main() -> None:
         for phase, t, fwd in (
             phases if not forward_process else [phases[i] for i in (0, 2, 3)]
         ):  # no log-probs
-            print0(
-                f"| {phase} | {t:.2f} | {n_local / t:.3f} | {fwd * TFLOP_PER_FORWARD_512 * depth / t:.0f} |"
-            )
+            print0(f"| {phase} | {t:.2f} | {n_local / t:.3f} | {fwd * tflop_per_forward / t:.0f} |")
         if args.profile:
             print0(
                 f"\ntime in NCCL kernels during the profiled step: {nccl_s:.2f} s "
@@ -287,11 +309,27 @@ def main() -> None:
             sum(p.numel() * 2 for p in model.transformer.transformer_blocks.parameters()) / 2**30
         )  # global
         print0(
-            f"# all-gather of the {args.layers} blocks' bf16 weights ({weights_gib:.1f} GiB, each rank receives "
+            f"# all-gather of the {layers} blocks' bf16 weights ({weights_gib:.1f} GiB, each rank receives "
             f"{weights_gib * (d.world_size - 1) / d.world_size:.1f} GiB): {ag * 1e3:.0f} ms per full pass"
         )
     del params, model
     parallel.shutdown()
+
+
+def forward_tflop(model, res: int, prompt: str) -> float:
+    """TFLOP of one transformer forward of one sample (no CFG) at res x res with `prompt`'s text tokens,
+    counted by torch's flop counter (matmuls and attention) on the model as built."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fgrpo.models.common import module_device
+
+    device = module_device(model.transformer)
+    x = torch.zeros(1, *model.latent_shape(res, res), device=device)
+    cond = model.encode([prompt])
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), counter:
+        model.velocity(x, torch.full((1,), 0.5, device=device), cond, guidance_scale=1.0)
+    return counter.get_total_flops() / 1e12
 
 
 def save_or_compare_update(names, params, optimizer, save: str, compare: str, is_main: bool) -> None:
