@@ -26,7 +26,7 @@ STEPS = 3
 VAL = ("--run.val-every", "2", "--run.val-num-steps", "3")  # validation rows at steps 0, 2 and the final 3
 
 
-def _run(out_dir, *flags, nproc=1):
+def _run(out_dir, *flags, nproc=1, steps=STEPS):
     cmd = [sys.executable, ENTRY]
     if nproc > 1:
         port = str(29500 + (os.getpid() + len(flags)) % 1000)
@@ -40,19 +40,20 @@ def _run(out_dir, *flags, nproc=1):
             port,
         ]
         cmd.append(ENTRY)
-    cmd += ["--run.out-dir", str(out_dir), "--num-steps", str(STEPS), *flags]
+    cmd += ["--run.out-dir", str(out_dir), "--num-steps", str(steps), *flags]
     res = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return [json.loads(line) for line in open(Path(out_dir) / "e2e" / "metrics.jsonl")]
 
 
-def _weights(out_dir, step):
-    return load_file(str(Path(out_dir) / "e2e" / "checkpoints" / f"step_{step:06d}" / "model.safetensors"))
+def _weights(out_dir, step, file="model.safetensors"):
+    return load_file(str(Path(out_dir) / "e2e" / "checkpoints" / f"step_{step:06d}" / file))
 
 
 def _same_numbers(a: dict, b: dict, min_keys: int = 15) -> list[str]:
-    """Keys of both rows whose values differ, wall-clock ones aside."""
-    keys = [k for k in a if k in b and k != "time" and not k.startswith(("time/", "perf/"))]
+    """Keys of both rows whose values differ, wall-clock ones (the rollout side's too) aside."""
+    clock = ("time/", "perf/")
+    keys = [k for k in a if k in b and k != "time" and not k.removeprefix("rollout_").startswith(clock)]
     assert len(keys) >= min_keys
     return [k for k in keys if a[k] != b[k]]
 
@@ -131,15 +132,24 @@ def test_staleness_0_is_the_synchronous_run_bit_for_bit(sync_run, tmp_path):
     assert moved > 1e-3  # the weights did move, so equality is not that of an idle run
 
 
+STALE_1 = ("--parallel.rollout-ranks", "1", "--parallel.max-staleness", "1", *VAL)
+
+
+@pytest.fixture(scope="module")
+def stale_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("stale")
+    return out, _run(out, *STALE_1, nproc=2)
+
+
 @pytest.mark.slow
-def test_staleness_1_trains_one_version_behind_with_the_correction(sync_run, tmp_path):
+def test_staleness_1_trains_one_version_behind_with_the_correction(sync_run, stale_run):
     """max_staleness 1: batch k is sampled with version max(0, k - 1), so the trainer sees staleness 0, 1, 1.
     Step 0 is the synchronous step 0 exactly (same batch, same weights); the stale steps recompute the old
     log-probs (the behaviour/old gap is > 0: the rollout's weights really are one update old) and log the
     truncated IS weights, which lie in (0, 2]. Step 2's validation is of the trainer's weights (version 2, the
     step-2 checkpoint, validated here in-process), not of the rollout's (version 1) that sampled its batch."""
     sync_out, sync_rows = sync_run
-    rows = _run(tmp_path, "--parallel.rollout-ranks", "1", "--parallel.max-staleness", "1", *VAL, nproc=2)
+    tmp_path, rows = stale_run
     rows, final = rows[:STEPS], rows[STEPS]
     assert [r["async/staleness"] for r in rows] == [0, 1, 1]
     assert [r["async/version"] for r in rows] == [0, 0, 1]
@@ -157,6 +167,29 @@ def test_staleness_1_trains_one_version_behind_with_the_correction(sync_run, tmp
         assert r["async/dropped_total"] == 0
 
 
+@pytest.mark.slow
+def test_resume_is_the_uninterrupted_run(stale_run, tmp_path):
+    """max_staleness 1: 2 steps and their checkpoint, then --run.resume auto to 3 steps, equal the straight 3-step
+    run: every logged number (validation included) and the step-3 LoRA. Batch 2 was sampled ahead before the
+    checkpoint with version 1; the resume re-samples it with version 1, which the checkpoint keeps (rank 0's
+    'async/behind1/*' tensors = the step-1 weights); sampled with the checkpoint's version 2 instead, its rewards
+    would differ. The step-3 checkpoint keeps version 2 as one behind: the history moves on after a resume."""
+    straight_out, straight = stale_run
+    first = _run(tmp_path, *STALE_1, nproc=2, steps=2)
+    assert len(first) == 3 and first[2]["step"] == 2  # the 2-step run's final validation, redone on resume
+    rows = _run(tmp_path, *STALE_1, "--run.resume", "auto", nproc=2)
+    assert [r["step"] for r in rows] == [0, 1, 2, STEPS]
+    for a, b in zip(straight[:STEPS], rows[:STEPS]):
+        assert _same_numbers(a, b) == []
+    assert _same_numbers(straight[STEPS], rows[STEPS], min_keys=2) == []
+    for step in (2, STEPS):
+        lora, behind = _weights(tmp_path, step), _weights(tmp_path, step, "tensors_rank0.safetensors")
+        before = _weights(tmp_path, step - 1)
+        assert behind.keys() == {f"async/behind1/{k}" for k in before}
+        assert all(torch.equal(behind[f"async/behind1/{k}"], before[k]) for k in before)
+        assert all(torch.equal(lora[k], _weights(straight_out, step)[k]) for k in lora)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The trainer's loop with a fake wire: drops, messages, drain
 
@@ -170,10 +203,11 @@ class FakeWire:
     """Hands out batches of chosen versions and records the weight messages."""
 
     versions: list[int] = []
+    first = 0  # the step of the first batch
     sent: list[async_mode.Weights] = []
 
     def __init__(self, split):
-        self.batches = iter([_batch(i, v) for i, v in enumerate(self.versions)])
+        self.batches = iter([_batch(self.first + i, v) for i, v in enumerate(self.versions)])
         self.pending = async_mode.parallel.Pending()
         FakeWire.sent = []
 
@@ -184,15 +218,16 @@ class FakeWire:
         FakeWire.sent.append(msg)
 
 
-def _fake_trainer(monkeypatch, versions, max_staleness, num_steps):
+def _fake_trainer(monkeypatch, versions, max_staleness, num_steps, start_step=0, lagging=None):
     monkeypatch.setattr(async_mode, "Wire", FakeWire)
-    FakeWire.versions = versions
+    FakeWire.versions, FakeWire.first = versions, start_step
     cfg = TrainConfig(
         num_steps=num_steps, parallel=ParallelConfig(rollout_ranks=1, max_staleness=max_staleness)
     )
     split = async_mode.parallel.Split((0,), (1,))
     layer = torch.nn.Linear(2, 1)
-    torch.nn.init.zeros_(layer.weight)  # updates of +1 then give exactly 0, 1, 2, ...
+    torch.nn.init.constant_(layer.weight, start_step)  # updates of +1 then give exactly version k at k
+    lagging = lagging or async_mode.Lagging([])
     trained, logged, validated = [], [], []
 
     def validation(step, timer):
@@ -209,8 +244,10 @@ def _fake_trainer(monkeypatch, versions, max_staleness, num_steps):
         logged.append(extra)
         return extra
 
-    async_mode.run_trainer(cfg, split, layer, torch.device("cpu"), validation, update, record)
-    assert validated == list(range(num_steps))  # once a step, whether a batch was dropped or not
+    async_mode.run_trainer(
+        cfg, split, layer, torch.device("cpu"), start_step, lagging, validation, update, record
+    )
+    assert validated == list(range(start_step, num_steps))  # once a step, whether a batch was dropped or not
     return trained, logged, FakeWire.sent
 
 
@@ -243,6 +280,30 @@ def test_a_batch_older_than_max_staleness_is_dropped_counted_and_logged(monkeypa
     ]  # versioned snapshots
 
 
+def test_resume_sends_the_lagging_versions_then_the_current_one(monkeypatch):
+    """From the checkpoint of step 3 with max_staleness 2 (version 3; versions 1 and 2 kept as lagging), the
+    trainer sends versions 1 and 2 (which sample batches 3 and 4) and then 3, before it trains batch 3 (version
+    1: staleness 2) as step 3; that update pushes version 4 and the history moves on to versions 2 and 3.
+    A finished run resumed sends nothing."""
+    lagging = async_mode.Lagging([{"weight": torch.full((1, 2), v)} for v in (1.0, 2.0)])
+    assert list(lagging.state()) == ["async/behind2/weight", "async/behind1/weight"]
+    trained, logged, sent = _fake_trainer(
+        monkeypatch, [1, 2, 3], max_staleness=2, num_steps=4, start_step=3, lagging=lagging
+    )
+    assert trained == [(3, 3, True)]
+    assert [r["async/staleness"] for r in logged] == [2]
+    assert [(m.index, m.version, m.trained_step, m.stop) for m in sent] == [
+        (0, 1, None, False),
+        (1, 2, None, False),
+        (2, 3, None, False),
+        (3, 4, 3, True),
+    ]
+    assert [float(m.tensors["weight"][0, 0]) for m in sent if m.tensors is not None] == [1.0, 2.0, 3.0, 4.0]
+    assert [float(v["weight"][0, 0]) for v in lagging.versions] == [2.0, 3.0]
+    _, _, sent = _fake_trainer(monkeypatch, [], max_staleness=2, num_steps=3, start_step=3, lagging=lagging)
+    assert sent == []
+
+
 def test_accept_keeps_staleness_up_to_the_bound():
     buf: RolloutBuffer = RolloutBuffer(max_size=1, max_staleness=2)
     assert async_mode.accept(buf, _batch(0, 0), 3) is None  # staleness 3
@@ -273,7 +334,6 @@ def _async_cfg(**kw):
         (_async_cfg(algo=AlgoConfig(name="nft")), 2, "'nft' has no asynchronous mode"),
         (_async_cfg(algo=AlgoConfig(name="dppo")), 2, "'dppo' has no asynchronous mode"),
         (_async_cfg(rollout_engine="vllm_omni"), 2, "'vllm_omni' has no asynchronous mode"),
-        (_async_cfg(run=RunConfig(val_every=0, resume="auto")), 2, "cannot resume yet"),
     ],
 )
 def test_config_refusals(cfg, world, match):

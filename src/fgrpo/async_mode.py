@@ -31,6 +31,10 @@ the synchronous loop validates (its row says so: val/version), while the rollout
 versions behind. Its images are scored and gathered within the trainer side (parallel.Split.group), so the
 point-to-point protocol never waits on it; the rollout keeps sampling ahead meanwhile, up to its bound.
 
+Checkpoints (train.record, every rank joins) keep, besides the trainer's state, the max_staleness versions
+before the current one (Lagging, rank 0's checkpoint tensors): the batches sampled ahead of a checkpoint are
+not saved but sampled again after a resume, with those versions, so a resumed run is the uninterrupted one.
+
 The wire is gloo point-to-point (parallel.isend_object): a trainer rank receives its rows of each batch from
 one rollout rank; rank 0 sends each rollout rank every update. Samples and weights cross as CPU tensors (for
 full weights on GPUs an NCCL broadcast would be faster; not measured yet).
@@ -123,6 +127,39 @@ def load_trainable(transformer: torch.nn.Module, tensors: dict[str, torch.Tensor
             p.copy_(full)
 
 
+class Lagging:
+    """The last max_staleness weight versions trainer rank 0 pushed before the current one, oldest first
+    (clamped at version 0): the weights the rollout still samples the next batches with.
+
+    They are this rank's checkpoint tensors (`state`, beside the algorithm's), so a resumed run re-samples the
+    batches that were sampled ahead of the checkpoint - a pure function of (seed, step, weights) - rather than
+    saving the batches: the same numbers as the uninterrupted run, at max_staleness copies of the trainable
+    tensors in rank 0's memory and checkpoint."""
+
+    def __init__(self, versions: list[dict[str, torch.Tensor]]):
+        self.versions = versions
+
+    @classmethod
+    def of(cls, transformer: torch.nn.Module, split: parallel.Split, size: int) -> Lagging:
+        """Version 0 `size` times on trainer rank 0 (collective over the trainer ranks), none elsewhere."""
+        if not (split.is_async and split.trains) or size == 0:
+            return cls([])
+        start = trainable_tensors(transformer)
+        if parallel.rank() != split.trainer_ranks[0]:
+            return cls([])
+        return cls([{k: t.clone() for k, t in start.items()} for _ in range(size)])
+
+    def advance(self, previous: dict[str, torch.Tensor]) -> None:
+        """A new version was pushed: `previous`, the one before it, joins; the oldest leaves."""
+        if self.versions:
+            self.versions = self.versions[1:] + [previous]
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """'async/behind{j}/{name}': the version j updates before the current one (filled in place on load)."""
+        n = len(self.versions)
+        return {f"async/behind{n - i}/{k}": t for i, ts in enumerate(self.versions) for k, t in ts.items()}
+
+
 def off_policy_weights(
     old_log_prob: torch.Tensor, behaviour_log_prob: torch.Tensor, p: ParallelConfig
 ) -> tuple[torch.Tensor | None, dict[str, float]]:
@@ -193,23 +230,41 @@ def run_trainer(
     split: parallel.Split,
     transformer: torch.nn.Module,
     device: torch.device,
+    start_step: int,
+    lagging: Lagging,
     validation: Callable[[int, flog.PhaseTimer], dict[str, float]],
     update: Callable[[int, Batch, flog.PhaseTimer, bool], dict[str, float]],
     record: Callable[[int, Batch, dict[str, float], flog.PhaseTimer, dict[str, float]], dict[str, float]],
 ) -> dict[str, float]:
     """The trainer ranks' loop: validate (train.validation, when due), receive, check staleness, train
-    (train.update), push, log and checkpoint (train.record). Returns the last step's metrics."""
+    (train.update), push, log and checkpoint (train.record). Returns the last step's metrics.
+
+    From a checkpoint of step k (version k; `lagging` holds versions k - max_staleness .. k - 1), the rollout is
+    first sent those versions, then the current one, so it re-samples batches k, k + 1, ... with the weights the
+    uninterrupted run used. Batch indices are taken to equal steps there (a run with drops resumes on another
+    schedule; the schedule never drops)."""
     wire, s = Wire(split), cfg.parallel.max_staleness
     is_main = parallel.rank() == split.trainer_ranks[0]
     buffer: RolloutBuffer[Batch] = RolloutBuffer(max_size=1, max_staleness=s)
+    last: dict[str, torch.Tensor] = {}  # rank 0: the weights of the last push, which `lagging` keeps next
 
-    def push(index: int, version: int, trained_step: int | None, stop: bool = False) -> None:
-        tensors = trainable_tensors(transformer) if trained_step is not None or index < 0 else None
+    def push(index: int, version: int, trained_step: int | None, *, weights: bool = True, stop=False) -> None:
+        nonlocal last
+        tensors = trainable_tensors(transformer) if weights else None
         if is_main:
+            if trained_step is not None:  # a new version: the previous one is now one behind
+                lagging.advance(last)
+            if tensors is not None:
+                last = tensors
             wire.send_weights(Weights(index, version, tensors, trained_step, stop))
 
-    version, step, index, dropped_since = 0, 0, 0, 0
-    push(-1, version, None)
+    if start_step >= cfg.num_steps:  # a finished run resumed: the rollout side stops at once too
+        return {}
+    version, step, index, dropped_since = start_step, start_step, start_step, 0
+    if is_main:
+        for v in range(max(0, version - s), version):  # the versions the next batches were sampled with
+            wire.send_weights(Weights(v - 1, v, lagging.versions[v - (version - s)], None))
+    push(version - 1, version, None)  # version - 1: the batch whose update made it (-1: none)
     metrics: dict[str, float] = {}
     val_metrics: dict[str, float] | None = None
     while step < cfg.num_steps:
@@ -226,7 +281,7 @@ def run_trainer(
             flog.print0(
                 f"dropped batch {index}: version {batch.version}, trainer at {version}, max_staleness {s}"
             )
-            push(index, version, None)
+            push(index, version, None, weights=False)
             index += 1
             continue
         staleness = version - batch.version
@@ -263,18 +318,21 @@ def run_rollout(
     cfg: TrainConfig,
     split: parallel.Split,
     transformer: torch.nn.Module,
+    start_step: int,
     experience: Callable[[int, flog.PhaseTimer], Batch],
     after_step: Callable[[int], None],
 ) -> None:
     """The rollout ranks' loop: sample batch b (train.experience) with the weights of version
-    b - max_staleness, send it, until the trainer's last update. after_step(step) joins the collectives the
-    trainer runs after its update of `step` (the checkpoint)."""
+    b - max_staleness, from b = start_step, send it, until the trainer's last update. after_step(step) joins
+    the collectives the trainer runs after its update of `step` (the checkpoint)."""
+    if start_step >= cfg.num_steps:
+        return
     wire, s = Wire(split), cfg.parallel.max_staleness
     last = wire.recv_weights()
     assert last.tensors is not None
     load_trainable(transformer, last.tensors)
     version = last.version
-    b = 0
+    b = start_step
     while True:
         while last.index < b - s - 1:  # the weights after batch b - s - 1, i.e. of version b - s
             last = wire.recv_weights()

@@ -551,8 +551,6 @@ def _validate_parallel(cfg: TrainConfig, world_size: int) -> None:
         raise ValueError(
             f"rollout_engine={cfg.rollout_engine!r} has no asynchronous mode yet; drop --parallel.rollout-ranks"
         )
-    if cfg.run.resume:
-        raise ValueError("parallel.rollout_ranks>0 cannot resume yet; drop --run.resume or the rollout ranks")
     if g.old_log_prob != "rollout":
         raise ValueError(
             "parallel.rollout_ranks>0 recomputes the old log-probs of stale batches itself; drop "

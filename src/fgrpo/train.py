@@ -120,15 +120,17 @@ def _train(cfg: TrainConfig, d: parallel.Dist, experiment_source: str | Path | N
         model, cfg.rollout_engine, cfg.model.path, train_graph=cfg.model.compile and cfg.model.exact_rollout
     )
     algo = algorithms.build(cfg, params)
+    # The asynchronous mode's weights the rollout still samples with, checkpointed (empty when synchronous).
+    lagging = async_mode.Lagging.of(model.transformer, split, cfg.parallel.max_staleness)
 
     start_step = 0
     if resume_from is not None:
         start_step, _ = checkpoint.load(
             resume_from,
             model=model.transformer,
-            optimizer=optimizer,
-            lr_scheduler=lr_scheduler,
-            rank_tensors=algo.state(),
+            optimizer=optimizer if split.trains else None,
+            lr_scheduler=lr_scheduler if split.trains else None,
+            rank_tensors=algo.state() | lagging.state(),
         )
         flog.print0(f"resumed from {resume_from} at step {start_step}")
     # Rows of the steps after the checkpoint are redone below: drop them, so the file keeps one row a step (a
@@ -200,7 +202,7 @@ def _train(cfg: TrainConfig, d: parallel.Dist, experiment_source: str | Path | N
             optimizer=optimizer if split.trains else None,
             lr_scheduler=lr_scheduler if split.trains else None,
             extra_state={"exp_name": cfg.exp_name},
-            rank_tensors=algo.state(),
+            rank_tensors=algo.state() | lagging.state(),
             keep_last=cfg.run.keep_last,
         )
 
@@ -250,12 +252,15 @@ def _train(cfg: TrainConfig, d: parallel.Dist, experiment_source: str | Path | N
             train_metrics = update(step, batch, timer)  # 4.
             metrics = record(step, batch, train_metrics, timer, val_metrics)  # 5.
     elif split.trains:
-        metrics = async_mode.run_trainer(cfg, split, model.transformer, d.device, validation, update, record)
+        metrics = async_mode.run_trainer(
+            cfg, split, model.transformer, d.device, start_step, lagging, validation, update, record
+        )
     else:
         async_mode.run_rollout(
             cfg,
             split,
             model.transformer,
+            start_step,
             experience,
             lambda step: save(step) if checkpoint_due(step) else None,
         )
