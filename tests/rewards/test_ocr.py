@@ -125,6 +125,13 @@ def test_ocr_reward_fails_on_bad_prompt_before_running_ocr():
     assert engine.calls == 0
 
 
+def test_ocr_reward_refuses_videos_naming_the_video_reward():
+    engine = FakeEngine(["a"])
+    with pytest.raises(ValueError, match="video_ocr"):
+        OcrReward(engine)(np.zeros((1, 2, 8, 8, 3), np.uint8), ['"a"'])
+    assert engine.calls == 0
+
+
 def test_ocr_reward_rejects_non_uint8_images():
     with pytest.raises(TypeError, match="uint8"):
         OcrReward(FakeEngine(["a"]))(np.zeros((1, 8, 8, 3), np.float32), ['"a"'])

@@ -186,6 +186,11 @@ class OcrReward:
         self, images: np.ndarray, prompts: Sequence[str], metadata: Sequence[dict[str, Any]] | None = None
     ) -> RewardOutput:
         check_inputs(images, prompts, metadata)
+        if images.ndim != 4:
+            raise ValueError(
+                f"the ocr reward reads images [B, H, W, 3], got videos {list(images.shape)}; use --reward.name "
+                "video_ocr (OCR of sampled frames)"
+            )
         targets = [extract_target(p) for p in prompts]
         t0 = time.perf_counter()
         texts = self.engine.recognize(images)
