@@ -18,6 +18,7 @@ import pytest
 import torch
 from train_entry import Config
 
+from fgrpo import parallel
 from fgrpo.config import GRPOConfig, ModelConfig, ParallelConfig, validate_config
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -31,11 +32,10 @@ def _lora_named(transformer) -> dict[str, torch.Tensor]:
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor of an FSDP2 shard (collective), or the tensor itself."""
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
+    return (t.full_tensor() if parallel.is_dtensor(t) else t).detach()
 
 
 def _worker(out_path: str) -> None:
-    from fgrpo import parallel
     from fgrpo.models.loading import add_lora
     from fgrpo.models.tiny import tiny_qwen_image
     from fgrpo.policy import transition_log_prob

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 if TYPE_CHECKING:
+    from diffusers.models.modeling_utils import ModelMixin
     from torch.distributed.tensor import DTensor
 
 
@@ -266,7 +267,7 @@ def dp_group() -> dist.ProcessGroup | None:
     return None if _sp_mesh is None else _sp_mesh["dp"].get_group()
 
 
-def enable_sequence_parallel(transformer: nn.Module) -> None:
+def enable_sequence_parallel(transformer: ModelMixin) -> None:
     """Split the transformer's sequence over the SP group (diffusers' Ulysses context parallelism); no-op at sp 1.
 
     Call after `shard_transformer`, which shards over all ranks. Each rank's backward then yields the gradient
@@ -275,7 +276,8 @@ def enable_sequence_parallel(transformer: nn.Module) -> None:
     """
     if _sp_mesh is None:
         return
-    from diffusers import ContextParallelConfig
+    # Public in diffusers' docs, re-exported lazily without being marked so.
+    from diffusers import ContextParallelConfig  # pyright: ignore[reportPrivateImportUsage]
     from torch.distributed.fsdp import FSDPModule
 
     heads = getattr(transformer.config, "num_attention_heads", 0)
