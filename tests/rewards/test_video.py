@@ -115,3 +115,45 @@ def test_videos_are_logged_as_filmstrips_of_four_frames():
     strip = to_uint8_hwc(clips)
     assert strip.shape == (2, 3, 8, 3)
     assert strip[0, 0, ::2, 0].tolist() == [0, 1, 3, 4]  # frames linspace(0, 4, 4).round(), side by side
+
+
+def test_the_audio_reward_scores_what_the_rollout_decoded(tmp_path, monkeypatch):
+    """An LTX-2 rollout hands each micro-batch's waveforms to the reward with its frames (reward_metadata, equal to
+    decode_audio of the clean latents); the factory's "audio" reward, built around a user's AudioReward, scores
+    them through the trainer's RewardStream; a reward call without audio metadata is refused in one line."""
+    from fgrpo.models import tiny
+    from fgrpo.rewards.runner import RewardStream
+    from fgrpo.rewards.video import AudioFromMetadata
+    from fgrpo.rollout.base import SamplingConfig
+    from fgrpo.rollout.engine import DiffusersEngine
+
+    (tmp_path / "my_clap.py").write_text(
+        "import numpy as np\n"
+        "from fgrpo.rewards.base import RewardOutput\n"
+        "def make(gain=1.0):\n"
+        "    return lambda audio, rate, prompts: RewardOutput(\n"
+        "        scores=(gain * np.sqrt((audio ** 2).mean(axis=(1, 2)))).astype(np.float32))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reward = build_reward({"name": "audio", "scorer": "my_clap:make", "gain": 2.0})
+    assert isinstance(reward, AudioFromMetadata)
+
+    model = tiny.tiny_ltx2(seed=0)
+    cfg = SamplingConfig(
+        height=32,
+        width=32,
+        num_steps=2,
+        guidance_scale=1.0,
+        window_size=1,
+        window_range=(0, 1),
+        micro_batch=2,
+    )
+    prompts = ['a sign that says "HI"', "rain", "a dog barks"]
+    stream = RewardStream(reward, prompts)
+    traj = DiffusersEngine(model).generate(prompts, [1, 2, 3], cfg, on_images=stream.add)
+    wave = model.decode_audio(traj.x0, 32, 32).numpy()
+    np.testing.assert_allclose(
+        stream.result().scores, 2.0 * np.sqrt((wave.astype(np.float64) ** 2).mean(axis=(1, 2))), rtol=1e-5
+    )
+    with pytest.raises(ValueError, match="carry no 'audio'"):
+        reward(traj.images.numpy(), prompts)

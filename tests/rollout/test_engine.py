@@ -489,12 +489,13 @@ def test_images_reach_the_sink_micro_batch_by_micro_batch(models):
             PROMPTS,
             SEEDS,
             cfg,
-            on_images=lambda rows, im: (got.append((rows, im)), forwards_before.append(counting.calls)),
+            on_images=lambda rows, im, meta: (got.append((rows, im, meta)), forwards_before.append(counting.calls)),
         )
     finally:
         del model.velocity
-    assert [(r.start, r.stop) for r, _ in got] == [(0, 2), (2, 4), (4, 5)]
-    np.testing.assert_array_equal(np.concatenate([im for _, im in got]), traj.images.numpy())
+    assert [(r.start, r.stop) for r, _, _ in got] == [(0, 2), (2, 4), (4, 5)]
+    assert all(meta is None for _, _, meta in got)  # Qwen-Image decodes nothing besides pixels
+    np.testing.assert_array_equal(np.concatenate([im for _, im, _ in got]), traj.images.numpy())
     per_micro_batch = counting.calls // 3
     assert forwards_before[:2] == [per_micro_batch, 2 * per_micro_batch]  # no later micro-batch sampled yet
 
@@ -503,6 +504,6 @@ def test_images_reach_the_sink_micro_batch_by_micro_batch(models):
             return traj
 
     blocks = []
-    rollout(Other(), PROMPTS, SEEDS, cfg, torch.device("cpu"), on_images=lambda r, im: blocks.append((r, im)))
+    rollout(Other(), PROMPTS, SEEDS, cfg, torch.device("cpu"), on_images=lambda r, im, meta: blocks.append((r, im)))
     assert [(r.start, r.stop) for r, _ in blocks] == [(0, 5)]
     np.testing.assert_array_equal(blocks[0][1], traj.images.numpy())

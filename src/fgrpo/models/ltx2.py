@@ -357,6 +357,13 @@ class LTX2:
         mel = self.audio_vae.decode(z.to(adtype), return_dict=False)[0]
         return self.vocoder(mel.to(module_dtype(self.vocoder))).float().cpu()
 
+    @torch.no_grad()
+    def reward_metadata(self, x0: torch.Tensor, height: int, width: int) -> list[dict[str, Any]]:
+        """What the rollout hands a reward besides the frames, per sample: the decoded waveform (float32
+        [channels, samples]) and its sample rate, the input of the `audio` reward (rewards.video)."""
+        wave = self.decode_audio(x0, height, width).numpy()
+        return [{"audio": w, "sample_rate": self.audio_sample_rate} for w in wave]
+
 
 _TEXT_KEYS = ("prompt_embeds", "audio_prompt_embeds", "prompt_mask")
 MODULES = ("transformer", "vae", "audio_vae", "vocoder", "connectors", "text_encoder", "tokenizer")

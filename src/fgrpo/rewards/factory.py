@@ -8,6 +8,8 @@ A spec is one of
 - a multi-reward:         a list of member specs, or {"name": "multi", "members": [...]}; a member spec is a
                           spec plus "weight" (default 1.0), "required" (default true) and "key" (its name
                           in logs; default the member's name)
+- {"name": "audio", "scorer": "package.module:factory", ...}: an AudioReward (rewards.video; CLAP-like) built by
+  that factory with the other options, scoring the waveforms an audio-video model decodes (its reward metadata)
 - "package.module:factory" (or {"name": "package.module:factory", ...}) for a reward defined elsewhere
 - any of the above as a JSON string (what a command-line flag carries).
 
@@ -55,6 +57,12 @@ def _ocr(engine: str = "rapidocr", **options: Any) -> Reward:
     return OcrReward(build(**options))
 
 
+def _audio(*, scorer: str, **options: Any) -> Reward:
+    from fgrpo.rewards.video import AudioFromMetadata
+
+    return AudioFromMetadata(_import(scorer)(**options))
+
+
 def _video_ocr(*, frames: int = 4, consistency_weight: float = 0.5) -> Reward:
     from fgrpo.rewards.video import VideoOcrReward
 
@@ -100,6 +108,7 @@ def _multi(members: Sequence[Any]) -> Reward:
 REWARDS: dict[str, Callable[..., Reward]] = {
     "ocr": _ocr,
     "video_ocr": _video_ocr,
+    "audio": _audio,
     "jpeg_compressibility": _jpeg(compressible=True),
     "jpeg_incompressibility": _jpeg(compressible=False),
     "http": _http,

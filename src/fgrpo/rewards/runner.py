@@ -141,19 +141,20 @@ class RewardStream:
         self.reward, self.prompts = reward, list(prompts)
         self._parts: list[tuple[int, cf.Future[RewardOutput] | RewardOutput]] = []
 
-    def add(self, rows: slice, images: np.ndarray) -> None:
-        """Rows rows.start:rows.stop of the batch, decoded: uint8 [n, H, W, 3]."""
+    def add(self, rows: slice, images: np.ndarray, metadata: Sequence[dict[str, Any]] | None = None) -> None:
+        """Rows rows.start:rows.stop of the batch, decoded: uint8 [n, H, W, 3] (with per-row metadata)."""
         start, stop = rows.start or 0, rows.stop
         if stop - start != len(images):
             raise ValueError(f"RewardStream.add: rows {start}:{stop} for {len(images)} images")
         prompts = self.prompts[start:stop]
+        meta = check_inputs(images, prompts, metadata)
         if not isinstance(self.reward, AsyncRewardRunner):
-            self._parts.append((start, self.reward(images, prompts)))
+            self._parts.append((start, self.reward(images, prompts, meta)))
             return
         bounds = np.linspace(0, len(prompts), min(self.reward.max_workers, len(prompts)) + 1).astype(int)
         for a, b in zip(bounds[:-1], bounds[1:]):
             if b > a:
-                self._parts.append((start + a, self.reward.submit(images[a:b], prompts[a:b])))
+                self._parts.append((start + a, self.reward.submit(images[a:b], prompts[a:b], meta[a:b])))
 
     def result(self) -> RewardOutput:
         """The whole batch's RewardOutput, rows in order; every row must have been added exactly once."""

@@ -87,6 +87,35 @@ class AudioReward(Protocol):
         ...
 
 
+class AudioFromMetadata:
+    """A Reward that scores the audio a model decoded beside its frames: each row's metadata carries "audio"
+    (float32 [channels, samples]) and "sample_rate" (what `LTX2.reward_metadata` gives the trainer's reward);
+    the pixels are ignored. Mix it with `video_ocr` in a multi-reward spec to train audio and video together."""
+
+    def __init__(self, scorer: AudioReward):
+        self.scorer = scorer
+
+    def __call__(
+        self, images: np.ndarray, prompts: Sequence[str], metadata: Sequence[dict[str, Any]] | None = None
+    ) -> RewardOutput:
+        meta = check_inputs(images, prompts, metadata)
+        missing = [i for i, m in enumerate(meta) if "audio" not in m or "sample_rate" not in m]
+        if missing:
+            raise ValueError(
+                f"reward 'audio': rows {missing[:5]} carry no 'audio'/'sample_rate' metadata; the model must decode "
+                "audio (e.g. model.kind ltx2) and the reward run inside the trainer"
+            )
+        rates = {int(m["sample_rate"]) for m in meta}
+        if len(rates) > 1:
+            raise ValueError(f"reward 'audio': one sample rate per batch, got {sorted(rates)}")
+        audio = (
+            np.stack([np.asarray(m["audio"], dtype=np.float32) for m in meta])
+            if meta
+            else np.zeros((0, 1, 1), np.float32)
+        )
+        return self.scorer(audio, rates.pop() if rates else 1, prompts)
+
+
 def check_audio(audio: np.ndarray, sample_rate: int, prompts: Sequence[str]) -> None:
     """Validate an AudioReward call before any expensive work (one line naming the argument and the fix)."""
     if not isinstance(audio, np.ndarray) or audio.dtype != np.float32 or audio.ndim != 3:

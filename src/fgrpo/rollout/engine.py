@@ -29,8 +29,9 @@ from fgrpo.policy import transition, transition_log_prob
 from fgrpo.rollout.base import RolloutEngine, SamplingConfig, SleepingEngine, Trajectory
 from fgrpo.rollout.seeds import sample_generator
 
-# Receives a rollout's decoded images block by block: (rows of the batch, uint8 [n, H, W, 3] numpy array).
-ImageSink = Callable[[slice, np.ndarray], None]
+# Receives a rollout's decoded samples block by block: (rows of the batch, uint8 [n, H, W, 3] (or video
+# [n, F, H, W, 3]) numpy array, per-row reward metadata or None: what a model decodes besides pixels).
+ImageSink = Callable[[slice, np.ndarray, "list[dict] | None"], None]
 
 
 class _GivenVelocity:
@@ -142,8 +143,9 @@ class DiffusersEngine:
         """init_seeds: if given, sample b starts from the x_1 that a sample seeded init_seeds[b] starts from
         (equal init seeds = equal x_1, e.g. one per GRPO group). Its own generator still draws (and drops) its
         x_1, so its window and SDE noises are the same draws with or without init_seeds.
-        on_images(rows, images): called with each micro-batch's decoded images (uint8 [m, H, W, 3], on the
-        CPU) as soon as they exist, e.g. to score them while the next micro-batch samples."""
+        on_images(rows, images, metadata): called with each micro-batch's decoded images (uint8 [m, H, W, 3], on
+        the CPU) as soon as they exist, e.g. to score them while the next micro-batch samples; metadata: the
+        model's `reward_metadata` of those rows (e.g. an audio-video model's waveforms), else None."""
         model = self.model
         check_request(model, prompts, seeds, cfg)
         if init_seeds is not None and len(init_seeds) != len(prompts):
@@ -239,7 +241,8 @@ class DiffusersEngine:
             x0[rows] = x
             images.append(model.decode(x, cfg.height, cfg.width))
             if on_images is not None:
-                on_images(rows, images[-1].cpu().numpy())
+                extra = getattr(model, "reward_metadata", None)
+                on_images(rows, images[-1].cpu().numpy(), extra(x, cfg.height, cfg.width) if extra else None)
 
         return Trajectory(
             prompts=prompts,
@@ -344,7 +347,7 @@ def rollout(
     if isinstance(engine, SleepingEngine):
         engine.sleep()
     if on_images is not None and not streams:
-        on_images(slice(0, len(prompts)), traj.images.cpu().numpy())
+        on_images(slice(0, len(prompts)), traj.images.cpu().numpy(), None)
     return traj
 
 
