@@ -489,7 +489,10 @@ def test_images_reach_the_sink_micro_batch_by_micro_batch(models):
             PROMPTS,
             SEEDS,
             cfg,
-            on_images=lambda rows, im, meta: (got.append((rows, im, meta)), forwards_before.append(counting.calls)),
+            on_images=lambda rows, im, meta: (
+                got.append((rows, im, meta)),
+                forwards_before.append(counting.calls),
+            ),
         )
     finally:
         del model.velocity
@@ -504,6 +507,13 @@ def test_images_reach_the_sink_micro_batch_by_micro_batch(models):
             return traj
 
     blocks = []
-    rollout(Other(), PROMPTS, SEEDS, cfg, torch.device("cpu"), on_images=lambda r, im, meta: blocks.append((r, im)))
+    rollout(
+        Other(),
+        PROMPTS,
+        SEEDS,
+        cfg,
+        torch.device("cpu"),
+        on_images=lambda r, im, meta: blocks.append((r, im)),
+    )
     assert [(r.start, r.stop) for r, _ in blocks] == [(0, 5)]
     np.testing.assert_array_equal(blocks[0][1], traj.images.numpy())

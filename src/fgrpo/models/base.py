@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING, Protocol, TypeAlias, runtime_checkable
 import torch
 
 if TYPE_CHECKING:
+    from diffusers.models.transformers.transformer_ltx2 import LTX2VideoTransformer3DModel
     from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
     from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
 
     # Every model's transformer is a diffusers model: an nn.Module with diffusers' switches (gradient
     # checkpointing, attention backend, regional compile) and peft's adapter methods (add/disable adapters).
-    Transformer: TypeAlias = QwenImageTransformer2DModel | SD3Transformer2DModel
+    Transformer: TypeAlias = QwenImageTransformer2DModel | SD3Transformer2DModel | LTX2VideoTransformer3DModel
 
 # Conditioning is a flat dict of batch-first tensors (model-specific keys, e.g. prompt embeddings,
 # masks, pooled embeddings, and `neg_*` for the negative prompt when CFG is on). Keeping it a plain

@@ -60,7 +60,8 @@ def _ocr(engine: str = "rapidocr", **options: Any) -> Reward:
 def _audio(*, scorer: str, **options: Any) -> Reward:
     from fgrpo.rewards.video import AudioFromMetadata
 
-    return AudioFromMetadata(_import(scorer)(**options))
+    make: Callable[..., Any] = _import(scorer)  # a factory of an AudioReward, not of a Reward
+    return AudioFromMetadata(make(**options))
 
 
 def _video_ocr(*, frames: int = 4, consistency_weight: float = 0.5) -> Reward:
