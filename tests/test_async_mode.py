@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fgrpo import async_mode
+from fgrpo import algorithms, async_mode
 from fgrpo.config import AlgoConfig, GRPOConfig, ParallelConfig, RunConfig, TrainConfig, validate_config
 from fgrpo.rollout.buffer import RolloutBuffer
 
@@ -191,6 +191,61 @@ def test_resume_is_the_uninterrupted_run(stale_run, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# The other algorithms
+
+ASYNC_0 = ("--parallel.rollout-ranks", "1", "--parallel.max-staleness", "0")
+NFT = ("--algo.name", "nft", "--algo.ema-delay", "0", "--algo.ema-rate", "0.1", "--algo.ema-max-decay", "0.5")
+
+
+@pytest.mark.slow
+def test_nft_samples_with_the_pushed_ema_bit_for_bit(tmp_path):
+    """NFT samples with its EMA old policy (decay 0.2 after step 0's 2 optimizer steps, so EMA != theta). The
+    trainer pushes the EMA as the rollout's weights and the rollout samples with them as they are, so 1+1 ranks
+    at max_staleness 0 equal the synchronous run: step 1's rewards, the losses, the LoRA and the EMA. Pushing
+    theta, or the rollout swapping in its own EMA (never updated there), would change step 1's rewards."""
+    sync = _run(tmp_path / "sync", *NFT, steps=2)
+    rows = _run(tmp_path / "async", *NFT, *ASYNC_0, nproc=2, steps=2)
+    assert len(rows) == len(sync) == 2
+    assert rows[0]["train/ema_decay"] == pytest.approx(0.2)
+    for a, b in zip(sync, rows):
+        assert _same_numbers(a, b) == []
+    for file in ("model.safetensors", "tensors_rank0.safetensors"):
+        one, two = _weights(tmp_path / "sync", 2, file), _weights(tmp_path / "async", 2, file)
+        assert one.keys() == two.keys() and len(one) > 0
+        assert all(torch.equal(one[k], two[k]) for k in one)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dppo", "awm"])
+def test_dppo_and_awm_train_stale_batches(tmp_path, name):
+    """max_staleness 1, 2 steps: step 1 trains batch 1, sampled by version 0. DPPO recomputes the old log-probs
+    and means and weighs its loss with the truncated IS weight (statistics logged, weights in (0, 2]); AWM, whose
+    forward-process loss reads no sampling likelihood, trains it with no correction (no statistics)."""
+    flags = ("--algo.name", name) + (("--grpo.clip-range", "1.0") if name == "awm" else ())
+    rows = _run(
+        tmp_path, *flags, "--parallel.rollout-ranks", "1", "--parallel.max-staleness", "1", nproc=2, steps=2
+    )
+    assert [r["async/staleness"] for r in rows] == [0, 1]
+    assert all(math.isfinite(r["train/loss"]) and r["train/skipped_steps"] == 0 for r in rows)
+    if name == "dppo":
+        assert rows[1]["train/offpolicy/gap_abs_max"] > 1e-4
+        assert 0 < rows[1]["train/offpolicy/is_min"] <= rows[1]["train/offpolicy/is_max"] <= 2.0
+    else:
+        assert not any(k.startswith("train/offpolicy/") for r in rows for k in r)
+
+
+def test_dppo_loss_takes_the_importance_weight():
+    """FlowDPPO.loss hands the weight to core.dppo: weight 0 everywhere gives loss 0, weight 1 the plain loss."""
+    algo = algorithms.FlowDPPO(TrainConfig(algo=AlgoConfig(name="dppo")), [])
+    args = (torch.tensor([0.1, -0.2]), torch.zeros(2), torch.ones(2, 3), torch.ones(2, 3), torch.ones(2))
+    adv = torch.tensor([1.0, -1.0])
+    plain, _ = algo.loss(*args, adv)
+    assert plain != 0
+    assert algo.loss(*args, adv, torch.zeros(2))[0] == 0
+    assert torch.equal(algo.loss(*args, adv, torch.ones(2))[0], plain)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # The trainer's loop with a fake wire: drops, messages, drain
 
 
@@ -244,8 +299,11 @@ def _fake_trainer(monkeypatch, versions, max_staleness, num_steps, start_step=0,
         logged.append(extra)
         return extra
 
+    def rollout_weights():
+        return async_mode.trainable_tensors(layer)
+
     async_mode.run_trainer(
-        cfg, split, layer, torch.device("cpu"), start_step, lagging, validation, update, record
+        cfg, split, rollout_weights, torch.device("cpu"), start_step, lagging, validation, update, record
     )
     assert validated == list(range(start_step, num_steps))  # once a step, whether a batch was dropped or not
     return trained, logged, FakeWire.sent
@@ -331,8 +389,6 @@ def _async_cfg(**kw):
         (_async_cfg(parallel=ParallelConfig(rollout_ranks=2)), 5, "must divide the 3 training ranks"),
         (_async_cfg(parallel=ParallelConfig(rollout_ranks=1, max_staleness=-1)), 2, "parallel.max_staleness"),
         (_async_cfg(parallel=ParallelConfig(rollout_ranks=1, is_threshold=0)), 2, "parallel.is_threshold"),
-        (_async_cfg(algo=AlgoConfig(name="nft")), 2, "'nft' has no asynchronous mode"),
-        (_async_cfg(algo=AlgoConfig(name="dppo")), 2, "'dppo' has no asynchronous mode"),
         (_async_cfg(rollout_engine="vllm_omni"), 2, "'vllm_omni' has no asynchronous mode"),
     ],
 )

@@ -23,6 +23,9 @@ Deviations from the reference code, each for a reason:
 - AWM's old log-weights come from a no-grad pass with the pre-update weights over the same points (the
   reference keeps the pre-epoch model); its KL to the EMA policy is not implemented (only the KL to the
   reference, through grpo.kl_coef).
+- In the asynchronous mode (fgrpo/async_mode.py) the rollout ranks are sent `sampling_weights()`'s tensors
+  (NFT: the EMA) and sample with them as they are; DPPO's loss takes the stale batches' IS weight, and NFT and
+  AWM train stale batches uncorrected (their losses read no sampling likelihood).
 - MixGRPO's window slides from sampling.window_range's start to the last step that keeps it whole
   (core.schedule.sliding_window); MixGRPO-Flash's DPM-Solver++ tail after the window is the rollout's
   `sampling.ode_tail="dpmpp_2m"` (the `mixgrpo-flash` presets).
@@ -149,12 +152,8 @@ class FlowDPPO(Algorithm):
     needs_old_mean = True
 
     def loss(self, log_prob, old_log_prob, mean, old_mean, std, advantages, weight=None):
-        if weight is not None:
-            raise ValueError(
-                "algo.name='dppo' takes no importance weight (config refuses its asynchronous mode)"
-            )
         return dppo.dppo_loss(
-            log_prob, old_log_prob, mean, old_mean, std, advantages, tau=self.cfg.algo.dppo_tau
+            log_prob, old_log_prob, mean, old_mean, std, advantages, tau=self.cfg.algo.dppo_tau, weight=weight
         )
 
 
@@ -187,10 +186,9 @@ class ForwardProcessAlgorithm(Algorithm):
     def update(
         self, model, params, optimizer, lr_scheduler, traj, advantages, generator, off_policy=False
     ) -> dict[str, float]:
-        if off_policy:
-            raise ValueError(
-                f"algo.name={self.cfg.algo.name!r} has no off-policy correction (config refuses it)"
-            )
+        """off_policy (a stale batch of the asynchronous mode) changes nothing: the loss reads the rollout's
+        clean latents and the old policy at fresh points, never the sampling policy's likelihood, so there is
+        no behaviour/old ratio to correct (DiffusionNFT trains on any sampler's data by design)."""
         return forward_process_update(
             model, params, optimizer, lr_scheduler, traj, advantages, self.cfg, generator, self
         )

@@ -140,11 +140,13 @@ class Lagging:
         self.versions = versions
 
     @classmethod
-    def of(cls, transformer: torch.nn.Module, split: parallel.Split, size: int) -> Lagging:
+    def of(
+        cls, rollout_weights: Callable[[], dict[str, torch.Tensor]], split: parallel.Split, size: int
+    ) -> Lagging:
         """Version 0 `size` times on trainer rank 0 (collective over the trainer ranks), none elsewhere."""
         if not (split.is_async and split.trains) or size == 0:
             return cls([])
-        start = trainable_tensors(transformer)
+        start = rollout_weights()
         if parallel.rank() != split.trainer_ranks[0]:
             return cls([])
         return cls([{k: t.clone() for k, t in start.items()} for _ in range(size)])
@@ -228,7 +230,7 @@ class Wire:
 def run_trainer(
     cfg: TrainConfig,
     split: parallel.Split,
-    transformer: torch.nn.Module,
+    rollout_weights: Callable[[], dict[str, torch.Tensor]],
     device: torch.device,
     start_step: int,
     lagging: Lagging,
@@ -237,7 +239,8 @@ def run_trainer(
     record: Callable[[int, Batch, dict[str, float], flog.PhaseTimer, dict[str, float]], dict[str, float]],
 ) -> dict[str, float]:
     """The trainer ranks' loop: validate (train.validation, when due), receive, check staleness, train
-    (train.update), push, log and checkpoint (train.record). Returns the last step's metrics.
+    (train.update), push rollout_weights() (collective over the trainer ranks: the tensors the rollout samples
+    with, NFT's EMA), log and checkpoint (train.record). Returns the last step's metrics.
 
     From a checkpoint of step k (version k; `lagging` holds versions k - max_staleness .. k - 1), the rollout is
     first sent those versions, then the current one, so it re-samples batches k, k + 1, ... with the weights the
@@ -250,7 +253,7 @@ def run_trainer(
 
     def push(index: int, version: int, trained_step: int | None, *, weights: bool = True, stop=False) -> None:
         nonlocal last
-        tensors = trainable_tensors(transformer) if weights else None
+        tensors = rollout_weights() if weights else None
         if is_main:
             if trained_step is not None:  # a new version: the previous one is now one behind
                 lagging.advance(last)

@@ -468,14 +468,6 @@ def _validate_window(cfg: TrainConfig) -> None:
         )
 
 
-# What the asynchronous mode does not carry yet, each with the reason (validate_config refuses them by name).
-ASYNC_UNSUPPORTED_ALGOS = {
-    "nft": "samples with the EMA old policy, which lives on the trainer",
-    "awm": "trains forward-process points, which have no behaviour log-probs to correct",
-    "dppo": "its loss takes no importance weight yet",
-}
-
-
 def _validate_sequence_parallel(cfg: TrainConfig, world_size: int) -> None:
     """Checks of --parallel.sp: what diffusers' equal Ulysses split needs, and the combinations not wired."""
     p, s, m = cfg.parallel, cfg.sampling, cfg.model
@@ -541,11 +533,6 @@ def _validate_parallel(cfg: TrainConfig, world_size: int) -> None:
         raise ValueError(
             f"sampling.micro_batch={s.micro_batch} must divide the {n_train} samples of a training rank, so its "
             "forwards see the rollout's micro-batches (exact old log-probs); pick a divisor"
-        )
-    if cfg.algo.name in ASYNC_UNSUPPORTED_ALGOS:
-        raise ValueError(
-            f"algo.name={cfg.algo.name!r} has no asynchronous mode yet (it "
-            f"{ASYNC_UNSUPPORTED_ALGOS[cfg.algo.name]}); drop --parallel.rollout-ranks or use grpo / mixgrpo"
         )
     if cfg.rollout_engine != "diffusers":
         raise ValueError(

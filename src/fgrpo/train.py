@@ -34,6 +34,7 @@ Deviations from flow_grpo, and why:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from functools import partial
@@ -120,8 +121,16 @@ def _train(cfg: TrainConfig, d: parallel.Dist, experiment_source: str | Path | N
         model, cfg.rollout_engine, cfg.model.path, train_graph=cfg.model.compile and cfg.model.exact_rollout
     )
     algo = algorithms.build(cfg, params)
+
+    def rollout_weights() -> dict[str, torch.Tensor]:
+        """What the asynchronous mode pushes: the trainable tensors the rollout samples with (NFT: the EMA)."""
+        with algo.sampling_weights():
+            return async_mode.trainable_tensors(model.transformer)
+
+    # Rollout ranks of the asynchronous mode are sent those weights: they sample with the module as it is.
+    sampling_weights = algo.sampling_weights if split.trains else contextlib.nullcontext
     # The asynchronous mode's weights the rollout still samples with, checkpointed (empty when synchronous).
-    lagging = async_mode.Lagging.of(model.transformer, split, cfg.parallel.max_staleness)
+    lagging = async_mode.Lagging.of(rollout_weights, split, cfg.parallel.max_staleness)
 
     start_step = 0
     if resume_from is not None:
@@ -163,7 +172,7 @@ def _train(cfg: TrainConfig, d: parallel.Dist, experiment_source: str | Path | N
 
         # 2. rollout, each micro-batch's images scored while the next one samples
         stream = RewardStream(reward, prompts)
-        with timer("rollout"), algo.sampling_weights():
+        with timer("rollout"), sampling_weights():
             traj = rollout(engine, prompts, seeds, algo.sampling(step), d.device, init_seeds, stream.add)
 
         # 3. rewards -> all ranks (of the rollout side) -> group advantages
@@ -253,7 +262,7 @@ def _train(cfg: TrainConfig, d: parallel.Dist, experiment_source: str | Path | N
             metrics = record(step, batch, train_metrics, timer, val_metrics)  # 5.
     elif split.trains:
         metrics = async_mode.run_trainer(
-            cfg, split, model.transformer, d.device, start_step, lagging, validation, update, record
+            cfg, split, rollout_weights, d.device, start_step, lagging, validation, update, record
         )
     else:
         async_mode.run_rollout(

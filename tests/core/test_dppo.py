@@ -46,6 +46,40 @@ def test_hand_computed_oracle():
     assert all(not v.requires_grad for v in m.values())
 
 
+def test_importance_weight_hand_computed():
+    """The oracle batch with w = [3, 0.5, 0]: loss = (3*0 + 0.5*(-1) + 0*2) / 3 = -1/6;
+    d loss / d log_prob_b = w_b * kept_b = [0, 0.5 * -1/3, 0] = [0, -1/6, 0]; no gradient into w; the
+    metrics (ratio, mask, divergence) do not see w."""
+    log_prob, old_log_prob, mean, old_mean, std, adv = _oracle_batch()
+    w = torch.tensor([3.0, 0.5, 0.0], requires_grad=True)
+    loss, m = dppo_loss(log_prob, old_log_prob, mean, old_mean, std, adv, tau=0.1, weight=w)
+    torch.testing.assert_close(loss, torch.tensor(-1 / 6))
+    loss.backward()
+    torch.testing.assert_close(log_prob.grad, torch.tensor([0.0, -1 / 6, 0.0]))
+    assert w.grad is None
+    torch.testing.assert_close(m["masked_frac"], torch.tensor(1 / 3))
+    with pytest.raises(ValueError, match="weight"):
+        dppo_loss(log_prob, old_log_prob, mean, old_mean, std, adv, weight=torch.ones(2))
+
+
+def test_unit_weight_is_the_unweighted_loss_bit_for_bit():
+    """w = 1 multiplies every entry by exactly 1, so it gives weight=None's loss and gradient bit for bit (the
+    oracle and slow-loop tests pin weight=None's numbers)."""
+    g = torch.Generator().manual_seed(0)
+    B, n = 8, 6
+    old_mean = torch.randn(B, n, generator=g)
+    mean = old_mean + 0.05 * torch.randn(B, n, generator=g)
+    rest = (old_mean, 0.1 + torch.rand(B, generator=g), torch.randn(B, generator=g))
+    old_log_prob = 0.3 * torch.randn(B, generator=g)
+    grads = []
+    for weight in (None, torch.ones(B)):
+        log_prob = (0.3 * torch.arange(B) / B).requires_grad_(True)
+        loss, _ = dppo_loss(log_prob, old_log_prob, mean, *rest, tau=1e-3, weight=weight)
+        loss.backward()
+        grads.append((loss.detach(), log_prob.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
 def _slow_dppo(log_prob, old_log_prob, mean, old_mean, std, adv, tau):
     """Python floats and loops, straight from the spec."""
     total = 0.0

@@ -21,6 +21,7 @@ def dppo_loss(
     advantages: torch.Tensor,
     *,
     tau: float = 1e-5,
+    weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Flow-DPPO's masked policy-gradient loss for one denoising step of B samples.
 
@@ -33,6 +34,10 @@ def dppo_loss(
     counts in B) and passes no gradient. The mask itself carries no gradient. The divergence and the masking
     rule are the paper's KL-masked objective as verl-omni's docs/algo/flowdppo.md and its FlowDPPOLoss state it.
 
+    With a per-entry weight w (the rollout correction's importance weight between the behaviour and the old
+    policy, as in grpo.clipped_policy_loss), loss = mean_b w_b (1 - m_b) (-A_b rho_b): no gradient flows into
+    w, and an entry with w = 0 passes none but still counts in B.
+
     Args:
         log_prob: [B] log-prob of the stored x_next under the current policy (differentiable; sde.log_prob with
             reduce="mean", as the reference uses).
@@ -43,6 +48,7 @@ def dppo_loss(
             [B] or broadcastable to mean; > 0 (not checked, to stay sync-free).
         advantages: [B].
         tau: divergence threshold, >= 0 (the reference recipe's kl_mask_threshold, 1e-5).
+        weight: [B] per-entry weights >= 0, or None for the unweighted loss (exactly the formula without w).
 
     Returns:
         loss: scalar. metrics: detached scalars ratio_mean/min/max, masked_frac (share of dropped entries),
@@ -76,7 +82,14 @@ def dppo_loss(
         r = ratio.detach()
         masked = (div >= tau) & (((r > 1) & (adv > 0)) | ((r < 1) & (adv < 0)))  # [B]
     per_sample = torch.where(masked, torch.zeros_like(ratio), -adv * ratio)
-    loss = per_sample.mean()
+    if weight is None:
+        loss = per_sample.mean()
+    else:
+        if weight.shape != per_sample.shape:
+            raise ValueError(
+                f"weight {tuple(weight.shape)} must be [B] like log_prob {tuple(log_prob.shape)}"
+            )
+        loss = (weight.detach().float() * per_sample).mean()
     with torch.no_grad():
         metrics = {
             "ratio_mean": r.mean(),
