@@ -231,6 +231,10 @@ class ParallelConfig:
     """Ulysses sequence parallel degree: each sample's tokens are split over sp consecutive ranks, which share its
     prompt and seed (diffusers' context parallelism, Qwen-Image). Helps when one sample's activations, not the
     batch, fill a GPU (Qwen-Image at 1328²); the world size must be a multiple; 1 = off."""
+    shard: Literal["full", "adapters"] = "full"
+    """What FSDP2 shards: every transformer weight, or (LoRA only) just the adapters, with the frozen base
+    replicated on every rank. 'adapters' never all-gathers or copies the base (full sharding does so for each
+    block at every forward and backward, at world size 1 too) and holds one whole base per rank; same numbers."""
 
     def trainer_ranks(self, world_size: int) -> int:
         """Training ranks that hold distinct samples: all of them in the synchronous mode, one per SP group."""
@@ -414,6 +418,11 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
     if g.kl_coef > 0 and not m.lora:
         raise ValueError(
             "grpo.kl_coef>0 needs model.lora=True (the reference is the model with adapters off)"
+        )
+    if cfg.parallel.shard == "adapters" and not m.lora:
+        raise ValueError(
+            "parallel.shard='adapters' replicates the frozen base and model.lora=False trains all of it; drop "
+            "--parallel.shard"
         )
     if m.init_lora and not m.lora:
         raise ValueError("model.init_lora needs model.lora=True; drop --model.init-lora or train LoRA")
