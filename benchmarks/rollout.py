@@ -12,20 +12,40 @@ rollout minus VAE decode, per sample per single non-CFG forward: compare with th
 39.2 ms eager / 30.8 ms compiled); effective TFLOP/s (16.65 TFLOP per 512^2 forward per sample, over the
 whole rollout time); peak memory. Modes: eager, then regional torch.compile of the transformer blocks.
 
+`--model qwen_image_edit` / `--model ltx2`: the same rows for real-size random Qwen-Image-Edit
+(`build_real_qwen_image_edit`) and LTX-2.3 (`build_real_ltx2`) at their experiment recipes' sampling
+(experiments/qwen_image_edit_ocr.py: 512², 12 steps, true CFG 4, window 3 of [0, 6), a 1024² condition image;
+experiments/ltx2_ocr.py: 81-frame 256x384 clips, 24 steps, CFG 4, CPS window 3 of [0, 10)); TFLOP/s then
+uses the forward's FLOPs counted on the model as built (`forward_tflop`), and LTX-2's rows count videos.
+
 GPU:  python benchmarks/rollout.py                   (about 5 min on one H200)
+GPU:  python benchmarks/rollout.py --model ltx2 --batch-sizes 8,16
 CPU:  python benchmarks/rollout.py --tiny            (tiny random model, checks the script end to end)
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
+import dataclasses
+import hashlib
 import math
+import shutil
+import sys
+import tempfile
 import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import torch
 
+from fgrpo.data import ImagePrompt
+from fgrpo.models.common import module_device, module_dtype
 from fgrpo.models.loading import configure_transformer
+from fgrpo.models.ltx2 import LTX2
 from fgrpo.models.qwen_image import QwenImage
+from fgrpo.models.qwen_image_edit import QwenImageEdit
 from fgrpo.models.sd3 import SD3
 from fgrpo.rollout.base import SamplingConfig
 from fgrpo.rollout.engine import DiffusersEngine
@@ -47,24 +67,199 @@ class StubTextQwenImage(QwenImage):
         return (torch.randn(length, width, generator=gen).to(self.device, self.dtype),)
 
 
+@contextlib.contextmanager
+def real_size(device: torch.device | str) -> Iterator[None]:
+    """Modules built inside get their parameters in bf16 directly on `device`: no fp32 copy, nothing on the
+    CPU first (on the meta device: shapes only, for counting)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(default)
+
+
 def build_real(device: torch.device, text_encoder: bool, layers: int = 60) -> QwenImage:
     from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
 
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # parameters are created in bf16 on the GPU: no fp32 copy
-    try:
-        with torch.device(device):
-            transformer = QwenImageTransformer2DModel(
-                num_layers=layers
-            )  # defaults = Qwen/Qwen-Image's config
-            vae = AutoencoderKLQwenImage()
-            encoder = tokenizer = None
-            if text_encoder:
-                encoder, tokenizer = _real_size_text_encoder()
-    finally:
-        torch.set_default_dtype(default)
+    with real_size(device):
+        transformer = QwenImageTransformer2DModel(num_layers=layers)  # defaults = Qwen/Qwen-Image's config
+        vae = AutoencoderKLQwenImage()
+        encoder = tokenizer = None
+        if text_encoder:
+            encoder, tokenizer = _real_size_text_encoder()
     cls = QwenImage if text_encoder else StubTextQwenImage
     return cls.from_modules(transformer, vae, encoder, tokenizer, device=device)
+
+
+# Qwen2-VL's vision tokens: 14-pixel patches merged 2x2, so one token per 28x28 pixels of the condition image.
+VL_PIXELS_PER_TOKEN = 28
+
+
+class StubTextQwenImageEdit(QwenImageEdit):
+    """Qwen-Image-Edit whose VL encoder returns random embeddings of the real shape (no 7B encoder).
+
+    Length: what the edit template keeps after its 64-token prefix: <|vision_start|>, the condition image's VL
+    tokens (the image at the condition size, sides rounded to multiples of 28 px: 37 x 37 = 1369 tokens at
+    1024²), <|vision_end|>, ~1 token per 4 characters of the instruction, the template's 5 suffix tokens.
+    The condition image is still read, resized and VAE-encoded for real.
+    """
+
+    def _encode_instruction(self, key: tuple[str, str]) -> tuple[torch.Tensor]:
+        prompt, path = key
+        image = self._condition_pil(path)
+        vl = round(image.height / VL_PIXELS_PER_TOKEN) * round(image.width / VL_PIXELS_PER_TOKEN)
+        length = 1 + vl + 1 + math.ceil(len(prompt) / 4) + 5
+        gen = torch.Generator().manual_seed(sample_seed(len(prompt), *map(ord, prompt[:32])))
+        width = self.transformer.config.joint_attention_dim
+        return (torch.randn(length, width, generator=gen).to(self.device, self.dtype),)
+
+
+def build_real_qwen_image_edit(device: torch.device | str, layers: int = 60) -> QwenImageEdit:
+    """Qwen/Qwen-Image-Edit at real size with random bf16 weights and a stub VL encoder.
+
+    Its transformer and VAE configs are Qwen-Image's (diffusers' QwenImageTransformer2DModel and
+    AutoencoderKLQwenImage defaults: 60 blocks of 24 heads x 128, text width 3584, 16 latent channels); the
+    pipeline's condition area is 1024² (QwenImageEditPipeline's calculate_dimensions). Not confirmed here: the
+    hub's transformer/config.json of Qwen-Image-Edit itself (taken to equal Qwen-Image's, zero_cond_t off, as the
+    original Edit release predates that 2511 switch) and its processor's max_pixels (taken large enough that a
+    1024² image keeps its size, Qwen2-VL's default 12845056).
+    """
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+
+    with real_size(device):
+        transformer = QwenImageTransformer2DModel(num_layers=layers)
+        vae = AutoencoderKLQwenImage()
+    return StubTextQwenImageEdit.from_modules(transformer, vae, None, None, processor=None, device=device)
+
+
+def edit_prompts(prompts: Sequence[str], folder: str | Path, size: int) -> list[str]:
+    """Each prompt with a condition image of its own: the prompt's first quoted word, black on a white
+    size x size square (the edit recipe renders its condition images at the sampling size), as a PNG in
+    `folder` named by the prompt, so a fresh prompt is a fresh image (encoded again) and a repeat is cached."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    for prompt in prompts:
+        path = folder / f"{hashlib.sha1(prompt.encode()).hexdigest()[:16]}.png"
+        if not path.exists():
+            word = prompt.split('"')[1] if prompt.count('"') >= 2 else prompt[:12]
+            image = Image.new("RGB", (size, size), "white")
+            font = ImageFont.load_default(size=max(8, size // 6))
+            ImageDraw.Draw(image).text((size // 8, size // 3), word, fill="black", font=font)
+            image.save(path)
+        out.append(ImagePrompt(prompt, path))
+    return out
+
+
+# Gemma 3 12B, LTX-2's text encoder: hidden size 3840 and 48 layers, whose 49 hidden states (embeddings included)
+# LTX2TextConnectors reads stacked (its caption_channels and text_proj_in_factor).
+GEMMA_WIDTH, GEMMA_STATES = 3840, 49
+
+
+class StubTextLTX2(LTX2):
+    """LTX-2 whose Gemma 3 returns random hidden states of the real shape (no 12B encoder): 49 states of width
+    3840 for <bos> plus ~1 token per 4 characters, left-padded with zeros to max_sequence_length (1024) as the
+    pipeline pads; the text connectors (real size) then run on them as in LTX2Pipeline."""
+
+    @torch.no_grad()
+    def _encode_one(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cfg = self.connectors.config
+        length = self.max_sequence_length
+        valid = min(length, 1 + math.ceil(len(prompt) / 4))
+        gen = torch.Generator().manual_seed(sample_seed(len(prompt), *map(ord, prompt[:32])))
+        tokens = torch.randn(valid, cfg.caption_channels * cfg.text_proj_in_factor, generator=gen)
+        device, dtype = module_device(self.connectors), module_dtype(self.connectors)
+        hidden = torch.zeros(1, length, tokens.shape[1], device=device, dtype=dtype)
+        hidden[0, length - valid :] = tokens.to(device, dtype)
+        mask = torch.zeros(1, length, dtype=torch.long, device=device)
+        mask[0, length - valid :] = 1
+        video, audio, mask = self.connectors(hidden, mask, padding_side="left")
+        return (
+            video[0].to(self.device, self.dtype),
+            audio[0].to(self.device, self.dtype),
+            mask[0].to(self.device, torch.bool),
+        )
+
+
+# experiments/ltx2_ocr.py's recipe clip: 81 frames of 256x384 at 24 fps.
+LTX2_CLIP = {"num_frames": 81, "frame_rate": 24.0, "height": 256, "width": 384}
+
+
+def build_real_ltx2(device: torch.device | str, layers: int = 48, **clip) -> LTX2:
+    """LTX-2.3 at real size with random bf16 weights and a stub Gemma 3 (StubTextLTX2); `clip` overrides
+    LTX2_CLIP (num_frames, frame_rate, height, width).
+
+    Configs: diffusers' scripts/convert_ltx2_to_diffusers.py, version "2.3" (model id Lightricks/LTX-2.3):
+    transformer 48 blocks, video 32 heads x 128 (cross-attention 4096), audio 32 heads x 64 (2048), 128 video and
+    128 audio input channels, gated attention and prompt modulation in both streams, split RoPE, no caption
+    projection (per-modality projections in the connectors), perturbed-attention weights; connectors 8 + 8
+    layers (video 32 x 128, audio 32 x 64), 128 learnable registers, per-modality projections to 4096 / 2048;
+    video VAE 128 latent channels, 32x spatial and 8x temporal compression, encoder blocks (256, 512, 1024, 1024),
+    decoder blocks (256, 512, 512, 1024); audio VAE as LTX-2.0 (8 latent channels, 64 mel bins, 16 kHz, hop 160);
+    vocoder with bandwidth extension to 48 kHz (LTX2VocoderWithBWE's defaults = that version's values).
+    Not confirmed here: the video VAE's timestep_conditioning and scaling_factor (the converter takes the first
+    as a flag, off by default; the second is left at diffusers' 1.0) and the latent statistics (random weights
+    anyway: zeros / ones here); the clip is the recipe's (verl-omni's LTX-2.3 example), not LTX2Pipeline's default.
+    """
+    from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, LTX2VideoTransformer3DModel
+    from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2VocoderWithBWE
+
+    with real_size(device):
+        transformer = LTX2VideoTransformer3DModel(
+            num_layers=layers,
+            gated_attn=True,
+            cross_attn_mod=True,
+            audio_gated_attn=True,
+            audio_cross_attn_mod=True,
+            rope_type="split",
+            use_prompt_embeddings=False,
+            perturbed_attn=True,
+        )  # the rest = diffusers' defaults, which equal the "2.3" conversion config
+        connectors = LTX2TextConnectors(
+            caption_channels=GEMMA_WIDTH,
+            text_proj_in_factor=GEMMA_STATES,
+            video_connector_num_attention_heads=32,
+            video_connector_attention_head_dim=128,
+            video_connector_num_layers=8,
+            video_connector_num_learnable_registers=128,
+            video_gated_attn=True,
+            audio_connector_num_attention_heads=32,
+            audio_connector_attention_head_dim=64,
+            audio_connector_num_layers=8,
+            audio_connector_num_learnable_registers=128,
+            audio_gated_attn=True,
+            connector_rope_base_seq_len=4096,
+            rope_type="split",
+            per_modality_projections=True,
+            video_hidden_dim=4096,
+            audio_hidden_dim=2048,
+            proj_bias=True,
+        )
+        vae = AutoencoderKLLTX2Video(
+            block_out_channels=(256, 512, 1024, 1024),
+            decoder_block_out_channels=(256, 512, 512, 1024),
+            layers_per_block=(4, 6, 4, 2, 2),
+            decoder_layers_per_block=(4, 6, 4, 2, 2),
+            decoder_spatio_temporal_scaling=(True, True, True, True),
+            decoder_inject_noise=(False,) * 5,
+            upsample_type=("spatiotemporal", "spatiotemporal", "temporal", "spatial"),
+            upsample_residual=(False,) * 4,
+            upsample_factor=(2, 2, 1, 2),
+            decoder_causal=False,
+            decoder_spatial_padding_mode="zeros",
+            spatial_compression_ratio=32,
+            temporal_compression_ratio=8,
+        )
+        audio_vae = AutoencoderKLLTX2Audio()
+        vocoder = LTX2VocoderWithBWE()
+    return StubTextLTX2.from_modules(
+        transformer, vae, audio_vae, vocoder, connectors, None, None, device=device, **{**LTX2_CLIP, **clip}
+    )
 
 
 class StubTextSD3(SD3):
@@ -85,40 +280,35 @@ def build_real_sd3(device: torch.device, layers: int = 24) -> SD3:
     text encoders."""
     from diffusers import AutoencoderKL, SD3Transformer2DModel
 
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            transformer = SD3Transformer2DModel(
-                sample_size=128,
-                patch_size=2,
-                in_channels=16,
-                num_layers=layers,
-                attention_head_dim=64,
-                num_attention_heads=24,
-                joint_attention_dim=4096,
-                caption_projection_dim=1536,
-                pooled_projection_dim=2048,
-                out_channels=16,
-                pos_embed_max_size=384,
-                dual_attention_layers=tuple(range(min(13, layers))),
-                qk_norm="rms_norm",
-            )
-            vae = AutoencoderKL(
-                in_channels=3,
-                out_channels=3,
-                down_block_types=("DownEncoderBlock2D",) * 4,
-                up_block_types=("UpDecoderBlock2D",) * 4,
-                block_out_channels=(128, 256, 512, 512),
-                layers_per_block=2,
-                latent_channels=16,
-                shift_factor=0.0609,
-                scaling_factor=1.5305,
-                use_quant_conv=False,
-                use_post_quant_conv=False,
-            )
-    finally:
-        torch.set_default_dtype(default)
+    with real_size(device):
+        transformer = SD3Transformer2DModel(
+            sample_size=128,
+            patch_size=2,
+            in_channels=16,
+            num_layers=layers,
+            attention_head_dim=64,
+            num_attention_heads=24,
+            joint_attention_dim=4096,
+            caption_projection_dim=1536,
+            pooled_projection_dim=2048,
+            out_channels=16,
+            pos_embed_max_size=384,
+            dual_attention_layers=tuple(range(min(13, layers))),
+            qk_norm="rms_norm",
+        )
+        vae = AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4,
+            block_out_channels=(128, 256, 512, 512),
+            layers_per_block=2,
+            latent_channels=16,
+            shift_factor=0.0609,
+            scaling_factor=1.5305,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+        )
     unused = [torch.nn.Identity(), torch.nn.Identity(), None]  # the stub encodes; CLIPs are never called
     return StubTextSD3.from_modules(transformer, vae, unused, [None, None, None], device=device)
 
@@ -144,10 +334,61 @@ def _real_size_text_encoder():
     return Qwen2_5_VLForConditionalGeneration(config), tiny_qwen_tokenizer()
 
 
-def build_tiny() -> QwenImage:
-    from fgrpo.models.tiny import tiny_qwen_image
+def build_tiny(model: str = "qwen_image"):
+    """The tiny random model of a family (fgrpo.models.tiny): fp32 on the CPU."""
+    from fgrpo.models import tiny
 
-    return tiny_qwen_image(seed=0)
+    build = {
+        "qwen_image": tiny.tiny_qwen_image,
+        "qwen_image_edit": tiny.tiny_qwen_image_edit,
+        "sd3": tiny.tiny_sd3,
+        "ltx2": tiny.tiny_ltx2,
+    }[model]
+    return build(seed=0)
+
+
+# The experiment file whose `recipe` preset (its Config()) fixes a family's sampling and LoRA.
+RECIPE_FILES = {"qwen_image_edit": "qwen_image_edit_ocr.py", "ltx2": "ltx2_ocr.py"}
+
+
+def recipe(model: str):
+    """experiments/<file>.py's Config() for `model` (RECIPE_FILES): the values the benchmark rows use."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "experiments" / RECIPE_FILES[model]
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module.Config()
+
+
+def condition_folder() -> Path:
+    """Where this process writes its synthesised condition images (removed at exit)."""
+    folder = tempfile.mkdtemp(prefix="fgrpo_bench_")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return Path(folder)
+
+
+def audio_sink(model):
+    """LTX-2: a reward sink that takes each micro-batch's frames and waveforms, so the rollout decodes the audio
+    as it does for the trainer's reward stream (reward_metadata); None for image models (frames only)."""
+    return (lambda rows, images, metadata: None) if isinstance(model, LTX2) else None
+
+
+def forward_tflop(model, prompt: str, height: int, width: int) -> float:
+    """TFLOP of one transformer forward of one sample (no CFG) at height x width (LTX-2: one clip of the model's
+    frames) with `prompt`'s conditioning, counted by torch's flop counter (matmuls and attention) on the model."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    device = module_device(model.transformer)
+    x = torch.zeros(1, *model.latent_shape(height, width), device=device)
+    cond = model.encode([prompt])
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), counter:
+        model.velocity(x, torch.full((1,), 0.5, device=device), cond, guidance_scale=1.0)
+    return counter.get_total_flops() / 1e12
 
 
 def prompts_for(batch: int, group: int, run: int) -> list[str]:
@@ -164,15 +405,19 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_one(model, cfg: SamplingConfig, batch: int, group: int, run: int, device) -> dict:
+def run_one(
+    model, cfg: SamplingConfig, batch: int, group: int, run: int, device, condition_dir: Path | None = None
+) -> dict:
     engine = DiffusersEngine(model)
     prompts = prompts_for(batch, group, run)
+    if condition_dir is not None:  # an edit model: each prompt with its condition image
+        prompts = edit_prompts(prompts, condition_dir, cfg.height)
     seeds = [sample_seed(run, i) for i in range(batch)]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     sync(device)
     t0 = time.perf_counter()
-    traj = engine.generate(prompts, seeds, cfg)
+    traj = engine.generate(prompts, seeds, cfg, on_images=audio_sink(model))
     sync(device)
     total = time.perf_counter() - t0
     # The decode share, to report transformer-only time per forward.
@@ -194,17 +439,25 @@ def run_one(model, cfg: SamplingConfig, batch: int, group: int, run: int, device
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tiny", action="store_true", help="tiny random Qwen-Image on the CPU (script check)")
+    ap.add_argument(
+        "--model",
+        default="qwen_image",
+        choices=["qwen_image", *RECIPE_FILES],
+        help="qwen_image (the rows above), qwen_image_edit or ltx2 (their experiment recipes' sampling)",
+    )
+    ap.add_argument("--tiny", action="store_true", help="tiny random model on the CPU (script check)")
     ap.add_argument("--batch-sizes", default="", help="comma-separated B (default 8,16,32; tiny: 2,4)")
     ap.add_argument("--group", type=int, default=8, help="samples per prompt G")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--cfg", type=float, default=4.0, help="true-CFG scale (1 = no CFG)")
-    ap.add_argument("--resolution", type=int, default=0, help="pixels (default 512; tiny: 64)")
+    ap.add_argument("--steps", type=int, default=0, help="denoising steps (0 = 10; the recipe's: 12 / 24)")
+    ap.add_argument("--cfg", type=float, default=0.0, help="CFG scale (0 = 4, the recipes' too; 1 = no CFG)")
+    ap.add_argument(
+        "--resolution", type=int, default=0, help="pixels (default 512; tiny: 64); LTX-2: the model's clip"
+    )
     ap.add_argument("--modes", default="eager,compile", help="eager and/or compile (regional, blocks only)")
     ap.add_argument("--attention-backend", default="", help="diffusers attention backend name; '' = SDPA")
     ap.add_argument("--text-encoder", action="store_true", help="random real-size Qwen2.5-VL instead of stub")
     ap.add_argument(
-        "--layers", type=int, default=60, help="transformer blocks of the real-size model (debug)"
+        "--layers", type=int, default=0, help="transformer blocks of the real-size model (0 = all: 60 / 48)"
     )
     ap.add_argument("--device", default="", help="default: cuda (tiny: cpu)")
     ap.add_argument(
@@ -212,10 +465,17 @@ def main() -> None:
     )
     args = ap.parse_args()
 
+    if args.model == "ltx2" and args.resolution:
+        raise SystemExit(
+            "--resolution: an LTX-2 model fixes its clip size (256x384 real, 32x32 tiny); leave it out"
+        )
+    if args.text_encoder and args.model != "qwen_image":
+        raise SystemExit("--text-encoder: only for --model qwen_image (the others run stub text encoders)")
     start = time.perf_counter()
     device = torch.device(args.device or ("cpu" if args.tiny else "cuda"))
     batches = [int(b) for b in (args.batch_sizes or ("2,4" if args.tiny else "8,16,32")).split(",")]
     res = args.resolution or (64 if args.tiny else 512)
+    steps, guidance = args.steps or 10, args.cfg or 4.0
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if args.tiny and "compile" in modes and args.modes == ap.get_default("modes"):
         modes = ["eager"]  # inductor on this CPU takes minutes per shape; ask for it explicitly
@@ -224,23 +484,54 @@ def main() -> None:
     if hasattr(torch._dynamo.config, "recompile_limit"):
         torch._dynamo.config.recompile_limit = 64
 
-    model = build_tiny() if args.tiny else build_real(device, args.text_encoder, args.layers)
+    if args.tiny:
+        model = build_tiny(args.model)
+    elif args.model == "qwen_image":
+        model = build_real(device, args.text_encoder, args.layers or 60)
+    elif args.model == "qwen_image_edit":
+        model = build_real_qwen_image_edit(device, args.layers or 60)
+    else:
+        model = build_real_ltx2(device, args.layers or 48)
     if args.attention_backend:
         configure_transformer(model.transformer, attention_backend=args.attention_backend)
     n_params = sum(p.numel() for p in model.transformer.parameters())
-    print(
-        f"# Qwen-Image rollout: transformer {n_params / 1e9:.2f}B params {model.dtype}, {res}x{res}, "
-        f"{args.steps} steps, CFG {args.cfg}, G={args.group}, device={torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, "
-        f"torch {torch.__version__}, built in {time.perf_counter() - start:.0f}s"
-    )
-    cfg = SamplingConfig(
-        height=res, width=res, num_steps=args.steps, guidance_scale=args.cfg, negative_prompt=" ",
-        window_size=2, window_range=(0, min(5, args.steps)), micro_batch=max(batches),
-    )  # fmt: skip
-    forwards = 2 if args.cfg > 1 else 1
-    flop_scale = (res / 512) ** 2  # attention's quadratic part ignored: only 512^2 is the reference point
+    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    condition_dir = condition_folder() if isinstance(model, QwenImageEdit) else None
+    if args.model == "qwen_image":
+        print(
+            f"# Qwen-Image rollout: transformer {n_params / 1e9:.2f}B params {model.dtype}, {res}x{res}, "
+            f"{steps} steps, CFG {guidance}, G={args.group}, device={device_name}, "
+            f"torch {torch.__version__}, built in {time.perf_counter() - start:.0f}s"
+        )
+        cfg = SamplingConfig(
+            height=res, width=res, num_steps=steps, guidance_scale=guidance, negative_prompt=" ",
+            window_size=2, window_range=(0, min(5, steps)), micro_batch=max(batches),
+        )  # fmt: skip
+        tflop_per_forward = TFLOP_PER_FORWARD_512 * (res / 512) ** 2  # attention's quadratic part ignored
+    else:
+        rec = recipe(args.model).sampling
+        steps, guidance = args.steps or rec.num_steps, args.cfg or rec.guidance_scale
+        height, width = (model.height, model.width) if isinstance(model, LTX2) else (res, res)
+        # fewer --steps than the recipe: the window stops before the last step, where CPS has no noise
+        cfg = dataclasses.replace(
+            rec, height=height, width=width, num_steps=steps, guidance_scale=guidance,
+            window_range=(rec.window_range[0], min(rec.window_range[1], steps - 1)), micro_batch=max(batches),
+        )  # fmt: skip
+        probe = prompts_for(1, 1, 0)
+        if condition_dir is not None:
+            probe = edit_prompts(probe, condition_dir, height)
+        tflop_per_forward = forward_tflop(model, probe[0], height, width)
+        clip = f", {model.num_frames} frames at {model.frame_rate:g} fps" if isinstance(model, LTX2) else ""
+        print(
+            f"# {args.model} rollout: transformer {n_params / 1e9:.2f}B params {model.dtype}, {height}x{width}{clip}, "
+            f"{steps} steps, CFG {guidance}, {cfg.sde_kind} window {cfg.window_size} of {cfg.window_range}, "
+            f"G={args.group}, {tflop_per_forward:.2f} TFLOP per forward, device={device_name}, "
+            f"torch {torch.__version__}, built in {time.perf_counter() - start:.0f}s"
+        )
+    forwards = 2 if guidance > 1 else 1
 
-    header = f"{'mode':8} {'B':>3} {'img/s':>7} {'ms/sample-step':>15} {'ms/forward':>11} {'TFLOP/s':>8} {'decode s':>9} {'peak GiB':>9} {'total s':>8}"
+    per_s = "vid/s" if isinstance(model, LTX2) else "img/s"
+    header = f"{'mode':8} {'B':>3} {per_s:>7} {'ms/sample-step':>15} {'ms/forward':>11} {'TFLOP/s':>8} {'decode s':>9} {'peak GiB':>9} {'total s':>8}"
     rows = []
     run = 0
     fullgraph_failed = False
@@ -256,11 +547,14 @@ def main() -> None:
                 rows.append(f"{mode:8} {batch:>3} skipped (time budget --budget-min {args.budget_min})")
                 continue
             c = SamplingConfig(**{**cfg.__dict__, "micro_batch": batch})
-            warm = SamplingConfig(**{**c.__dict__, "num_steps": 2, "window_range": (0, 2)})
+            # a short rollout with the same window; one step after it, as CPS has no noise on the final step
+            W = c.window_size
+            warm = dataclasses.replace(c, num_steps=W + 1, window_range=(0, W))
             try:
                 run += 1
                 try:
-                    run_one(model, warm, batch, args.group, run, device)  # compile / allocator warm-up
+                    # compile / allocator warm-up
+                    run_one(model, warm, batch, args.group, run, device, condition_dir)
                 except Exception as e:
                     if mode != "compile" or fullgraph_failed:
                         raise
@@ -270,16 +564,16 @@ def main() -> None:
                         f"# fullgraph compile failed ({type(e).__name__}: {str(e)[:120]}); retrying fullgraph=False"
                     )
                     model.transformer.compile_repeated_blocks(fullgraph=False)
-                    run_one(model, warm, batch, args.group, run, device)
+                    run_one(model, warm, batch, args.group, run, device, condition_dir)
                 run += 1
-                r = run_one(model, c, batch, args.group, run, device)
+                r = run_one(model, c, batch, args.group, run, device, condition_dir)
             except Exception as e:
                 rows.append(f"{mode:8} {batch:>3} failed: {type(e).__name__}: {e}"[:200])
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
                 continue
-            sample_steps = batch * args.steps
-            tflops = sample_steps * forwards * TFLOP_PER_FORWARD_512 * flop_scale / r["total"]
+            sample_steps = batch * steps
+            tflops = sample_steps * forwards * tflop_per_forward / r["total"]
             ms_fwd = (r["total"] - r["decode"]) * 1e3 / (sample_steps * forwards)
             rows.append(
                 f"{mode:8} {batch:>3} {batch / r['total']:>7.2f} {r['total'] * 1e3 / sample_steps:>15.1f} "
