@@ -10,7 +10,7 @@ import gc
 import io
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeGuard
+from typing import TYPE_CHECKING, Literal, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -316,6 +316,7 @@ def shard_transformer(
     block_attr: str = "transformer_blocks",
     reshard_after_forward: bool = True,
     mesh=None,
+    shard: Literal["full", "adapters"] = "full",
 ) -> nn.Module:
     """FSDP2 in TorchTitan's pattern: fully_shard every transformer block, then the root.
 
@@ -323,6 +324,13 @@ def shard_transformer(
     GPUs), `reduce_dtype` what gradients are reduced in (fp32, so small LoRA gradients don't round away).
     Call after LoRA is attached and before the optimizer is built. mesh: the ranks to shard over
     (`Split.mesh`, one side of the asynchronous mode); None = all ranks.
+
+    shard: "full" shards every parameter; "adapters" shards only the trainable ones (the LoRA) and leaves the
+    frozen base an ordinary tensor on every rank (fully_shard's `ignored_params`). The base is then never
+    all-gathered nor copied (full sharding gathers each block's base once per forward and once per backward,
+    at world size 1 too, where the "gather" is a copy), at the price of one whole base per rank. The blocks
+    and the root are the same FSDP units with the same policy, so the adapters' bf16 compute, fp32 masters
+    and fp32 gradient reduction are unchanged and the numbers equal full sharding's bit for bit.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -332,7 +340,22 @@ def shard_transformer(
         raise ValueError(
             f"shard_transformer: {type(transformer).__name__} has no '{block_attr}'; pass block_attr="
         )
+    if shard not in ("full", "adapters"):
+        raise ValueError(f"parallel.shard={shard!r}: use 'full' or 'adapters'")
+    frozen = {p for p in transformer.parameters() if not p.requires_grad} if shard == "adapters" else set()
+    if shard == "adapters" and len(frozen) == len(list(transformer.parameters())):
+        raise ValueError(
+            "parallel.shard='adapters' shards the trainable parameters and there are none; add LoRA"
+        )
     for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(transformer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(
+            block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, ignored_params=frozen
+        )
+    fully_shard(
+        transformer,
+        mesh=mesh,
+        mp_policy=mp,
+        reshard_after_forward=reshard_after_forward,
+        ignored_params=frozen,
+    )
     return transformer

@@ -102,6 +102,7 @@ def _train(cfg: TrainConfig, d: parallel.Dist, experiment_source: str | Path | N
         model.transformer,
         param_dtype=torch.bfloat16 if cfg.model.dtype == "bf16" else None,
         mesh=split.mesh(d.device),
+        shard=cfg.parallel.shard,
     )
     parallel.enable_sequence_parallel(model.transformer)  # rollout and training forwards alike
     params = [p for p in model.transformer.parameters() if p.requires_grad]  # now DTensors
