@@ -45,6 +45,10 @@ class ModelConfig:
     """Comma-separated module names inside the transformer that get LoRA adapters."""
     gradient_checkpointing: bool = True
     """Recompute block activations in backward (less memory, ~30 % more compute)."""
+    checkpoint_policy: Literal["full", "selective"] = "full"
+    """With gradient_checkpointing, what backward recomputes: 'full' each block's whole forward, 'selective' only the
+    pointwise ops (the outputs of matmuls and attention are kept: less compute than full, more memory; the same
+    numbers)."""
     attention_backend: str = ""
     """diffusers attention backend name (e.g. 'flash', '_flash_3_hub', 'native'); '' keeps the default."""
     init_lora: str = ""
@@ -423,6 +427,11 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
         raise ValueError(
             "parallel.shard='adapters' replicates the frozen base and model.lora=False trains all of it; drop "
             "--parallel.shard"
+        )
+    if m.checkpoint_policy == "selective" and not m.gradient_checkpointing:
+        raise ValueError(
+            "model.checkpoint_policy='selective' chooses what gradient checkpointing recomputes and "
+            "model.gradient_checkpointing=False turns it off; drop one of the two flags"
         )
     if m.init_lora and not m.lora:
         raise ValueError("model.init_lora needs model.lora=True; drop --model.init-lora or train LoRA")
