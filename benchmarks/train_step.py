@@ -1,9 +1,13 @@
-"""One full training step of the Qwen-Image (or SD3.5-M) OCR LoRA recipe at real size, phase by phase (any --algo).
+"""One full training step of the Qwen-Image (SD3.5-M, Qwen-Image-Edit, LTX-2.3) OCR LoRA recipe at real size, phase by phase (any --algo).
 
 Real-size QwenImageTransformer2DModel (20 B) and AutoencoderKLQwenImage with random weights built on
 the GPU by benchmarks/rollout.py's `build_real` (`--model sd3`: SD3.5-Medium's 2.2 B transformer and VAE,
-`build_real_sd3`); the text encoders are replaced by fixed random prompt embeddings of the real shapes (their
-cost is one forward per distinct prompt, cached over the group). The reward is a stub (random scores);
+`build_real_sd3`; `--model qwen_image_edit`: Qwen-Image-Edit, `build_real_qwen_image_edit`, with a synthesised
+condition image per prompt; `--model ltx2`: LTX-2.3's transformer, connectors, video and audio VAEs and vocoder,
+`build_real_ltx2`, whose rows count videos); the text encoders are replaced by fixed random prompt embeddings of
+the real shapes (their cost is one forward per distinct prompt, cached over the group). Qwen-Image-Edit and
+LTX-2.3 sample, train their LoRA and batch by their experiment files' `recipe` presets
+(experiments/qwen_image_edit_ocr.py, experiments/ltx2_ocr.py). The reward is a stub (random scores);
 the OCR reward's cost is measured separately in benchmarks/rewards.py. Everything else is the
 trainer's own code: DiffusersEngine.generate, algorithms.*.update (LoRA r64, FSDP2 world of one, bf16
 compute, fp32 masters, gradient checkpointing), recompute of old log-probs.
@@ -14,6 +18,9 @@ compute, fp32 masters, gradient checkpointing), recompute of old log-probs.
     python benchmarks/train_step.py --compile --algo nft # another update rule (grpo dppo mixgrpo nft awm)
     python benchmarks/train_step.py --compile --algo grpo,nft,awm   # several, one model build and warm compile
     python benchmarks/train_step.py --compile --model sd3           # SD3.5-M: flow_grpo's SD3 LoRA recipe
+    python benchmarks/train_step.py --compile --model qwen_image_edit   # 2 prompts x 16 edits, micro-batch 4
+    python benchmarks/train_step.py --compile --model ltx2          # 2 prompts x 8 videos (81 x 256x384)
+    python benchmarks/train_step.py --tiny --model ltx2 --iters 0   # CPU wiring check of a family
     torchrun --nproc-per-node 2 benchmarks/train_step.py --prompts 4   # 2 GPUs, 32 images per GPU
     python benchmarks/train_step.py --opt-steps 1 --iters 0 --save-update /tmp/u.safetensors
     torchrun --nproc-per-node 2 benchmarks/train_step.py --opt-steps 1 --iters 0 --compare-update /tmp/u.safetensors
@@ -22,7 +29,10 @@ compute, fp32 masters, gradient checkpointing), recompute of old log-probs.
 Ceilings: the FLOPs of one 512² transformer forward of one sequence, counted on the model itself
 (torch.utils.flop_counter; Qwen-Image 14.9 TFLOP with the benchmark's ~14-token prompts); per image the Qwen-Image recipe does 10 steps x 2
 (true-CFG) forwards in rollout and W=2 x 2 x (forward + input-grad backward + checkpoint recompute ~ 3
-forwards) in training: 20 + 12 = 32 forwards = 477 TFLOP; over the bf16 matmul rate of an H200.
+forwards) in training: 20 + 12 = 32 forwards = 477 TFLOP; over the bf16 matmul rate of an H200. Qwen-Image-Edit
+and LTX-2.3 count their own forward the same way (Qwen-Image-Edit: the 512² image, its 1024² condition image and
+the VL-length text; LTX-2.3: one whole clip, video and audio tokens and 1024 text tokens) and their recipes'
+steps and windows.
 """
 
 from __future__ import annotations
@@ -32,7 +42,18 @@ import dataclasses
 import time
 
 import torch
-from rollout import build_real, build_real_sd3, build_tiny  # benchmarks/rollout.py: the same random models
+from rollout import (  # benchmarks/rollout.py: the same random models
+    audio_sink,
+    build_real,
+    build_real_ltx2,
+    build_real_qwen_image_edit,
+    build_real_sd3,
+    build_tiny,
+    condition_folder,
+    edit_prompts,
+    forward_tflop,
+    recipe,
+)
 
 MATMUL_TFLOPS_H200 = 755.0  # bf16, measured on an H200 (RESULTS.md)
 VERL_OMNI_IMAGES_PER_GPU_S = 0.305  # published, 4xH800, LoRA + CFG, same recipe
@@ -42,15 +63,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="tiny random model on CPU (wiring check)")
     ap.add_argument("--prompts", type=int, default=2, help="prompts per step over all ranks")
-    ap.add_argument("--group", type=int, default=16, help="images per prompt")
-    ap.add_argument("--micro-batch", type=int, default=8, help="samples per forward (x2 sequences with CFG)")
+    ap.add_argument("--group", type=int, default=0, help="images per prompt (0 = 16; ltx2: the recipe's 8)")
+    ap.add_argument(
+        "--micro-batch",
+        type=int,
+        default=0,
+        help="samples per forward (x2 sequences with CFG; 0 = 8; qwen_image_edit: the recipe's 4)",
+    )
     ap.add_argument("--opt-steps", type=int, default=2, help="optimizer steps per training step")
     ap.add_argument(
         "--model",
         default="qwen_image",
-        choices=["qwen_image", "sd3"],
+        choices=["qwen_image", "sd3", "qwen_image_edit", "ltx2"],
         help="qwen_image: the OCR LoRA recipe (r64, true CFG 4, flow_sde window 2 of [0, 5)); sd3: SD3.5-M with "
-        "flow_grpo's SD3 LoRA recipe (r32 on attention, CFG 4.5, CPS noise 0.8 in a 3-step window of [0, 5))",
+        "flow_grpo's SD3 LoRA recipe (r32 on attention, CFG 4.5, CPS noise 0.8 in a 3-step window of [0, 5)); "
+        "qwen_image_edit, ltx2: their experiment files' recipe presets (sampling, LoRA, optimizer)",
     )
     ap.add_argument(
         "--cfg", type=float, default=0.0, help="CFG scale (0 = the recipe's: 4 / 4.5; 1 = no CFG)"
@@ -74,7 +101,10 @@ def main() -> None:
     )
     ap.add_argument("--full", action="store_true", help="train all transformer weights instead of LoRA")
     ap.add_argument(
-        "--layers", type=int, default=0, help="transformer blocks of the real-size model (0 = all: 60 / 24)"
+        "--layers",
+        type=int,
+        default=0,
+        help="transformer blocks of the real-size model (0 = all: 60 / 24 / 60 / 48)",
     )
     ap.add_argument("--compile", action="store_true", help="regional torch.compile of the transformer blocks")
     ap.add_argument("--iters", type=int, default=2, help="timed steps (after one warm-up step)")
@@ -106,7 +136,8 @@ def main() -> None:
     )
     from fgrpo.core import grpo
     from fgrpo.models.loading import SD3_LORA_TARGETS, configure_transformer, setup_trainable
-    from fgrpo.models.tiny import tiny_sd3
+    from fgrpo.models.ltx2 import LTX2
+    from fgrpo.models.qwen_image_edit import QwenImageEdit
     from fgrpo.rollout.base import SamplingConfig
     from fgrpo.rollout.engine import DiffusersEngine, recompute_log_probs_and_means
 
@@ -115,64 +146,112 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--algo: unknown {unknown}; choose from {' '.join(algorithms.ALGORITHMS)}")
     d = parallel.init_distributed("cpu" if args.tiny else "cuda")
-    n = args.prompts * args.group
+    rec = (
+        recipe(args.model) if args.model in ("qwen_image_edit", "ltx2") else None
+    )  # experiments/*.py's recipe
+    group = args.group or (rec.grpo.group_size if rec is not None else 16)
+    micro_batch = args.micro_batch or (rec.sampling.micro_batch if rec is not None else 8)
+    n = args.prompts * group
     if n % d.world_size:
         raise SystemExit(f"--prompts x --group = {n} is not divisible by the {d.world_size} ranks")
     n_local = n // d.world_size
     torch.manual_seed(0)  # the same random weights and LoRA init on every rank and in every run
     sd3 = args.model == "sd3"
-    layers = args.layers or (24 if sd3 else 60)
+    layers = args.layers or {"qwen_image": 60, "sd3": 24, "qwen_image_edit": 60, "ltx2": 48}[args.model]
     if args.tiny:
-        model = tiny_sd3(seed=0) if sd3 else build_tiny()
+        model = build_tiny(args.model)
+    elif args.model == "qwen_image":
+        model = build_real(d.device, text_encoder=False, layers=layers)
+    elif sd3:
+        model = build_real_sd3(d.device, layers)
+    elif args.model == "qwen_image_edit":
+        model = build_real_qwen_image_edit(d.device, layers)
     else:
-        model = (
-            build_real_sd3(d.device, layers)
-            if sd3
-            else build_real(d.device, text_encoder=False, layers=layers)
-        )
-    res = 64 if args.tiny else 512
-    base_sampling = SamplingConfig(
-        height=res,
-        width=res,
-        num_steps=10,
-        guidance_scale=args.cfg or (4.5 if sd3 else 4.0),
-        negative_prompt="" if sd3 else " ",  # each pipeline's empty negative prompt
-        sde_kind="cps" if sd3 else "flow_sde",
-        noise_level=0.8 if sd3 else 1.2,
-        window_size=3 if sd3 else 2,
-        window_range=(0, 5),
-        micro_batch=args.micro_batch,
-    )
-    lora_rank = 32 if sd3 else 64
-    mcfg = ModelConfig(
-        kind=args.model,
-        dtype="bf16",
-        lora=not args.full,
-        lora_rank=lora_rank,
-        lora_alpha=2 * lora_rank,
-        lora_targets=",".join(SD3_LORA_TARGETS) if sd3 else ModelConfig().lora_targets,
-        gradient_checkpointing=True,
-        compile=args.compile,
-        exact_rollout=not args.no_exact_rollout,
-    )
+        model = build_real_ltx2(d.device, layers)
     lr = 3e-5 if args.full else 3e-4
+    if rec is None:
+        res = 64 if args.tiny else 512
+        height = width = res
+        size = f"{res}²"
+        base_sampling = SamplingConfig(
+            height=res,
+            width=res,
+            num_steps=10,
+            guidance_scale=args.cfg or (4.5 if sd3 else 4.0),
+            negative_prompt="" if sd3 else " ",  # each pipeline's empty negative prompt
+            sde_kind="cps" if sd3 else "flow_sde",
+            noise_level=0.8 if sd3 else 1.2,
+            window_size=3 if sd3 else 2,
+            window_range=(0, 5),
+            micro_batch=micro_batch,
+        )
+        lora_rank = 32 if sd3 else 64
+        mcfg = ModelConfig(
+            kind=args.model,
+            dtype="bf16",
+            lora=not args.full,
+            lora_rank=lora_rank,
+            lora_alpha=2 * lora_rank,
+            lora_targets=",".join(SD3_LORA_TARGETS) if sd3 else ModelConfig().lora_targets,
+            gradient_checkpointing=True,
+            compile=args.compile,
+            exact_rollout=not args.no_exact_rollout,
+        )
+        optim = OptimConfig(lr=lr, weight_decay=1e-4)
+        grpo_cfg = GRPOConfig()
+    else:
+        if isinstance(model, LTX2):  # the model fixes its clip (the tiny one: 9 frames of 32x32)
+            height, width = model.height, model.width
+            size = f"{height}x{width} {model.num_frames}-frame"
+        else:
+            height = width = 64 if args.tiny else rec.sampling.height
+            size = f"{height}²"
+        base_sampling = dataclasses.replace(
+            rec.sampling,
+            height=height,
+            width=width,
+            guidance_scale=args.cfg or rec.sampling.guidance_scale,
+            micro_batch=micro_batch,
+        )
+        mcfg = dataclasses.replace(
+            rec.model,
+            dtype="bf16",
+            lora=not args.full,
+            gradient_checkpointing=True,
+            compile=args.compile,
+            exact_rollout=not args.no_exact_rollout,
+        )
+        lora_rank = mcfg.lora_rank
+        if mcfg.attention_backend and not args.tiny:  # the recipe's (LTX-2: 'native'), as load_model sets it
+            configure_transformer(model.transformer, attention_backend=mcfg.attention_backend)
+        optim = dataclasses.replace(rec.optim, lr=lr)
+        grpo_cfg = rec.grpo
+    unit = "videos" if isinstance(model, LTX2) else "images"
     params = setup_trainable(model.transformer, mcfg)
+    condition_dir = condition_folder() if isinstance(model, QwenImageEdit) else None
+
+    def with_images(texts: list[str]) -> list[str]:
+        """An edit model's prompts each get a synthesised condition image at the sampling size."""
+        return texts if condition_dir is None else edit_prompts(texts, condition_dir, height)
+
     # one sequence of the benchmark's prompts (~14 text tokens), LoRA included, before any compile
-    tflop_per_forward = forward_tflop(model, res, 'A storefront sign that says "WORD0"')
+    tflop_per_forward = forward_tflop(
+        model, with_images(['A storefront sign that says "WORD0"'])[0], height, width
+    )
     if args.compile:
         configure_transformer(model.transformer, compile_blocks=True)
     parallel.shard_transformer(model.transformer, param_dtype=None if args.tiny else torch.bfloat16)
     params = [p for p in model.transformer.parameters() if p.requires_grad]
     names = [k for k, p in model.transformer.named_parameters() if p.requires_grad]
     ids = range(d.rank * n_local, (d.rank + 1) * n_local)  # this rank's slice of the global batch
-    prompts = [f'A storefront sign that says "WORD{i // args.group}"' for i in ids]
+    prompts = with_images([f'A storefront sign that says "WORD{i // group}"' for i in ids])
     n_trainable = sum(p.numel() for p in params)  # a DTensor's numel() is the global size
     print0 = (lambda *a, **k: print(*a, **k, flush=True)) if d.is_main else (lambda *a, **k: None)
     train_graph = args.compile and not args.no_exact_rollout
     print0(
-        f"# {d.world_size} rank(s), {n} images per step ({n_local} per rank), "
+        f"# {d.world_size} rank(s), {n} {unit} per step ({n_local} per rank), "
         f"{args.model}, {'full weights' if args.full else f'LoRA r{lora_rank}'} ~{n_trainable / 1e9:.2f} B "
-        f"trainable, {layers} blocks, {tflop_per_forward:.2f} TFLOP per {res}² forward, {args.opt_steps} optimizer steps, rollout window through the "
+        f"trainable, {layers} blocks, {tflop_per_forward:.2f} TFLOP per {size} forward, {args.opt_steps} optimizer steps, rollout window through the "
         f"{'training' if train_graph else 'no-grad'} graph"
     )
 
@@ -193,10 +272,13 @@ def main() -> None:
             TrainConfig(),
             model=mcfg,
             sampling=sampling,
-            grpo=GRPOConfig(
-                group_size=args.group, prompts_per_step=args.prompts, optimizer_steps_per_step=args.opt_steps
+            grpo=dataclasses.replace(
+                grpo_cfg,
+                group_size=group,
+                prompts_per_step=args.prompts,
+                optimizer_steps_per_step=args.opt_steps,
             ),
-            optim=OptimConfig(lr=lr, weight_decay=1e-4),
+            optim=optim,
             algo=AlgoConfig(name=name, train_steps=points, ema_delay=0),
         )
         optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=1e-4)
@@ -221,11 +303,13 @@ def main() -> None:
             sync()
             t0 = time.perf_counter()
             with torch.no_grad(), algo.sampling_weights():
-                traj = engine.generate(prompts, [it * 1000 + i for i in ids], algo.sampling(it))
+                traj = engine.generate(
+                    prompts, [it * 1000 + i for i in ids], algo.sampling(it), on_images=audio_sink(model)
+                )
             sync()
             t1 = time.perf_counter()
             rewards = torch.randn(n, generator=torch.Generator().manual_seed(it)).to(d.device)
-            adv = grpo.group_advantages(rewards, args.group, std="global")[ids.start : ids.stop]
+            adv = grpo.group_advantages(rewards, group, std="global")[ids.start : ids.stop]
             if not forward_process:
                 recompute_log_probs_and_means(model, traj, sampling)  # the 'recompute' variant's extra pass
             sync()
@@ -275,8 +359,8 @@ def main() -> None:
         total = roll + train
         print0()
         print0(
-            f"| phase | s | images/GPU/s | effective TFLOP/s per GPU | ({'compiled' if args.compile else 'eager'}, "
-            f"{d.world_size} GPU(s), {n_local} images per GPU, micro-batch {args.micro_batch}, peak {peak:.1f} GiB, "
+            f"| phase | s | {unit}/GPU/s | effective TFLOP/s per GPU | ({'compiled' if args.compile else 'eager'}, "
+            f"{d.world_size} GPU(s), {n_local} {unit} per GPU, micro-batch {micro_batch}, peak {peak:.1f} GiB, "
             f"first-update log-prob gap {gap:.1e}) |"
         )
         print0("|---|---:|---:|---:|")
@@ -296,7 +380,12 @@ def main() -> None:
                 f"\ntime in NCCL kernels during the profiled step: {nccl_s:.2f} s "
                 f"({nccl_s / (total + old):.1%} of the step; overlapped with compute where FSDP2 prefetches)"
             )
-        if not args.tiny:
+        if not args.tiny and rec is not None:  # no published number for these recipes
+            print0(
+                f"\n{unit}/GPU/s {n_local / total:.3f}; FLOP floor {floor_s:.1f} s -> ceiling "
+                f"{n_local / floor_s:.3f} {unit}/GPU/s ({floor_s / total:.0%} of it)"
+            )
+        elif not args.tiny:
             print0(
                 f"\nimages/GPU/s {n_local / total:.3f} = {n_local / total / VERL_OMNI_IMAGES_PER_GPU_S:.2f}x verl-omni's "
                 f"published {VERL_OMNI_IMAGES_PER_GPU_S}; FLOP floor {floor_s:.1f} s -> ceiling {n_local / floor_s:.2f} "
@@ -314,22 +403,6 @@ def main() -> None:
         )
     del params, model
     parallel.shutdown()
-
-
-def forward_tflop(model, res: int, prompt: str) -> float:
-    """TFLOP of one transformer forward of one sample (no CFG) at res x res with `prompt`'s text tokens,
-    counted by torch's flop counter (matmuls and attention) on the model as built."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from fgrpo.models.common import module_device
-
-    device = module_device(model.transformer)
-    x = torch.zeros(1, *model.latent_shape(res, res), device=device)
-    cond = model.encode([prompt])
-    counter = FlopCounterMode(display=False)
-    with torch.no_grad(), counter:
-        model.velocity(x, torch.full((1,), 0.5, device=device), cond, guidance_scale=1.0)
-    return counter.get_total_flops() / 1e12
 
 
 def save_or_compare_update(names, params, optimizer, save: str, compare: str, is_main: bool) -> None:
