@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from fgrpo.core.grpo import clamp_log_ratio, gaussian_kl
+from fgrpo.core.grpo import clamp_log_ratio, gaussian_kl, weighted_mean
 
 
 def dppo_loss(
@@ -82,14 +82,7 @@ def dppo_loss(
         r = ratio.detach()
         masked = (div >= tau) & (((r > 1) & (adv > 0)) | ((r < 1) & (adv < 0)))  # [B]
     per_sample = torch.where(masked, torch.zeros_like(ratio), -adv * ratio)
-    if weight is None:
-        loss = per_sample.mean()
-    else:
-        if weight.shape != per_sample.shape:
-            raise ValueError(
-                f"weight {tuple(weight.shape)} must be [B] like log_prob {tuple(log_prob.shape)}"
-            )
-        loss = (weight.detach().float() * per_sample).mean()
+    loss = weighted_mean(per_sample, weight)
     with torch.no_grad():
         metrics = {
             "ratio_mean": r.mean(),

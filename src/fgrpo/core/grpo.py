@@ -62,6 +62,22 @@ def clamp_log_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
     return log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
 
 
+def weighted_mean(per_entry: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    """mean_b w_b * l_b over the B entries of a per-entry loss, the weights held constant (no gradient into w);
+    weight None is the plain mean, bit for bit. The rollout correction's importance weight enters every policy
+    loss through this one place.
+
+    Args:
+        per_entry: [B] loss of each entry.
+        weight: [B] weights >= 0, or None.
+    """
+    if weight is None:
+        return per_entry.mean()
+    if weight.shape != per_entry.shape:
+        raise ValueError(f"weight {tuple(weight.shape)} must be [B] like the loss {tuple(per_entry.shape)}")
+    return (weight.detach().float() * per_entry).mean()
+
+
 def clipped_policy_loss(
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
@@ -132,14 +148,7 @@ def clipped_policy_loss(
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1 - clip_range, 1 + clip_range)
     per_entry = torch.maximum(unclipped, clipped)  # [B]
-    if weight is None:
-        loss = per_entry.mean()
-    else:
-        if weight.shape != per_entry.shape:
-            raise ValueError(
-                f"weight {tuple(weight.shape)} must be [B] like log_prob {tuple(log_prob.shape)}"
-            )
-        loss = (weight.detach().float() * per_entry).mean()
+    loss = weighted_mean(per_entry, weight)
     with torch.no_grad():
         r = ratio.detach()
         metrics = {
