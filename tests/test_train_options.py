@@ -1,0 +1,166 @@
+"""Trainer options that must leave the numbers alone, against today's path (full FSDP2 sharding, full activation
+checkpointing): parallel.shard='adapters' (only the LoRA sharded, the frozen base replicated) and
+model.checkpoint_policy='selective' (backward recomputes the pointwise ops only). Tiny random Qwen-Image on the
+CPU: the adapter after every optimizer step, the rollout's log-probs, the first update's log-prob gap and a
+checkpoint resume are equal bit for bit (tests/train_options_entry.py), at world size 1 and on 2 gloo ranks."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from train_entry import Config
+from train_options_entry import report
+
+from fgrpo import checkpoint, parallel
+from fgrpo import train as train_mod
+from fgrpo.config import validate_config
+from fgrpo.models.loading import add_lora, configure_transformer
+from fgrpo.models.tiny import tiny_qwen_image
+
+ENTRY = str(Path(__file__).with_name("train_options_entry.py"))
+
+
+def _assert_same_as_today(r: dict, variants: list[str]) -> None:
+    assert r["moved"] > 1e-2  # the two steps moved the adapter by ~lr: equality is not vacuous
+    assert r["today_gaps"] == [0.0, 0.0]
+    for v in variants:
+        got = r[v]
+        assert got["optimizer_steps"] == 4
+        assert got["lora_diff_per_optimizer_step"] == [0.0] * 5, v  # the init, then each optimizer step
+        assert got["log_prob_diff"] == [0.0, 0.0], v  # both rollouts
+        assert got["gaps"] == [0.0, 0.0], v  # rollout log-prob = the first update's, each step
+        assert got["resume_diff"] == [0.0] * 3, v  # step 2 after a load of the step-1 checkpoint
+        assert got["trainable_dtensors"] == 48  # 12 LoRA targets x (A, B) x 2 blocks, all sharded
+        replicated = v.startswith("adapters")
+        assert got["frozen_dtensors"] == (0 if replicated else got["frozen"]), v
+
+
+def test_adapters_sharding_and_selective_checkpointing_equal_today_on_one_rank(tmp_path):
+    parallel.init_distributed("cpu")
+    _assert_same_as_today(report("fp32", ["adapters", "selective"], tmp_path), ["adapters", "selective"])
+
+
+@pytest.mark.slow
+def test_adapters_sharding_and_selective_checkpointing_equal_today_on_two_ranks(tmp_path):
+    """2 gloo ranks, fp32 and bf16 (the GPU recipe's dtypes: bf16 base and compute, fp32 masters and gradient
+    reduction); each rank's own report."""
+    out = tmp_path / "report.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(29500 + (os.getpid() + 500) % 1000),
+        ENTRY,
+        str(out),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    ranks = json.loads(out.read_text())
+    assert len(ranks) == 2
+    for r in ranks:
+        for dtype in ("fp32", "bf16"):
+            _assert_same_as_today(r[dtype], ["adapters", "selective", "adapters_selective"])
+
+
+def test_the_loop_passes_both_options_on(tmp_path, monkeypatch):
+    """train() shards as parallel.shard says and checkpoints as model.checkpoint_policy says; its checkpoint
+    equals today's and the first update's log-prob gap is 0."""
+    seen = []
+    shard = parallel.shard_transformer
+
+    def spy(transformer, **kw):
+        seen.append((kw["shard"], transformer._gradient_checkpointing_func))
+        return shard(transformer, **kw)
+
+    monkeypatch.setattr(train_mod.parallel, "shard_transformer", spy)
+    c = Config()
+    runs = {}
+    for name, shard_mode, policy in (("today", "full", "full"), ("options", "adapters", "selective")):
+        cfg = dataclasses.replace(
+            c,
+            num_steps=1,
+            model=dataclasses.replace(c.model, gradient_checkpointing=True, checkpoint_policy=policy),
+            parallel=dataclasses.replace(c.parallel, shard=shard_mode),
+            run=dataclasses.replace(c.run, out_dir=str(tmp_path / name)),
+        )
+        m = train_mod.train(cfg)
+        assert m["train/logprob_gap/max"] == 0.0
+        runs[name] = checkpoint._read_tensors(
+            checkpoint.latest(tmp_path / name / "e2e" / "checkpoints") / "model.safetensors"
+        )
+    from fgrpo.models.loading import selective_checkpoint
+
+    assert seen[0][0] == "full" and seen[0][1] is not selective_checkpoint
+    assert seen[1] == ("adapters", selective_checkpoint)
+    assert runs["today"].keys() == runs["options"].keys()
+    assert all(torch.equal(runs["today"][k], runs["options"][k]) for k in runs["today"])
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.__name__.split(".")[0]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_ops(checkpointing: bool, policy: str) -> Counter:
+    torch.manual_seed(0)
+    model = tiny_qwen_image(seed=0)
+    add_lora(model.transformer, rank=4, alpha=8)
+    configure_transformer(model.transformer, gradient_checkpointing=checkpointing, checkpoint_policy=policy)
+    cond = model.encode(["a sign that says hi", "a cat"], negative_prompt=" ")
+    x = torch.randn(2, *model.latent_shape(32, 32))
+    v = model.velocity(x, torch.tensor([0.7, 0.7]), cond, guidance_scale=3.0)
+    with _CountOps() as count:
+        v.square().sum().backward()
+    return count.ops
+
+
+def test_selective_checkpointing_recomputes_only_pointwise_ops_and_lora_b():
+    """Ops that backward runs beyond no checkpointing's: full checkpointing redoes each block's whole forward
+    (its 28 biased Linears as addmm, 2 x 24 LoRA matmuls, 2 attentions); selective redoes only LoRA's B
+    (12 targets x 2 blocks = 24 matmuls of inner size r = 4, kept off the saved list by the low-rank rule) and
+    the pointwise ops (the 4 GELUs), none of the base matmuls or attentions."""
+    off, full, selective = (
+        _backward_ops(c, p) for c, p in ((False, "full"), (True, "full"), (True, "selective"))
+    )
+    sdpa = "_scaled_dot_product_flash_attention_for_cpu"
+    redo_full = {k: full[k] - off[k] for k in ("addmm", "mm", sdpa, "gelu")}
+    redo_selective = {k: selective[k] - off[k] for k in ("addmm", "mm", sdpa, "gelu")}
+    assert redo_full == {"addmm": 28, "mm": 48, sdpa: 2, "gelu": 4}
+    assert redo_selective == {"addmm": 0, "mm": 24, sdpa: 0, "gelu": 4}
+
+
+def test_refusals():
+    c = Config()
+    with pytest.raises(ValueError, match="parallel.shard='adapters'.*model.lora=False"):
+        validate_config(
+            dataclasses.replace(
+                c,
+                model=dataclasses.replace(c.model, lora=False),
+                parallel=dataclasses.replace(c.parallel, shard="adapters"),
+            ),
+            1,
+        )
+    with pytest.raises(ValueError, match="model.checkpoint_policy='selective'.*gradient_checkpointing=False"):
+        validate_config(
+            dataclasses.replace(c, model=dataclasses.replace(c.model, checkpoint_policy="selective")), 1
+        )
+    parallel.init_distributed("cpu")
+    frozen = tiny_qwen_image(seed=0).transformer
+    with pytest.raises(ValueError, match="parallel.shard='adapters'.*none"):
+        parallel.shard_transformer(frozen, param_dtype=None, shard="adapters")
