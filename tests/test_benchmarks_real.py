@@ -1,0 +1,127 @@
+"""The real-size random models of benchmarks/rollout.py have the real widths (built on the meta device: shapes, no
+memory), their stub encoders give the real conditioning shapes, and train_step.py / rollout.py run a tiny model of
+each new family end to end on the CPU."""
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+ENV = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture(scope="module")
+def rollout():
+    spec = importlib.util.spec_from_file_location("rollout", BENCH / "rollout.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_real_qwen_image_edit_widths(rollout, tmp_path):
+    model = rollout.build_real_qwen_image_edit("meta", layers=1)
+    t = model.transformer
+    p = next(t.parameters())
+    assert (p.device.type, p.dtype) == ("meta", torch.bfloat16)
+    # Qwen-Image's transformer config (diffusers' QwenImageTransformer2DModel defaults = Qwen/Qwen-Image
+    # transformer/config.json): 24 heads x 128 = hidden 3072, text width 3584 (Qwen2.5-VL-7B's hidden size),
+    # 64 input channels (16 latent channels x 2x2 patch).
+    assert (t.config.num_attention_heads, t.config.attention_head_dim) == (24, 128)
+    assert t.img_in.out_features == 3072 and t.txt_in.in_features == 3584 and t.img_in.in_features == 64
+    assert len(t.transformer_blocks) == 1
+    # AutoencoderKLQwenImage: z_dim 16, 8x spatial compression (3 downsamples).
+    assert model.latent_channels == 16 and model.vae_scale == 8
+    # QwenImageEditPipeline's condition area: 1024².
+    assert model.condition_area == 1024 * 1024
+    # A 512² condition image is resized to 1024² (its aspect ratio at the condition area); Qwen2-VL reads it as
+    # (1036 / 28)² = 37² = 1369 tokens (sides rounded to 28 px), + 2 delimiters + ceil(35 / 4) = 9 instruction
+    # tokens + the template's 5 suffix tokens = 1385.
+    prompt = rollout.edit_prompts(['A storefront sign that says "WORD0"'], tmp_path, 512)[0]
+    (embeds,) = model._encode_instruction((str(prompt), prompt.image))
+    assert tuple(embeds.shape) == (1 + 1369 + 1 + 9 + 5, 3584)
+    assert math.ceil(len(str(prompt)) / 4) == 9
+
+
+def test_real_ltx2_widths(rollout):
+    model = rollout.build_real_ltx2("meta", layers=1)
+    t = model.transformer
+    p = next(t.parameters())
+    assert (p.device.type, p.dtype) == ("meta", torch.bfloat16)
+    # diffusers' scripts/convert_ltx2_to_diffusers.py, version "2.3": video 32 heads x 128 = 4096, audio 32 x 64 =
+    # 2048, cross-attention (text) widths 4096 / 2048, 128 video and 128 audio input channels.
+    assert t.proj_in.in_features == 128 and t.proj_in.out_features == 32 * 128
+    assert t.audio_proj_in.in_features == 128 and t.audio_proj_in.out_features == 32 * 64
+    block = t.transformer_blocks[0]
+    assert block.attn2.to_k.in_features == 4096 and block.audio_attn2.to_k.in_features == 2048
+    assert len(t.transformer_blocks) == 1
+    # Same file, connectors: Gemma 3 12B's 49 hidden states of width 3840 projected per modality to 4096 / 2048.
+    c = model.connectors
+    assert c.video_text_proj_in.in_features == 3840 * 49 == c.audio_text_proj_in.in_features
+    assert (c.video_text_proj_in.out_features, c.audio_text_proj_in.out_features) == (4096, 2048)
+    # Same file, VAEs: 128 video latent channels at 32x spatial / 8x temporal compression; audio latents of 8
+    # channels x 64 / 4 = 16 mel bins (= the transformer's 128 audio channels); vocoder output at 48 kHz.
+    assert (model.video_channels, model.spatial, model.temporal) == (128, 32, 8)
+    assert (model.audio_channels, model.audio_mel_bins, model.audio_sample_rate) == (8, 16, 48000)
+    # experiments/ltx2_ocr.py's clip: 81 frames of 256x384 at 24 fps -> (81 - 1) / 8 + 1 = 11 latent frames of
+    # 8 x 12 tokens; audio: 81 / 24 s x 16000 / 160 / 4 = 84.375 -> 84 latent frames.
+    assert (model.num_frames, model.height, model.width) == (81, 256, 384)
+    assert model.grid == (11, 8, 12) and model.audio_frames == 84
+    assert model.latent_shape(256, 384) == (11 * 8 * 12 * 128 + 84 * 8 * 16,)
+    # The stub Gemma's states go through the connectors, which fill the 1024 tokens with registers.
+    video, audio, mask = model._encode_one('A storefront sign that says "WORD0"')
+    assert (
+        tuple(video.shape) == (1024, 4096)
+        and tuple(audio.shape) == (1024, 2048)
+        and tuple(mask.shape) == (1024,)
+    )
+
+
+def run_script(script: str, *args: str) -> str:
+    res = subprocess.run(
+        [sys.executable, str(BENCH / script), "--tiny", *args],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout
+
+
+TRAIN_ARGS = ("--iters", "0", "--prompts", "1", "--group", "2", "--opt-steps", "1")
+
+
+def test_train_step_tiny_qwen_image_edit():
+    out = run_script("train_step.py", "--model", "qwen_image_edit", *TRAIN_ARGS)
+    # the recipe: true-CFG 4, LoRA r64, micro-batch 4; the tiny model at 64²
+    assert "qwen_image_edit, LoRA r64" in out and "TFLOP per 64² forward" in out and "## grpo: CFG 4.0" in out
+    assert "| phase | s | images/GPU/s |" in out and "micro-batch 4, peak" in out
+    assert "| total (rollout + train) |" in out
+
+
+@pytest.mark.slow
+def test_train_step_tiny_ltx2():
+    out = run_script("train_step.py", "--model", "ltx2", *TRAIN_ARGS)
+    # the recipe: CFG 4, LoRA r64, micro-batch 8; the tiny model's clip (9 frames of 32x32)
+    assert "2 videos per step" in out and "ltx2, LoRA r64" in out and "TFLOP per 32x32 9-frame forward" in out
+    assert "| phase | s | videos/GPU/s |" in out and "micro-batch 8, peak" in out
+    assert "| total (rollout + train) |" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,per_s", [("qwen_image_edit", "img/s"), ("ltx2", "vid/s")])
+def test_rollout_tiny(model, per_s):
+    out = run_script("rollout.py", "--model", model, "--batch-sizes", "2", "--group", "2", "--steps", "4")
+    header = next(line for line in out.splitlines() if line.startswith("mode"))
+    assert per_s in header
+    assert [line.split()[:2] for line in out.splitlines() if line.startswith("eager")][-1] == ["eager", "2"]
+    assert "failed" not in out
