@@ -107,6 +107,18 @@ def main() -> None:
         help="transformer blocks of the real-size model (0 = all: 60 / 24 / 60 / 48)",
     )
     ap.add_argument("--compile", action="store_true", help="regional torch.compile of the transformer blocks")
+    ap.add_argument(
+        "--shard",
+        choices=("full", "adapters"),
+        default="full",
+        help="parallel.shard: FSDP2 shards every weight, or only the LoRA (the frozen base replicated)",
+    )
+    ap.add_argument(
+        "--checkpointing",
+        choices=("full", "selective"),
+        default="full",
+        help="model.checkpoint_policy: backward recomputes each block's forward, or its pointwise ops only",
+    )
     ap.add_argument("--iters", type=int, default=2, help="timed steps (after one warm-up step)")
     ap.add_argument(
         "--profile", action="store_true", help="profile the last timed step: time in NCCL kernels"
@@ -124,6 +136,8 @@ def main() -> None:
         "--compare-update", default="", help="after the warm-up step: compare them with this file"
     )
     args = ap.parse_args()
+    if args.shard == "adapters" and args.full:
+        ap.error("--shard adapters shards the LoRA and --full trains every weight; drop one of them")
 
     from fgrpo import algorithms, parallel
     from fgrpo.config import (
@@ -194,6 +208,7 @@ def main() -> None:
             lora_alpha=2 * lora_rank,
             lora_targets=",".join(SD3_LORA_TARGETS) if sd3 else ModelConfig().lora_targets,
             gradient_checkpointing=True,
+            checkpoint_policy=args.checkpointing,
             compile=args.compile,
             exact_rollout=not args.no_exact_rollout,
         )
@@ -218,6 +233,7 @@ def main() -> None:
             dtype="bf16",
             lora=not args.full,
             gradient_checkpointing=True,
+            checkpoint_policy=args.checkpointing,
             compile=args.compile,
             exact_rollout=not args.no_exact_rollout,
         )
@@ -240,7 +256,9 @@ def main() -> None:
     )
     if args.compile:
         configure_transformer(model.transformer, compile_blocks=True)
-    parallel.shard_transformer(model.transformer, param_dtype=None if args.tiny else torch.bfloat16)
+    parallel.shard_transformer(
+        model.transformer, param_dtype=None if args.tiny else torch.bfloat16, shard=args.shard
+    )
     params = [p for p in model.transformer.parameters() if p.requires_grad]
     names = [k for k, p in model.transformer.named_parameters() if p.requires_grad]
     ids = range(d.rank * n_local, (d.rank + 1) * n_local)  # this rank's slice of the global batch
@@ -360,7 +378,8 @@ def main() -> None:
         print0()
         print0(
             f"| phase | s | {unit}/GPU/s | effective TFLOP/s per GPU | ({'compiled' if args.compile else 'eager'}, "
-            f"{d.world_size} GPU(s), {n_local} {unit} per GPU, micro-batch {micro_batch}, peak {peak:.1f} GiB, "
+            f"{d.world_size} GPU(s), shard {args.shard}, {args.checkpointing} checkpointing, {n_local} {unit} per GPU, "
+            f"micro-batch {micro_batch}, peak {peak:.1f} GiB, "
             f"first-update log-prob gap {gap:.1e}) |"
         )
         print0("|---|---:|---:|---:|")
