@@ -43,7 +43,7 @@ import torch
 from fgrpo.data import ImagePrompt
 from fgrpo.models.common import module_device, module_dtype
 from fgrpo.models.loading import configure_transformer
-from fgrpo.models.ltx2 import LTX2
+from fgrpo.models.ltx2 import LTX2, clip_kwargs
 from fgrpo.models.qwen_image import QwenImage
 from fgrpo.models.qwen_image_edit import QwenImageEdit
 from fgrpo.models.sd3 import SD3
@@ -185,13 +185,9 @@ class StubTextLTX2(LTX2):
         )
 
 
-# experiments/ltx2_ocr.py's recipe clip: 81 frames of 256x384 at 24 fps.
-LTX2_CLIP = {"num_frames": 81, "frame_rate": 24.0, "height": 256, "width": 384}
-
-
 def build_real_ltx2(device: torch.device | str, layers: int = 48, **clip) -> LTX2:
-    """LTX-2.3 at real size with random bf16 weights and a stub Gemma 3 (StubTextLTX2); `clip` overrides
-    LTX2_CLIP (num_frames, frame_rate, height, width).
+    """LTX-2.3 at real size with random bf16 weights and a stub Gemma 3 (StubTextLTX2); `clip` (num_frames,
+    frame_rate, height, width) overrides experiments/ltx2_ocr.py's recipe clip (81 frames of 256x384 at 24 fps).
 
     Configs: diffusers' scripts/convert_ltx2_to_diffusers.py, version "2.3" (model id Lightricks/LTX-2.3):
     transformer 48 blocks, video 32 heads x 128 (cross-attention 4096), audio 32 heads x 64 (2048), 128 video and
@@ -257,8 +253,9 @@ def build_real_ltx2(device: torch.device | str, layers: int = 48, **clip) -> LTX
         )
         audio_vae = AutoencoderKLLTX2Audio()
         vocoder = LTX2VocoderWithBWE()
+    clip = {**clip_kwargs(recipe("ltx2").model), **clip}
     return StubTextLTX2.from_modules(
-        transformer, vae, audio_vae, vocoder, connectors, None, None, device=device, **{**LTX2_CLIP, **clip}
+        transformer, vae, audio_vae, vocoder, connectors, None, None, device=device, **clip
     )
 
 
