@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from train_options_entry import report
 from fgrpo import checkpoint, parallel
 from fgrpo import train as train_mod
 from fgrpo.config import validate_config
-from fgrpo.models.loading import add_lora, configure_transformer
+from fgrpo.models.loading import add_lora, configure_transformer, selective_checkpoint
 from fgrpo.models.tiny import tiny_qwen_image
 
 ENTRY = str(Path(__file__).with_name("train_options_entry.py"))
@@ -97,9 +98,8 @@ def test_the_loop_passes_both_options_on(tmp_path, monkeypatch):
         m = train_mod.train(cfg)
         assert m["train/logprob_gap/max"] == 0.0
         runs[name] = checkpoint._read_tensors(
-            checkpoint.latest(tmp_path / name / "e2e" / "checkpoints") / "model.safetensors"
+            checkpoint.resolve(tmp_path / name / "e2e" / "checkpoints") / "model.safetensors"
         )
-    from fgrpo.models.loading import selective_checkpoint
 
     assert seen[0][0] == "full" and seen[0][1] is not selective_checkpoint
     assert seen[1] == ("adapters", selective_checkpoint)
@@ -117,7 +117,7 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _backward_ops(checkpointing: bool, policy: str) -> Counter:
+def _backward_ops(checkpointing: bool, policy: Literal["full", "selective"]) -> Counter:
     torch.manual_seed(0)
     model = tiny_qwen_image(seed=0)
     add_lora(model.transformer, rank=4, alpha=8)
@@ -135,9 +135,8 @@ def test_selective_checkpointing_recomputes_only_pointwise_ops_and_lora_b():
     (its 28 biased Linears as addmm, 2 x 24 LoRA matmuls, 2 attentions); selective redoes only LoRA's B
     (12 targets x 2 blocks = 24 matmuls of inner size r = 4, kept off the saved list by the low-rank rule) and
     the pointwise ops (the 4 GELUs), none of the base matmuls or attentions."""
-    off, full, selective = (
-        _backward_ops(c, p) for c, p in ((False, "full"), (True, "full"), (True, "selective"))
-    )
+    off, full = _backward_ops(False, "full"), _backward_ops(True, "full")
+    selective = _backward_ops(True, "selective")
     sdpa = "_scaled_dot_product_flash_attention_for_cpu"
     redo_full = {k: full[k] - off[k] for k in ("addmm", "mm", sdpa, "gelu")}
     redo_selective = {k: selective[k] - off[k] for k in ("addmm", "mm", sdpa, "gelu")}
