@@ -20,12 +20,14 @@ from fgrpo.rollout.base import SamplingConfig
 from fgrpo.rollout.engine import DiffusersEngine
 
 
-def test_compiled_blocks_train_with_varying_prompt_lengths():
+def _compiled_tiny_setup(*, dtype: str, backend: str, clip_range: float = GRPOConfig().clip_range):
+    """Tiny Qwen-Image with LoRA, regional compile on `backend`, FSDP2 world of one, and the trainer's config:
+    (model, params, optimizer, lr scheduler, train config)."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     parallel.init_distributed("cpu")
     torch.manual_seed(0)
-    model = tiny_qwen_image(seed=0)
+    model = tiny_qwen_image(seed=0, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
     s = SamplingConfig(
         height=32,
         width=32,
@@ -38,20 +40,31 @@ def test_compiled_blocks_train_with_varying_prompt_lengths():
         micro_batch=4,
     )
     mcfg = ModelConfig(
-        kind="tiny_qwen_image", dtype="fp32", lora_rank=4, lora_alpha=8, gradient_checkpointing=True
+        kind="tiny_qwen_image",
+        dtype=dtype,
+        lora_rank=4,
+        lora_alpha=8,
+        gradient_checkpointing=True,
+        compile=True,
     )
     cfg = dataclasses.replace(
         TrainConfig(),
         model=mcfg,
         sampling=s,
-        grpo=GRPOConfig(group_size=4, prompts_per_step=2, optimizer_steps_per_step=2),
+        grpo=GRPOConfig(group_size=4, prompts_per_step=2, optimizer_steps_per_step=2, clip_range=clip_range),
     )
-    params = setup_trainable(model.transformer, mcfg)
-    configure_transformer(model.transformer, compile_blocks=True, compile_backend="eager")
+    setup_trainable(model.transformer, mcfg)
+    configure_transformer(model.transformer, compile_blocks=True, compile_backend=backend)
     parallel.shard_transformer(model.transformer, param_dtype=None)
     params = [p for p in model.transformer.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0)
+    return model, params, opt, sched, cfg
+
+
+def test_compiled_blocks_train_with_varying_prompt_lengths():
+    model, params, opt, sched, cfg = _compiled_tiny_setup(dtype="fp32", backend="eager")
+    s = cfg.sampling
     engine = DiffusersEngine(model)
     texts = ["a", "a sign that says hello world", "a red square", "a cat holding a sign on a blue background"]
     try:
@@ -96,41 +109,8 @@ def test_inductor_rollout_through_the_training_graph_is_exact():
     differently: the first update's log-probs differ from the rollout's by 1.7e-3 on this CPU. Rolled out
     through the training graph (DiffusersEngine(train_graph=True), what model.exact_rollout sets), the first
     update's forward reproduces them bit for bit, so old_log_prob='rollout' needs no recompute when compiled."""
-    torch._dynamo.reset()
-    parallel.init_distributed("cpu")
-    torch.manual_seed(0)
-    model = tiny_qwen_image(seed=0, dtype=torch.bfloat16)
-    s = SamplingConfig(
-        height=32,
-        width=32,
-        num_steps=4,
-        guidance_scale=4.0,
-        negative_prompt=" ",
-        noise_level=1.2,
-        window_size=2,
-        window_range=(0, 3),
-        micro_batch=4,
-    )
-    mcfg = ModelConfig(
-        kind="tiny_qwen_image",
-        dtype="bf16",
-        lora_rank=4,
-        lora_alpha=8,
-        gradient_checkpointing=True,
-        compile=True,
-    )
-    cfg = dataclasses.replace(
-        TrainConfig(),
-        model=mcfg,
-        sampling=s,
-        grpo=GRPOConfig(group_size=4, prompts_per_step=2, optimizer_steps_per_step=2, clip_range=1.0),
-    )
-    setup_trainable(model.transformer, mcfg)
-    configure_transformer(model.transformer, compile_blocks=True, compile_backend="inductor")
-    parallel.shard_transformer(model.transformer, param_dtype=None)
-    params = [p for p in model.transformer.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0)
+    model, params, opt, sched, cfg = _compiled_tiny_setup(dtype="bf16", backend="inductor", clip_range=1.0)
+    s = cfg.sampling
     prompts = [t for t in ("a", "a sign that says hello world") for _ in range(4)]
     try:
         with torch.no_grad():

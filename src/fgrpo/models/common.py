@@ -107,6 +107,16 @@ def to_uint8(images: torch.Tensor) -> torch.Tensor:
     return (x * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
 
 
+def freeze(*modules: torch.nn.Module | None, device: torch.device | str | None = None) -> None:
+    """Frozen pipeline parts: eval mode, no gradients, moved to `device` (None: left where they are; a None
+    module, e.g. an absent text encoder, is skipped). LoRA goes on the transformer afterwards."""
+    for m in modules:
+        if m is not None:
+            m.requires_grad_(False).eval()
+            if device is not None:
+                m.to(device)
+
+
 def module_device(module: torch.nn.Module) -> torch.device:
     return next(module.parameters()).device
 

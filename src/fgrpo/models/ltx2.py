@@ -38,7 +38,7 @@ import torch
 from fgrpo.config import ModelConfig
 from fgrpo.core import guidance, schedule
 from fgrpo.models.base import Cond
-from fgrpo.models.common import PromptCache, check_resolution, module_device, module_dtype, to_uint8
+from fgrpo.models.common import PromptCache, check_resolution, freeze, module_device, module_dtype, to_uint8
 from fgrpo.models.qwen_image import schedule_kwargs
 
 if TYPE_CHECKING:
@@ -183,11 +183,7 @@ class LTX2:
         **kwargs,
     ) -> Self:
         """Freeze the modules (eval mode, no grads), move them to `device`, wrap them."""
-        for m in (transformer, vae, audio_vae, vocoder, connectors, text_encoder):
-            if m is not None:
-                m.requires_grad_(False).eval()
-                if device is not None:
-                    m.to(device)
+        freeze(transformer, vae, audio_vae, vocoder, connectors, text_encoder, device=device)
         return cls(transformer, vae, audio_vae, vocoder, connectors, text_encoder, tokenizer, **kwargs)
 
     @property

@@ -29,6 +29,7 @@ from fgrpo.models.common import (
     PromptCache,
     check_resolution,
     complete_scheduler_config,
+    freeze,
     module_device,
     module_dtype,
     pad_stack,
@@ -191,11 +192,7 @@ class QwenImage:
     @classmethod
     def from_modules(cls, transformer, vae, text_encoder, tokenizer, *, device=None, **kwargs) -> Self:
         """Freeze the modules (eval mode, no grads), move them to `device`, wrap them."""
-        for m in (transformer, vae, text_encoder):
-            if m is not None:
-                m.requires_grad_(False).eval()
-                if device is not None:
-                    m.to(device)
+        freeze(transformer, vae, text_encoder, device=device)
         return cls(transformer, vae, text_encoder, tokenizer, **kwargs)
 
     @property

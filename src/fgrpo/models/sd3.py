@@ -26,6 +26,7 @@ from fgrpo.models.common import (
     PromptCache,
     check_resolution,
     complete_scheduler_config,
+    freeze,
     module_device,
     module_dtype,
     to_uint8,
@@ -116,11 +117,7 @@ class SD3:
     @classmethod
     def from_modules(cls, transformer, vae, text_encoders, tokenizers, *, device=None, **kwargs) -> SD3:
         """Freeze the modules (eval mode, no grads), move them to `device`, wrap them."""
-        for m in (transformer, vae, *text_encoders):
-            if m is not None:
-                m.requires_grad_(False).eval()
-                if device is not None:
-                    m.to(device)
+        freeze(transformer, vae, *text_encoders, device=device)
         return cls(transformer, vae, text_encoders, tokenizers, **kwargs)
 
     @property

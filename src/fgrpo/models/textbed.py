@@ -109,33 +109,29 @@ class TextbedConfig:
 def build_transformer(cfg: TextbedConfig) -> QwenImageTransformer2DModel | SD3Transformer2DModel:
     """Randomly initialised denoiser over 4x4 pixel patches: Qwen-Image's transformer, or SD3's."""
     channels = cfg.patch * cfg.patch
-    if cfg.arch == "sd3":
-        grid = max(cfg.grid)
-        return SD3Transformer2DModel(
-            sample_size=grid,
-            patch_size=1,  # one token per pixel patch: the patch grid enters as a p*p-channel image
-            in_channels=channels,
-            out_channels=channels,
-            num_layers=cfg.num_layers,
-            attention_head_dim=cfg.head_dim,
-            num_attention_heads=cfg.num_heads,
-            joint_attention_dim=cfg.text_dim,
-            caption_projection_dim=cfg.num_heads * cfg.head_dim,
-            pooled_projection_dim=cfg.text_dim,
-            pos_embed_max_size=grid,  # learned positions cropped to the 8 x 32 grid
-            qk_norm="rms_norm",  # SD3.5's
-            dual_attention_layers=tuple(range(cfg.num_layers // 2)),  # SD3.5-Medium: the first half
-        )
-    return QwenImageTransformer2DModel(
-        patch_size=1,  # patches are packed by `patchify`, as Qwen-Image's pipeline packs 2x2 latent patches
+    shared = dict(
+        # one token per pixel patch: Qwen-Image's gets them packed by `patchify` (as its pipeline packs 2x2
+        # latent patches), SD3's as a p*p-channel image of the patch grid
+        patch_size=1,
         in_channels=channels,
         out_channels=channels,
         num_layers=cfg.num_layers,
         attention_head_dim=cfg.head_dim,
         num_attention_heads=cfg.num_heads,
         joint_attention_dim=cfg.text_dim,
-        axes_dims_rope=cfg.axes_dims_rope,
     )
+    if cfg.arch == "sd3":
+        grid = max(cfg.grid)
+        return SD3Transformer2DModel(
+            **shared,
+            sample_size=grid,
+            caption_projection_dim=cfg.num_heads * cfg.head_dim,
+            pooled_projection_dim=cfg.text_dim,
+            pos_embed_max_size=grid,  # learned positions cropped to the 8 x 32 grid
+            qk_norm="rms_norm",  # SD3.5's
+            dual_attention_layers=tuple(range(cfg.num_layers // 2)),  # SD3.5-Medium: the first half
+        )
+    return QwenImageTransformer2DModel(**shared, axes_dims_rope=cfg.axes_dims_rope)
 
 
 def build_text_encoder(cfg: TextbedConfig) -> BertModel:
