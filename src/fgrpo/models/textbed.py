@@ -30,7 +30,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
@@ -109,7 +109,7 @@ class TextbedConfig:
 def build_transformer(cfg: TextbedConfig) -> QwenImageTransformer2DModel | SD3Transformer2DModel:
     """Randomly initialised denoiser over 4x4 pixel patches: Qwen-Image's transformer, or SD3's."""
     channels = cfg.patch * cfg.patch
-    shared = dict(
+    shared: dict[str, Any] = dict(
         # one token per pixel patch: Qwen-Image's gets them packed by `patchify` (as its pipeline packs 2x2
         # latent patches), SD3's as a p*p-channel image of the patch grid
         patch_size=1,
