@@ -48,7 +48,7 @@ def test_load_prompts_formats_and_errors(tmp_path):
     ("change", "match"),
     [
         ({"grpo": GRPOConfig(group_size=1)}, "group_size"),
-        ({"grpo": GRPOConfig(group_size=3, prompts_per_step=3)}, "not divisible by the 2 ranks"),
+        ({"grpo": GRPOConfig(group_size=3, prompts_per_step=3)}, "not divisible by the 2 training ranks"),
         (
             {"grpo": GRPOConfig(group_size=4, prompts_per_step=3, optimizer_steps_per_step=4)},
             "does not divide",
