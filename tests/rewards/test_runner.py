@@ -108,10 +108,20 @@ def test_reward_stream_scores_blocks_as_they_come_and_joins_them_in_row_order():
         out = stream.result()
         np.testing.assert_array_equal(out.scores, mean_pixel(images))
         assert out.metrics["slow/calls_count"] == 4  # two blocks, each over the two workers
-    plain = RewardStream(SlowMeanPixel(sleep_s=0.0), prompts)  # an in-process reward scores on add
+    calls = []
+
+    def in_process(images, prompts, metadata=None):
+        calls.append(len(images))
+        return SlowMeanPixel(sleep_s=0.0)(images, prompts, metadata)
+
+    plain = RewardStream(
+        in_process, prompts
+    )  # an in-process reward scores at result(), under the reward timer
     plain.add(slice(0, 3), images[:3])
     plain.add(slice(3, 6), images[3:])
+    assert calls == []
     np.testing.assert_array_equal(plain.result().scores, mean_pixel(images))
+    assert calls == [3, 3]
     gap = RewardStream(SlowMeanPixel(sleep_s=0.0), prompts)
     gap.add(slice(0, 3), images[:3])
     with pytest.raises(ValueError, match="do not tile"):

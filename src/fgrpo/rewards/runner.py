@@ -132,14 +132,15 @@ class RewardStream:
     """Score one batch that arrives in row blocks (a rollout's micro-batches), each block as it comes.
 
     With an AsyncRewardRunner the blocks are submitted at once (cut into up to `max_workers` slices), so the
-    pool scores micro-batch k while the engine samples k + 1; any other Reward scores each block when it is
-    added. `result()` joins the blocks in row order: the scores equal one call on the whole batch for any
+    pool scores micro-batch k while the engine samples k + 1; any other Reward runs in this process, where
+    nothing would overlap it, and scores the blocks in `result()` (so its time counts as reward time). `result()` joins the blocks in row order: the scores equal one call on the whole batch for any
     reward that scores each image on its own (all of fgrpo's); metrics are `concat_outputs`' merge.
     """
 
     def __init__(self, reward: Reward, prompts: Sequence[str]):
         self.reward, self.prompts = reward, list(prompts)
         self._parts: list[tuple[int, cf.Future[RewardOutput] | RewardOutput]] = []
+        self._pending: list[tuple[int, np.ndarray, list[str], list[dict[str, Any]]]] = []
 
     def add(self, rows: slice, images: np.ndarray, metadata: Sequence[dict[str, Any]] | None = None) -> None:
         """Rows rows.start:rows.stop of the batch, decoded: uint8 [n, H, W, 3] (with per-row metadata)."""
@@ -148,8 +149,8 @@ class RewardStream:
             raise ValueError(f"RewardStream.add: rows {start}:{stop} for {len(images)} images")
         prompts = self.prompts[start:stop]
         meta = check_inputs(images, prompts, metadata)
-        if not isinstance(self.reward, AsyncRewardRunner):
-            self._parts.append((start, self.reward(images, prompts, meta)))
+        if not isinstance(self.reward, AsyncRewardRunner):  # scored in result(): nothing would overlap it
+            self._pending.append((start, np.array(images, copy=True), prompts, meta))
             return
         bounds = np.linspace(0, len(prompts), min(self.reward.max_workers, len(prompts)) + 1).astype(int)
         for a, b in zip(bounds[:-1], bounds[1:]):
@@ -158,6 +159,8 @@ class RewardStream:
 
     def result(self) -> RewardOutput:
         """The whole batch's RewardOutput, rows in order; every row must have been added exactly once."""
+        self._parts += [(start, self.reward(im, pr, me)) for start, im, pr, me in self._pending]
+        self._pending = []
         parts = sorted(self._parts, key=lambda p: p[0])
         outs = [p.result() if isinstance(p, cf.Future) else p for _, p in parts]
         covered = sum(len(o.scores) for o in outs)
