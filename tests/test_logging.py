@@ -13,6 +13,7 @@ import pytest
 from PIL import Image
 
 from fgrpo import logging as flog
+from fgrpo import parallel
 
 
 class FakeClock:
@@ -86,7 +87,10 @@ def test_progress_on_a_terminal_keeps_tqdm_bar_under_the_lines():
 
 
 def test_progress_is_silent_off_rank_0(monkeypatch):
-    monkeypatch.setenv("RANK", "1")  # no process group: fgrpo.parallel.rank() reads torchrun's RANK
+    # torchrun's RANK before the group is joined: fgrpo.parallel.rank() reads it (another test in this worker
+    # may have left a one-rank group up, so say there is none)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(parallel, "initialized", lambda: False)
     for out in (io.StringIO(), Terminal()):
         bar = flog.Progress(total=3, file=out)
         assert bar.update(STEP) == ""
