@@ -426,3 +426,30 @@ def test_off_policy_weights_per_correction():
         old, behaviour, ParallelConfig(correction="tis", is_level="sequence")
     )
     torch.testing.assert_close(w, torch.tensor([[2.0, 2.0], [0.25, 0.25]]))
+
+
+def test_the_trainer_gets_the_whole_batch_on_its_device(monkeypatch):
+    """Rewards and advantages travel with the trajectory and land on the receiving rank's device with it (they
+    index that rank's samples there). 'meta' stands in for the trainer's GPU."""
+    from fgrpo import parallel
+    from fgrpo.rollout.base import Trajectory
+
+    n, w = 2, 1
+    traj = Trajectory(
+        prompts=['"A"', '"B"'],
+        seeds=torch.arange(n),
+        sigmas=torch.linspace(1, 0, 3),
+        window=torch.zeros(n, w, dtype=torch.long),
+        x_t=torch.zeros(n, w, 3),
+        x_next=torch.zeros(n, w, 3),
+        log_prob=torch.zeros(n, w),
+        cond={"embeds": torch.zeros(n, 2)},
+        images=torch.zeros(n, 1, 1, 3, dtype=torch.uint8),
+    )
+    batch = async_mode.Batch(0, traj, torch.ones(n), torch.ones(n), {})
+    monkeypatch.setattr(parallel, "recv_object", lambda src, **kw: batch)
+    monkeypatch.setattr(parallel, "rank", lambda: 0)
+    wire = async_mode.Wire(parallel.Split(trainer_ranks=(0,), rollout_ranks=(1,)))
+    got = wire.recv_batch(torch.device("meta"))
+    tensors = [got.rewards, got.advantages, got.traj.x_t, got.traj.log_prob, got.traj.cond["embeds"]]
+    assert all(t.device.type == "meta" for t in tensors)

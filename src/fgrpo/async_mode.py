@@ -70,6 +70,15 @@ class Batch:
     version: int = 0  # the policy version that sampled it
     times: dict[str, float] = field(default_factory=dict)  # the rollout side's phase times
 
+    def to(self, device: torch.device | str) -> Batch:
+        """The batch with every tensor on `device` (the wire carries CPU tensors; a rank trains on its own GPU)."""
+        return dataclasses.replace(
+            self,
+            traj=self.traj.to(device),
+            rewards=self.rewards.to(device),
+            advantages=self.advantages.to(device),
+        )
+
 
 @dataclass
 class Weights:
@@ -201,9 +210,9 @@ class Wire:
     def send_batch(self, batch: Batch) -> None:
         i, k = self.split.side_rank(), self.per_rollout
         n = len(batch.traj) // k
-        cpu = batch.traj.to("cpu")
+        cpu = batch.to("cpu")
         for q in range(k):
-            part = dataclasses.replace(batch, traj=select_rows(cpu, slice(q * n, (q + 1) * n)))
+            part = dataclasses.replace(cpu, traj=select_rows(cpu.traj, slice(q * n, (q + 1) * n)))
             dst = self.split.trainer_ranks[i * k + q]
             parallel.isend_object(part, dst, self.pending, group=self.split.wire, tag=BATCH_TAG)
 
@@ -217,8 +226,7 @@ class Wire:
         src = self.split.rollout_ranks[self.split.side_rank() // self.per_rollout]
         batch = parallel.recv_object(src, group=self.split.wire, tag=BATCH_TAG)
         assert isinstance(batch, Batch)
-        batch.traj = batch.traj.to(device)
-        return batch
+        return batch.to(device)
 
     def send_weights(self, msg: Weights) -> None:
         """Rank 0 only. The previous pushes are waited for first, so at most one is in flight per rollout rank."""
