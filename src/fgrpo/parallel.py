@@ -331,10 +331,20 @@ def shard_transformer(
     at world size 1 too, where the "gather" is a copy), at the price of one whole base per rank. The blocks
     and the root are the same FSDP units with the same policy, so the adapters' bf16 compute, fp32 masters
     and fp32 gradient reduction are unchanged and the numbers equal full sharding's bit for bit.
+
+    Only the root casts its floating inputs to `param_dtype`; a block takes what the root hands it, as in the
+    unsharded model (LTX-2's RoPE cos/sin stay fp32, as the model computes and applies them).
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # A block's input cast would run in its forward but, before torch 2.13 (pytorch#159359), not in the gradient
+    # checkpoint's recompute of it (diffusers checkpoints the FSDP block from outside its hooks): a floating input
+    # the root does not already compute in param_dtype (LTX-2's fp32 RoPE; Qwen-Image's is complex, which FSDP
+    # never casts) was bf16 in one and fp32 in the other, and backward raised a CheckpointError.
+    block_mp = MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
+    )
     blocks = getattr(transformer, block_attr, None)
     if blocks is None:
         raise ValueError(
@@ -349,7 +359,11 @@ def shard_transformer(
         )
     for block in blocks:
         fully_shard(
-            block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, ignored_params=frozen
+            block,
+            mesh=mesh,
+            mp_policy=block_mp,
+            reshard_after_forward=reshard_after_forward,
+            ignored_params=frozen,
         )
     fully_shard(
         transformer,

@@ -1,6 +1,7 @@
 """LTX-2 (text to audio + video) on tiny random modules: LTX2Pipeline parity (encodings, η = 0 sampling, decoded
 frames and waveform), bit-exact log-prob recompute of the joint audio-video transition with and without CFG and
-LoRA, LoRA export that the pipeline loads, and the joint latent's layout.
+LoRA, LoRA export that the pipeline loads, the joint latent's layout, and the checkpointed backward under FSDP2's
+bf16 compute.
 
 LTX2Pipeline's defaults switch on guidance our sampler does not run (spatio-temporal guidance, modality-isolation
 guidance, guidance rescale, a separate audio CFG scale; `audio_* or video_value` falls back to the video value only
@@ -16,11 +17,11 @@ import pytest
 import torch
 from diffusers.pipelines.ltx2.pipeline_ltx2 import LTX2Pipeline
 
-from fgrpo import checkpoint
+from fgrpo import checkpoint, parallel
 from fgrpo.config import ModelConfig
 from fgrpo.models import ltx2, tiny
 from fgrpo.models.base import FlowModel
-from fgrpo.models.loading import add_lora, build_model
+from fgrpo.models.loading import add_lora, build_model, setup_trainable
 from fgrpo.models.ltx2 import LTX2, LTX2_LORA_TARGETS, LTX2Config
 from fgrpo.rollout.base import SamplingConfig
 from fgrpo.rollout.engine import DiffusersEngine, micro_batches, recompute_log_prob, recompute_log_probs
@@ -202,6 +203,48 @@ def test_recompute_is_bit_exact_with_lora_and_grad():
     # Both streams' adapters learn from the joint log-prob.
     assert any(g.abs().max() > 0 for n, g in grads.items() if ".audio_attn1." in n)
     assert any(g.abs().max() > 0 for n, g in grads.items() if ".attn1." in n and "audio" not in n)
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_checkpointed_backward_under_bf16_fsdp_recomputes_the_blocks_forward(monkeypatch, policy):
+    """LoRA, bf16 compute through FSDP2 on a world of one, gradient checkpointing: backward recomputes each block
+    from the inputs its forward used. Before torch 2.13 FSDP2 cast a block's floating inputs in its forward and not
+    in the checkpoint's recompute (pytorch#159359), so the fp32 RoPE was bf16 in one and fp32 in the other and
+    backward raised a CheckpointError; that recompute is emulated on a newer torch."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState, TrainingState
+
+    cast = getattr(FSDPState, "_cast_forward_inputs", None)
+    if cast is not None:  # torch >= 2.13; an older one skips the recompute's cast by itself
+
+        def cast_as_before_2_13(self, args, kwargs):
+            if self._training_state == TrainingState.PRE_BACKWARD:
+                return args, kwargs
+            return cast(self, args, kwargs)
+
+        monkeypatch.setattr(FSDPState, "_cast_forward_inputs", cast_as_before_2_13)
+    owned = not parallel.initialized()
+    parallel.init_distributed("cpu")
+    try:
+        m = tiny.tiny_ltx2(seed=3, dtype=torch.bfloat16)
+        mcfg = ModelConfig(
+            kind="tiny_ltx2",
+            dtype="bf16",
+            lora_rank=2,
+            lora_alpha=4,
+            lora_targets=",".join(LTX2_LORA_TARGETS),
+            gradient_checkpointing=True,
+            checkpoint_policy=policy,
+        )
+        setup_trainable(m.transformer, mcfg)
+        parallel.shard_transformer(m.transformer, param_dtype=torch.bfloat16)
+        x = torch.randn(2, *m.latent_shape(SIZE, SIZE), generator=torch.Generator().manual_seed(0))
+        v = m.velocity(x, torch.tensor(0.7), m.encode(PROMPTS[:2]), guidance_scale=1.0)
+        v.square().sum().backward()
+        grads = [p.grad.full_tensor() for p in m.transformer.parameters() if p.requires_grad]
+        assert all(torch.isfinite(g).all() for g in grads) and any(g.abs().max() > 0 for g in grads)
+    finally:
+        if owned:
+            parallel.shutdown()
 
 
 def _transformer_inputs(transformer):
