@@ -3,9 +3,13 @@
 Presets (tyro subcommands; every field can still be overridden with a flag):
     recipe  384², 10 steps, CPS sampling with noise 0.8 in a 3-step window within steps [0, 5), no CFG,
             8 prompts x 8 images per step, LoRA r32/a64 on the attention projections, AdamW 1e-4.
-    tiny    the same file end to end on a CPU: a tiny random SD3 architecture (CLIP-L, CLIP-G, T5,
-            SD3Transformer2DModel, VAE), the offline PP-OCR reward, a few steps. It proves the wiring;
-            a random model paints no text, so expect a flat reward.
+    tiny        the bundled SD3 text renderer (diffusers' SD3Transformer2DModel with SD3.5-Medium's block
+                structure, 7 M parameters, src/fgrpo/assets/textbed_sd3/) on a CPU in minutes: the recipe's
+                sampler choices (CPS, no CFG) on 32x128 word images, the offline OCR reward.
+    tiny-gpu    the same renderer on one GPU: 32 words x 16 images a step.
+    tiny-random the real SD3 pipeline's classes end to end on a CPU: a tiny random SD3 (CLIP-L, CLIP-G, T5,
+                SD3Transformer2DModel, VAE). It proves the wiring; a random model paints no text, so the
+                reward stays flat.
 
 How we deviate from flow_grpo's recipe: see experiments/qwen_image_ocr.py (all-gathered rewards,
 per-sample seeds and windows, exact old log-probs with a logged gap).
@@ -90,7 +94,67 @@ class Config(TrainConfig):
 
 
 def tiny() -> Config:
-    """Minutes on a CPU with a tiny random SD3: the wiring end to end, not learning."""
+    """The SD3 text renderer on a CPU: Flow-GRPO with the recipe's CPS sampler and no CFG, held-out OCR rises.
+
+    The batch, window, clip range, lr and validation are the Qwen-Image renderer's `tiny` preset
+    (experiments/qwen_image_ocr.py, where RESULTS.md measured them), so the two families differ in the
+    transformer and the sampler alone.
+    """
+    return dataclasses.replace(
+        Config(),
+        num_steps=20,
+        device="cpu",
+        model=ModelConfig(
+            kind="textbed",
+            path="sd3",
+            dtype="fp32",
+            lora_rank=32,
+            lora_alpha=64,
+            lora_targets=SD3_ATTN_TARGETS,
+            gradient_checkpointing=False,
+        ),
+        sampling=SamplingConfig(
+            height=32,
+            width=128,
+            num_steps=10,
+            guidance_scale=1.0,
+            negative_prompt="",
+            sde_kind="cps",
+            noise_level=0.8,
+            window_size=2,
+            window_range=(0, 5),
+            micro_batch=16,
+        ),
+        grpo=GRPOConfig(
+            group_size=8, prompts_per_step=4, clip_range=2e-3, adv_std="global", optimizer_steps_per_step=1
+        ),
+        optim=OptimConfig(lr=1.5e-4, weight_decay=1e-4),
+        data=DataConfig(train_prompts="textbed:train", val_prompts="textbed:heldout", val_num_prompts=32),
+        reward=RewardConfig(name="ocr"),
+        run=RunConfig(wandb="disabled", val_every=10, val_num_steps=10, ckpt_every=10, log_images_every=10),
+    )
+
+
+def tiny_gpu() -> Config:
+    """The SD3 text renderer on one GPU: 32 words x 16 images a step, OCR in 15 single-threaded processes (the
+    Qwen-Image renderer's `tiny-gpu` batch, lr schedule and validation)."""
+    t = tiny()
+    return dataclasses.replace(
+        t,
+        num_steps=150,
+        device="cuda",
+        model=dataclasses.replace(t.model, dtype="bf16"),
+        sampling=dataclasses.replace(t.sampling, micro_batch=256),
+        grpo=dataclasses.replace(t.grpo, group_size=16, prompts_per_step=32, optimizer_steps_per_step=2),
+        optim=OptimConfig(lr=2.5e-4, weight_decay=1e-4, schedule="linear"),
+        data=dataclasses.replace(t.data, val_num_prompts=256),
+        reward=RewardConfig(name='{"name": "ocr", "num_threads": 1}', workers=15),
+        run=RunConfig(wandb="disabled", val_every=10, val_num_steps=10, ckpt_every=40, log_images_every=20),
+    )
+
+
+def tiny_random() -> Config:
+    """Minutes on a CPU with a tiny random SD3: the pipeline's classes end to end, not learning."""
     return dataclasses.replace(
         Config(),
         num_steps=2,
@@ -119,6 +183,11 @@ def main(cfg: Config) -> dict[str, float]:
 if __name__ == "__main__":
     presets = {
         "recipe": ("The published SD3.5-Medium OCR quick recipe (GPUs, real weights).", Config()),
-        "tiny": ("Minutes on a CPU: a tiny random SD3, offline OCR reward (wiring only).", tiny()),
+        "tiny": ("Minutes on a CPU: the SD3 text renderer, offline OCR reward.", tiny()),
+        "tiny-gpu": ("The SD3 text renderer on one GPU: 32 words x 16 images per step.", tiny_gpu()),
+        "tiny-random": (
+            "Minutes on a CPU: a tiny random SD3 (the pipeline's classes, wiring only).",
+            tiny_random(),
+        ),
     }
     main(tyro.extras.overridable_config_cli(presets))

@@ -94,23 +94,24 @@ def test_qwen_image_recipe_matches_the_published_one():
     assert (c.model.lora_rank, c.model.lora_alpha, c.optim.lr, c.optim.weight_decay) == (64, 128, 3e-4, 1e-4)
 
 
+RENDERER_FLAGS = ["--grpo.prompts-per-step", "1", "--data.val-num-prompts", "2", "--run.val-every", "1"]
+
+
 @pytest.mark.parametrize(
-    ("name", "flags"),
+    ("name", "preset", "flags"),
     [
-        (
-            "qwen_image_ocr",
-            ["--grpo.prompts-per-step", "1", "--data.val-num-prompts", "2", "--run.val-every", "1"],
-        ),
-        ("sd35_ocr", []),
-        ("qwen_image_edit_ocr", []),
-        ("ltx2_ocr", []),
+        ("qwen_image_ocr", "tiny", RENDERER_FLAGS),
+        ("sd35_ocr", "tiny", RENDERER_FLAGS),
+        ("sd35_ocr", "tiny-random", []),
+        ("qwen_image_edit_ocr", "tiny", []),
+        ("ltx2_ocr", "tiny", []),
     ],
 )
-def test_tiny_preset_runs_two_steps(tmp_path, name, flags):
+def test_tiny_preset_runs_two_steps(tmp_path, name, preset, flags):
     cmd = [
         sys.executable,
         str(ROOT / "experiments" / f"{name}.py"),
-        "tiny",
+        preset,
         "--num-steps",
         "2",
         "--run.out-dir",

@@ -32,7 +32,8 @@ class ModelConfig:
     text renderer, or tiny random models. The edit kinds need prompts that name a condition image (.jsonl rows
     {"prompt": ..., "image": path})."""
     path: str = "Qwen/Qwen-Image"
-    """Local diffusers directory or hub id (ignored by the tiny kinds; textbed: '' = the bundled checkpoint)."""
+    """Local diffusers directory or hub id (ignored by the tiny kinds; textbed: a checkpoint folder, '' = the bundled
+    renderer, 'sd3' = the bundled SD3-architecture renderer)."""
     dtype: Literal["bf16", "fp32"] = "bf16"
     """Compute dtype of the transformer (FSDP2 param_dtype). Masters, latents and SDE math stay fp32."""
     lora: bool = True

@@ -43,6 +43,8 @@ from fgrpo.core import guidance, schedule
 from fgrpo.models.base import Cond
 
 ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "textbed"
+# The bundled renderers by the name `model.path` gives them ('' = the Qwen-Image architecture's, the default).
+BUNDLED = {"": ASSET_DIR, "sd3": ASSET_DIR.parent / "textbed_sd3"}
 
 # Byte vocabulary: 0 = pad, 1 = begin (always present, so the empty prompt is one token), b + 2 = byte b.
 PAD_ID, BOS_ID, BYTE_OFFSET = 0, 1, 2
@@ -383,13 +385,14 @@ def save_textbed(model: TextbedModel, path: str | Path, meta: dict | None = None
 def load_textbed(
     path: str | Path | None = None, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
 ) -> TextbedModel:
-    """The pretrained textbed model (path None = the bundled checkpoint), eval mode, frozen.
+    """The pretrained textbed model, eval mode, frozen. path: a folder with model.safetensors and config.json, or
+    a name in BUNDLED (None or '' = the bundled Qwen-Image-architecture renderer, 'sd3' = the SD3 one).
 
     fp32 is the right dtype on CPU (bf16 matmuls are slower there); bf16 on GPU.
     """
     from safetensors.torch import load_file
 
-    path = Path(path) if path is not None else ASSET_DIR
+    path = BUNDLED.get(str(path or ""), Path(str(path)))
     weights = path / "model.safetensors"
     if not weights.exists():
         raise FileNotFoundError(
