@@ -399,7 +399,7 @@ def main() -> None:
                 f"\ntime in NCCL kernels during the profiled step: {nccl_s:.2f} s "
                 f"({nccl_s / (total + old):.1%} of the step; overlapped with compute where FSDP2 prefetches)"
             )
-        if not args.tiny and rec is not None:  # no published number for these recipes
+        if not args.tiny and args.model != "qwen_image":  # verl-omni's published number is Qwen-Image's
             print0(
                 f"\n{unit}/GPU/s {n_local / total:.3f}; FLOP floor {floor_s:.1f} s -> ceiling "
                 f"{n_local / floor_s:.3f} {unit}/GPU/s ({floor_s / total:.0%} of it)"
