@@ -345,7 +345,11 @@ def build_tiny(model: str = "qwen_image"):
 
 
 # The experiment file whose `recipe` preset (its Config()) fixes a family's sampling and LoRA.
-RECIPE_FILES = {"qwen_image_edit": "qwen_image_edit_ocr.py", "ltx2": "ltx2_ocr.py"}
+RECIPE_FILES = {
+    "qwen_image": "qwen_image_ocr.py",
+    "qwen_image_edit": "qwen_image_edit_ocr.py",
+    "ltx2": "ltx2_ocr.py",
+}
 
 
 def recipe(model: str):
@@ -439,7 +443,7 @@ def main() -> None:
     ap.add_argument(
         "--model",
         default="qwen_image",
-        choices=["qwen_image", *RECIPE_FILES],
+        choices=list(RECIPE_FILES),
         help="qwen_image (the rows above), qwen_image_edit or ltx2 (their experiment recipes' sampling)",
     )
     ap.add_argument("--tiny", action="store_true", help="tiny random model on the CPU (script check)")

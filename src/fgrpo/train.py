@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -45,10 +46,11 @@ import torch
 from fgrpo import algorithms, async_mode, checkpoint, parallel
 from fgrpo import logging as flog
 from fgrpo.async_mode import Batch
-from fgrpo.config import TrainConfig, validate_config
+from fgrpo.config import ModelConfig, TrainConfig, validate_config
 from fgrpo.core import grpo
 from fgrpo.core.schedule import lr_multiplier
 from fgrpo.data import load_prompts, step_prompt_indices
+from fgrpo.models.base import FlowModel
 from fgrpo.models.loading import build_model, setup_trainable
 from fgrpo.rewards import build_reward
 from fgrpo.rewards.base import ServedReward, check_scores
@@ -64,20 +66,35 @@ from fgrpo.rollout.engine import (
 from fgrpo.runs import RunDir
 
 
-def train(cfg: TrainConfig, *, experiment_source: str | Path | None = None) -> dict[str, float]:
-    """Run Flow-GRPO as configured; returns the last step's metrics (rank 0's view)."""
+def train(
+    cfg: TrainConfig,
+    *,
+    experiment_source: str | Path | None = None,
+    model_builder: Callable[[ModelConfig, torch.device, int], FlowModel] = build_model,
+) -> dict[str, float]:
+    """Run Flow-GRPO as configured; returns the last step's metrics (rank 0's view).
+
+    model_builder(cfg.model, device, cfg.seed) makes the frozen generator every rank starts from (the same
+    weights on each); the default loads model.kind. benchmarks/loop_step.py passes random real-size weights,
+    which no model.path names.
+    """
     # FSDP2 warns that the transformer returns a view; nothing in fgrpo writes into it in place
     # (CFG and the SDE step are out-of-place), so the warning is noise in every run's console.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     d = parallel.init_distributed(cfg.device)
     validate_config(cfg, d.world_size)
-    metrics = _train(cfg, d, experiment_source)
+    metrics = _train(cfg, d, experiment_source, model_builder)
     # FSDP tensors and optimizer state died with _train's frame: the group can go (parallel.shutdown's rule).
     parallel.shutdown()
     return metrics
 
 
-def _train(cfg: TrainConfig, d: parallel.Dist, experiment_source: str | Path | None) -> dict[str, float]:
+def _train(
+    cfg: TrainConfig,
+    d: parallel.Dist,
+    experiment_source: str | Path | None,
+    model_builder: Callable[[ModelConfig, torch.device, int], FlowModel],
+) -> dict[str, float]:
     split = parallel.split(cfg.parallel.rollout_ranks)  # every rank trains and rolls out, or one of the two
     parallel.init_sequence_parallel(cfg.parallel.sp, d.device)  # SP groups of consecutive ranks share samples
     train_prompts = load_prompts(cfg.data.train_prompts, require_quoted=cfg.reward.is_ocr)
@@ -96,7 +113,7 @@ def _train(cfg: TrainConfig, d: parallel.Dist, experiment_source: str | Path | N
         reward.health()
 
     torch.manual_seed(cfg.seed)  # LoRA init is the only draw from the global RNG
-    model = build_model(cfg.model, d.device, cfg.seed)
+    model = model_builder(cfg.model, d.device, cfg.seed)
     setup_trainable(model.transformer, cfg.model)
     parallel.shard_transformer(
         model.transformer,
