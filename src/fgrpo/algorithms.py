@@ -47,10 +47,11 @@ from fgrpo.config import TrainConfig
 from fgrpo.core import awm, dppo, ema, grpo, nft, schedule, sde
 from fgrpo.models.base import FlowModel, cond_index
 from fgrpo.models.loading import adapters_disabled
-from fgrpo.parallel import is_dtensor
+from fgrpo.parallel import is_dtensor, world_size
 from fgrpo.policy import transition
 from fgrpo.rollout.base import SamplingConfig, Trajectory
 from fgrpo.rollout.engine import (
+    exact_micro_batch,
     micro_batches,
     minibatch_rows,
     recompute_log_prob,
@@ -107,8 +108,11 @@ class Algorithm:
         self.cfg = cfg
 
     def sampling(self, step: int) -> SamplingConfig:
-        """How this step's rollout samples."""
-        return self.cfg.sampling
+        """How this step's rollout samples: sampling.micro_batch capped so that no forward holds rows of two of
+        this rank's mini-batches (`forward_rows`), which the trainer then trains whole."""
+        s = self.cfg.sampling
+        n = self.cfg.samples_per_step // self.cfg.parallel.trainer_ranks(world_size())
+        return dataclasses.replace(s, micro_batch=forward_rows(n, self.cfg))
 
     def sampling_weights(self) -> contextlib.AbstractContextManager:
         """The weights the rollout samples with (theta unless an algorithm samples an old policy)."""
@@ -161,7 +165,7 @@ class MixGRPO(Algorithm):
     """MixGRPO: one SDE window for the whole batch that slides along the trajectory as training proceeds."""
 
     def sampling(self, step: int) -> SamplingConfig:
-        s, a = self.cfg.sampling, self.cfg.algo
+        s, a = super().sampling(step), self.cfg.algo
         w = schedule.sliding_window(
             step,
             num_steps=s.num_steps,
@@ -181,7 +185,7 @@ class ForwardProcessAlgorithm(Algorithm):
     shared_steps = False  # one set of grid steps for the whole batch (AWM) or one per sample (NFT)
 
     def sampling(self, step: int) -> SamplingConfig:
-        return validation_sampling(self.cfg.sampling, self.cfg.sampling.num_steps)
+        return validation_sampling(super().sampling(step), self.cfg.sampling.num_steps)
 
     def update(
         self, model, params, optimizer, lr_scheduler, traj, advantages, generator, off_policy=False
@@ -217,7 +221,7 @@ class DiffusionNFT(ForwardProcessAlgorithm):
     def old_pass(self, model, traj, points):
         """v_old [B, K, *latent]: the EMA policy's velocity at every training point."""
         with self.ema.swapped_in():
-            return _velocities(model, traj, points, self.cfg.sampling.micro_batch)
+            return _velocities(model, traj, points, forward_rows(len(traj), self.cfg))
 
     def point_loss(self, v, x_t, x0, noise, sigma, old, advantages):
         g = self.cfg.grpo
@@ -244,7 +248,7 @@ class AWM(ForwardProcessAlgorithm):
         forwards' rows): the first mini-batch's ratio is exactly 1."""
         out = torch.empty(len(traj), points.k, device=points.x0.device)
         for k in range(points.k):
-            for rows in micro_batches(len(traj), self.cfg.sampling.micro_batch):
+            for rows in micro_batches(len(traj), forward_rows(len(traj), self.cfg)):
                 x_t, x0, noise, sigma = points.at(rows, k)
                 v = model.velocity(x_t, sigma, cond_index(traj.cond, rows), guidance_scale=1.0)
                 out[rows, k] = awm.awm_log_weight(v, x0, noise, sigma, p=self.cfg.algo.awm_p)
@@ -263,6 +267,12 @@ ALGORITHMS: dict[str, type[Algorithm]] = {
     "nft": DiffusionNFT,
     "awm": AWM,
 }
+
+
+def forward_rows(n: int, cfg: TrainConfig) -> int:
+    """Samples per forward of the rollout and of every pass over its n samples on this rank (recompute, old
+    policy, training): sampling.micro_batch, or fewer where a mini-batch holds fewer (exact_micro_batch)."""
+    return exact_micro_batch(n, cfg.sampling.micro_batch, cfg.grpo.optimizer_steps_per_step)
 
 
 def build(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> Algorithm:
@@ -322,9 +332,11 @@ def window_update(
     equal-sized rank shards.
 
     Deviation from flow_grpo, which shuffles single samples: when the training micro-batch equals the
-    rollout's, we shuffle whole rollout micro-batches. Each training forward then sees exactly the rows
-    (and prompt padding) of a rollout forward, so at unchanged weights its log-probs are bit-identical
-    to the rollout's and the first update's ratio is exactly 1.
+    rollout's, we shuffle whole rollout micro-batches (`Algorithm.sampling` caps them at a mini-batch, so
+    there are enough to deal out). Each training forward then sees exactly the rows (and prompt padding) of a
+    rollout forward, so at unchanged weights its log-probs are bit-identical to the rollout's and the first
+    update's ratio is exactly 1 (a forward of other rows has other matmul shapes, which a GPU may round
+    differently, eager or compiled).
     """
     g, s = cfg.grpo, cfg.sampling
     B, W = traj.window.shape
@@ -336,7 +348,9 @@ def window_update(
     needs_mean = algo.needs_old_mean or g.ratio_norm
     weight, offpolicy_stats = None, {}
     if g.old_log_prob == "recompute" or off_policy or (needs_mean and old_mean is None):
-        recomputed, old_mean = recompute_log_probs_and_means(model, traj, s)
+        recomputed, old_mean = recompute_log_probs_and_means(
+            model, traj, dataclasses.replace(s, micro_batch=forward_rows(B, cfg))
+        )
         if g.old_log_prob == "recompute":
             old_log_prob = recomputed
             _record_gap(gap_per_step, traj.window, recomputed, traj.log_prob)

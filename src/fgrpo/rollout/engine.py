@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
@@ -293,21 +294,33 @@ def recompute_log_probs(model: FlowModel, traj: Trajectory, cfg: SamplingConfig)
     return recompute_log_probs_and_means(model, traj, cfg)[0]
 
 
+def exact_micro_batch(n: int, micro_batch: int, num_minibatches: int) -> int:
+    """Rows per forward when n samples are trained in `num_minibatches` mini-batches: at most micro_batch, and
+    no more than a mini-batch holds, so that the trainer can train every rollout micro-batch whole.
+
+    A mini-batch of m = n / num_minibatches samples takes c = ceil(m / micro_batch) forwards of ceil(m / c) rows:
+    micro_batch itself when it divides m, otherwise the same number of forwards made as equal as they can be.
+    """
+    m = max(1, n // num_minibatches)
+    forwards = math.ceil(m / micro_batch)
+    return math.ceil(m / forwards)
+
+
 def minibatch_rows(
     n: int, micro_batch: int, rollout_micro_batch: int, num_minibatches: int, generator: torch.Generator
 ) -> list[list[torch.Tensor]]:
     """Split n samples into `num_minibatches` mini-batches, each a list of micro-batch row index tensors.
 
-    With micro_batch == rollout_micro_batch the units shuffled are the rollout's own micro-batches
-    (consecutive rows), so each training forward sees exactly the rows (and prompt padding) of a rollout
-    forward; otherwise single samples are shuffled and cut into micro-batches.
+    With micro_batch == rollout_micro_batch the units shuffled are the rollout's own micro-batches of
+    `exact_micro_batch(n, rollout_micro_batch, num_minibatches)` consecutive rows (what the algorithms roll out
+    with), dealt to the mini-batches in equal counts where the count of units allows (else the first ones get
+    one more), so each training forward sees exactly the rows (and prompt padding) of a rollout forward;
+    otherwise single samples are shuffled and cut into micro-batches.
     """
     if micro_batch == rollout_micro_batch:
-        units = list(torch.arange(n).split(micro_batch))
-        if len(units) % num_minibatches == 0:
-            order = torch.randperm(len(units), generator=generator).tolist()
-            per = len(units) // num_minibatches
-            return [[units[u] for u in order[k * per : (k + 1) * per]] for k in range(num_minibatches)]
+        units = list(torch.arange(n).split(exact_micro_batch(n, rollout_micro_batch, num_minibatches)))
+        order = torch.randperm(len(units), generator=generator)
+        return [[units[u] for u in part.tolist()] for part in order.tensor_split(num_minibatches)]
     perm = torch.randperm(n, generator=generator)
     return [list(chunk.split(micro_batch)) for chunk in perm.chunk(num_minibatches)]
 
