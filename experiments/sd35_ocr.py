@@ -1,11 +1,12 @@
 """Flow-GRPO on SD3.5-Medium for the OCR task (the published quick recipe).
 
 Presets (tyro subcommands; every field can still be overridden with a flag):
-    recipe  384², 10 steps, CPS sampling with noise 0.8 in a 3-step window within steps [0, 5), no CFG,
-            8 prompts x 8 images per step, LoRA r32/a64 on the attention projections, AdamW 1e-4.
+    recipe      384², 10 steps, CPS sampling with noise 0.8 in a 3-step window within steps [0, 5), no CFG,
+                8 prompts x 8 images per step, LoRA r32/a64 on the attention projections, AdamW 1e-4.
     tiny        the bundled SD3 text renderer (diffusers' SD3Transformer2DModel with SD3.5-Medium's block
                 structure, 7 M parameters, src/fgrpo/assets/textbed_sd3/) on a CPU in minutes: the recipe's
-                sampler choices (CPS, no CFG) on 32x128 word images, the offline OCR reward.
+                sampler choices (CPS, no CFG) on 32x128 word images, the offline OCR reward; held-out
+                OCR rises (benchmarks/RESULTS.md).
     tiny-gpu    the same renderer on one GPU: 32 words x 16 images a step.
     tiny-random the real SD3 pipeline's classes end to end on a CPU: a tiny random SD3 (CLIP-L, CLIP-G, T5,
                 SD3Transformer2DModel, VAE). It proves the wiring; a random model paints no text, so the
@@ -102,7 +103,9 @@ def tiny() -> Config:
     """
     return dataclasses.replace(
         Config(),
-        num_steps=20,
+        # twice the Qwen-Image renderer's 20: with CPS this renderer gains about half as much per step (RESULTS.md),
+        # and 40 steps still fit the CPU budget
+        num_steps=40,
         device="cpu",
         model=ModelConfig(
             kind="textbed",
