@@ -1,22 +1,28 @@
 """VLM OCR engines. vLLM cannot run on a CPU machine, so VlmOcrEngine (the openai client) is tested against a
 fake OpenAI-compatible chat server on 127.0.0.1 (aiohttp.web) that checks each request and answers with the
-text stored for the image it decodes; VllmOcrEngine against a stub `vllm` module."""
+text stored for the image it decodes; VllmOcrEngine against a stub `vllm` module. TransformersOcrEngine runs
+a tiny random Qwen2.5-VL (benchmarks/vlm_model.py) on the CPU."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import importlib.util
+import json
+import socket
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from aiohttp import web
 
 from fgrpo.rewards import build_reward
 from fgrpo.rewards.ocr import OcrReward
 from fgrpo.rewards.transport import RewardServiceError, decode_image
-from fgrpo.rewards.vlm import DEFAULT_PROMPT, VllmOcrEngine, VlmOcrEngine
+from fgrpo.rewards.vlm import DEFAULT_PROMPT, TransformersOcrEngine, VllmOcrEngine, VlmOcrEngine
 
 from .helpers import serve_in_thread
 
@@ -165,3 +171,153 @@ def test_vllm_engine_with_stub_module(monkeypatch):
     assert sampling == {"temperature": 0.0, "max_tokens": 64}
     url = conversations[1][0]["content"][0]["image_url"]["url"]
     np.testing.assert_array_equal(decode_image(base64.b64decode(url.split(",", 1)[1])), IMAGES[1])
+
+
+# ------------------------------------------------------------------------------------------------
+# TransformersOcrEngine on a tiny random Qwen2.5-VL (fp32 on the CPU)
+
+# 56 x 84 px = 4 x 6 patches of 14 px = 2 x 3 merged 2x2 patches: 6 <|image_pad|> tokens per image.
+VL_IMAGES = rng.integers(0, 256, (3, 56, 84, 3), dtype=np.uint8)
+VL_PADS = 6
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def vlm_model():
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "vlm_model.py"
+    spec = importlib.util.spec_from_file_location("vlm_model", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny_vlm(vlm_model):
+    return vlm_model.build_random_vlm("tiny", "cpu", dtype=torch.float32, seed=0)
+
+
+def test_random_3b_vlm_has_qwen25_vl_3b_widths(vlm_model):
+    """Built on the meta device (shapes only): the parameter counts of Qwen/Qwen2.5-VL-3B-Instruct's
+    safetensors, 3,754,622,976 in all and 668,684,288 in the vision tower, with the LM head tied."""
+    model, _ = vlm_model.build_random_vlm("3b", "meta")
+    assert sum(p.numel() for p in model.parameters()) == 3_754_622_976
+    assert sum(p.numel() for p in model.model.visual.parameters()) == 668_684_288
+    assert model.lm_head.weight is model.model.language_model.embed_tokens.weight
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+@pytest.fixture(scope="module")
+def tiny_texts(tiny_vlm):
+    return TransformersOcrEngine(*tiny_vlm, max_tokens=MAX_TOKENS).recognize(VL_IMAGES)
+
+
+def test_transformers_engine_sends_qwens_chat_with_one_pad_per_merged_patch(tiny_vlm):
+    model, processor = tiny_vlm
+    engine = TransformersOcrEngine(model, processor)
+    inputs = processor(text=[engine.text], images=[VL_IMAGES[0]], return_tensors="pt")
+    assert inputs["image_grid_thw"].tolist() == [[1, 4, 6]]
+    assert processor.tokenizer.decode(inputs["input_ids"][0]) == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n<|vision_start|>"
+        + "<|image_pad|>" * VL_PADS
+        + f"<|vision_end|>{DEFAULT_PROMPT}<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_transformers_engine_decodes_only_its_greedy_new_tokens(tiny_vlm, tiny_texts):
+    """Reference: argmax of the last logits, one full forward per token (no KV cache, no generate), from the
+    prompt until <|im_end|> or MAX_TOKENS; the engine's text is those tokens decoded, without the prompt."""
+    model, processor = tiny_vlm
+    engine = TransformersOcrEngine(model, processor)
+    tok = processor.tokenizer
+    assert len(tiny_texts) == len(VL_IMAGES) and all(isinstance(t, str) for t in tiny_texts)
+    for image, text in zip(VL_IMAGES, tiny_texts):
+        inputs = processor(text=[engine.text], images=[image], return_tensors="pt")
+        ids = inputs["input_ids"]
+        n_prompt = ids.shape[1]
+        with torch.no_grad():
+            for _ in range(MAX_TOKENS):
+                logits = model(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    pixel_values=inputs["pixel_values"],
+                    image_grid_thw=inputs["image_grid_thw"],
+                ).logits
+                ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], 1)
+                if ids[0, -1] == model.config.text_config.eos_token_id:
+                    break
+        assert text == tok.decode(ids[0, n_prompt:], skip_special_tokens=True)
+        assert text and DEFAULT_PROMPT in tok.decode(ids[0], skip_special_tokens=True)
+        assert DEFAULT_PROMPT not in text
+
+
+def test_transformers_engine_is_deterministic_and_batches_read_like_single_images(tiny_vlm, tiny_texts):
+    model, processor = tiny_vlm
+    sizes = []
+    generate = model.generate
+
+    def counting_generate(**kw):
+        sizes.append(len(kw["input_ids"]))
+        return generate(**kw)
+
+    engine = TransformersOcrEngine(model, processor, batch_size=2, max_tokens=MAX_TOKENS)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(model, "generate", counting_generate)
+        batched = engine.recognize(VL_IMAGES)
+    assert sizes == [2, 1]
+    assert batched == tiny_texts  # batch_size 32 (one call of 3), 2 (2 + 1) and 1 read the same
+    single = TransformersOcrEngine(model, processor, batch_size=1, max_tokens=MAX_TOKENS)
+    assert [single.recognize(im[None])[0] for im in VL_IMAGES] == tiny_texts
+    assert engine.recognize(VL_IMAGES[:0]) == []
+
+
+def test_transformers_reward_from_a_checkpoint_directory_offline(
+    vlm_model, tiny_texts, tmp_path, monkeypatch
+):
+    """The spec's directory loads (config, weights, tokenizer, chat template, image processor) with every
+    network connection refused, and reads as the in-memory model of the same seed."""
+    path = vlm_model.write_random_vlm(tmp_path / "vlm", "tiny", seed=0)
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("the transformers OCR engine tried to open a connection; it must load offline")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    spec = {"name": "ocr", "engine": "transformers", "model": str(path), "device": "cpu", "dtype": "float32"}
+    reward = build_reward({**spec, "max_tokens": MAX_TOKENS})
+    assert isinstance(reward, OcrReward) and isinstance(reward.engine, TransformersOcrEngine)
+    assert reward.engine.recognize(VL_IMAGES) == tiny_texts
+    out = reward(VL_IMAGES, ['"stop"', '"sale"', '"open"'])
+    assert out.scores.shape == (3,) and ((out.scores >= 0) & (out.scores <= 1)).all()
+
+
+def test_transformers_engine_reads_the_legacy_chat_template_file_or_says_it_is_missing(
+    vlm_model, tiny_texts, tmp_path
+):
+    """Older checkpoints keep the template in the processor's chat_template.json, not the tokenizer's files."""
+    path = vlm_model.write_random_vlm(tmp_path / "vlm", "tiny", seed=0)
+    jinja = path / "chat_template.jinja"
+    (path / "chat_template.json").write_text(json.dumps({"chat_template": jinja.read_text()}))
+    jinja.unlink()
+    engine = TransformersOcrEngine(str(path), device="cpu", dtype="float32", max_tokens=MAX_TOKENS)
+    assert engine.recognize(VL_IMAGES) == tiny_texts
+    (path / "chat_template.json").unlink()
+    with pytest.raises(ValueError, match="has no chat template"):
+        TransformersOcrEngine(str(path), device="cpu", dtype="float32")
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"max_new_tokens": 16}, "unexpected keyword argument 'max_new_tokens'"),
+        ({"batch_size": 0}, "batch_size must be >= 1"),
+        ({"dtype": "bf16"}, "dtype must name a torch dtype"),
+        ({}, "has no config.json"),
+    ],
+)
+def test_transformers_spec_errors_are_one_line(options, match, tmp_path):
+    spec = {"name": "ocr", "engine": "transformers", "model": str(tmp_path), "device": "cpu", **options}
+    if options.get("dtype"):
+        (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=match) as e:
+        build_reward(spec)
+    assert "\n" not in str(e.value)

@@ -17,8 +17,9 @@ A spec is one of
     build_reward('[{"name": "ocr"}, {"name": "jpeg_compressibility", "weight": 0.1, "required": false}]')
 
 Options of "ocr": engine = "rapidocr" (default; RapidOcrEngine options), "vlm" (VlmOcrEngine, the openai
-client of a `vllm serve`: base_url, model, timeout_s, max_retries, api_key, ...) or "vllm" (VllmOcrEngine,
-in-process: model, ...). Options of "http": those of HttpReward.
+client of a `vllm serve`: base_url, model, timeout_s, max_retries, api_key, ...), "vllm" (VllmOcrEngine,
+in-process: model, ...) or "transformers" (TransformersOcrEngine, in-process: model = a checkpoint directory,
+device, batch_size, max_tokens, ...). Options of "http": those of HttpReward.
 """
 
 from __future__ import annotations
@@ -44,14 +45,19 @@ def _check_options(what: str, fn: Callable[..., Any], options: Mapping[str, Any]
 def _ocr(engine: str = "rapidocr", **options: Any) -> Reward:
     from fgrpo.rewards.ocr import OcrReward, RapidOcrEngine
 
-    if engine not in ("rapidocr", "vlm", "vllm"):
-        raise ValueError(f"reward 'ocr': engine must be one of ['rapidocr', 'vlm', 'vllm'], got {engine!r}")
+    engines = ["rapidocr", "vlm", "vllm", "transformers"]
+    if engine not in engines:
+        raise ValueError(f"reward 'ocr': engine must be one of {engines}, got {engine!r}")
     if engine == "rapidocr":
         build: Callable[..., Any] = RapidOcrEngine
     else:  # the openai client takes seconds to import: only the VLM engines pay for it
         from fgrpo.rewards import vlm
 
-        build = vlm.VlmOcrEngine if engine == "vlm" else vlm.VllmOcrEngine
+        build = {
+            "vlm": vlm.VlmOcrEngine,
+            "vllm": vlm.VllmOcrEngine,
+            "transformers": vlm.TransformersOcrEngine,
+        }[engine]
     if engine != "vllm":  # VllmOcrEngine forwards unknown options to vllm.LLM
         _check_options(f"ocr/{engine}", build, options)
     return OcrReward(build(**options))

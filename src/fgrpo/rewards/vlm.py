@@ -1,45 +1,52 @@
-"""OCR by a VLM transcriber (e.g. Qwen2.5-VL-3B-Instruct, Qwen3-VL-8B-Instruct) through vLLM.
+"""OCR by a VLM transcriber (e.g. Qwen2.5-VL-3B-Instruct, Qwen3-VL-8B-Instruct) through vLLM or transformers.
 
-Two engines with one request (`transcribe_messages`), both `OcrEngine`s for `OcrReward`, which scores
-their text the same way as PP-OCR's:
+Three engines with one request (`chat_request`: the image, then the instruction, in one user turn), all
+`OcrEngine`s for `OcrReward`, which scores their text the same way as PP-OCR's:
 - `VlmOcrEngine`: the `openai` client of vLLM's OpenAI-compatible server (`vllm serve <model>`): one chat
   request per image, sent concurrently (bounded), image as a base64 PNG data URL, greedy decoding by
   default so the reward is not itself random; the client's timeouts and retries (5xx, 408/409/429,
   dropped connections, timeouts; exponential backoff or the server's Retry-After).
 - `VllmOcrEngine`: an in-process `vllm.LLM` (vllm is imported only when this engine is built; it is in
   the optional `vllm` extra).
+- `TransformersOcrEngine`: greedy `generate` of a transformers Qwen-VL model in this process, on the
+  training GPU beside the policy; batches of images, bf16.
 
 Spec for `build_reward`: {"name": "ocr", "engine": "vlm", "base_url": "http://127.0.0.1:8000", "model": ...}
-(server) or {"name": "ocr", "engine": "vllm", "model": ...} (in-process).
+(server), {"name": "ocr", "engine": "vllm", "model": ...} (in-process) or
+{"name": "ocr", "engine": "transformers", "model": "/path/to/checkpoint", "max_tokens": 16} (in-process).
 
 vLLM cannot run on a CPU machine, so the tests check `VlmOcrEngine` against a fake OpenAI-compatible
 server on 127.0.0.1 (aiohttp.web), and `VllmOcrEngine` against a stub `vllm` module; neither has been run
-against a real model.
+against a real model. `TransformersOcrEngine` runs in the tests on a tiny random Qwen2.5-VL
+(benchmarks/vlm_model.py, which also builds the random 3B-sized one that benchmarks time).
 """
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import openai
-from openai.types.chat import ChatCompletionMessageParam
 
 from fgrpo.rewards.transport import RewardServiceError, b64, encode_image
 
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageParam
+
 DEFAULT_PROMPT = "output only the text in the image"
+
+
+def chat_request(image_part: dict[str, Any], prompt: str = DEFAULT_PROMPT) -> list[Any]:
+    """The chat every engine sends: one user turn holding the image part, then the instruction."""
+    return [{"role": "user", "content": [image_part, {"type": "text", "text": prompt}]}]
 
 
 def transcribe_messages(image: np.ndarray, prompt: str = DEFAULT_PROMPT) -> list[ChatCompletionMessageParam]:
     """OpenAI chat messages asking a VLM to transcribe one uint8 RGB image [H, W, 3]."""
     url = "data:image/png;base64," + b64(encode_image(image, "png"))
-    return [
-        {
-            "role": "user",
-            "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": prompt}],
-        }
-    ]
+    return chat_request({"type": "image_url", "image_url": {"url": url}}, prompt)
 
 
 def _completion_text(completion: Any) -> str:
@@ -95,6 +102,9 @@ class VlmOcrEngine:
         self.model, self.prompt = model, prompt
         self.temperature, self.max_tokens = float(temperature), int(max_tokens)
         self.max_concurrency, self.timeout_s, self.max_retries = max_concurrency, timeout_s, max_retries
+        # Imported here: the in-process engines need neither openai nor its seconds of import.
+        import openai
+
         self.client = openai.OpenAI(
             base_url=self.base_url, api_key=api_key or "EMPTY", timeout=timeout_s, max_retries=max_retries
         )
@@ -102,6 +112,8 @@ class VlmOcrEngine:
     def transcribe(self, image: np.ndarray) -> str:
         """The text of one uint8 RGB image [H, W, 3]; RewardServiceError (one line, naming the server and
         the fix) when the server cannot be reached, keeps failing or answers something else."""
+        import openai
+
         attempts = f"{self.max_retries + 1} attempt(s)"
         try:
             completion = self.client.chat.completions.create(
@@ -170,3 +182,97 @@ class VllmOcrEngine:
         if len(outputs) != len(images):
             raise RuntimeError(f"vllm returned {len(outputs)} outputs for {len(images)} images")
         return [o.outputs[0].text for o in outputs]
+
+
+def load_qwen_vl(path: str | Path, *, device: str = "cuda", dtype: str = "bfloat16") -> tuple[Any, Any]:
+    """(model, processor) of a local Qwen2-VL or Qwen2.5-VL checkpoint directory, offline.
+
+    The processor is Qwen2-VL's for images only (`fgrpo.models.qwen_image_edit.vl_processor`: PIL image
+    backend, no video processor, so no torchvision) with the checkpoint's chat template; the model is
+    AutoModelForImageTextToText in `dtype` on `device`.
+    """
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from fgrpo.models.qwen_image_edit import vl_processor
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"model {str(path)!r} has no config.json; give the local directory of a Qwen-VL checkpoint "
+            "(config.json, weights, tokenizer, preprocessor_config.json); nothing is downloaded"
+        )
+    if not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise ValueError(f"dtype must name a torch dtype (bfloat16, float16, float32), got {dtype!r}")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    legacy = path / "chat_template.json"  # the processor's template file of older checkpoints
+    if tokenizer.chat_template is None and legacy.is_file():
+        tokenizer.chat_template = json.loads(legacy.read_text())["chat_template"]
+    if tokenizer.chat_template is None:
+        raise ValueError(
+            f"model {str(path)!r} has no chat template (chat_template.jinja, chat_template.json or "
+            "tokenizer_config.json's chat_template); copy the checkpoint's template file there"
+        )
+    processor = vl_processor(Qwen2VLImageProcessorPil.from_pretrained(path), tokenizer)
+    model: Any = AutoModelForImageTextToText.from_pretrained(path, dtype=getattr(torch, dtype))
+    return model.to(device), processor
+
+
+class TransformersOcrEngine:
+    """Greedy `generate` of a transformers Qwen-VL model in this process (e.g. on the training GPU).
+
+    Each batch is one chat per image (`chat_request` through the processor's chat template and image
+    expansion), decoded greedily so the reward is not itself random; only the generated tokens are decoded.
+    The images of one call share a size, so every row has the same number of tokens: no padding, and a
+    batch reads each image as it would alone.
+
+    Args:
+        model: local checkpoint directory (loaded by `load_qwen_vl`), or a built model (then `processor`).
+        processor: with a built model: its processor (the tokenizer holding the chat template).
+        device, dtype: where and in what a directory's model is loaded.
+        batch_size: images per `generate` call (bounds the activations and the KV cache).
+        max_tokens: cap on the transcription length (generate's max_new_tokens).
+        prompt: instruction sent after the image.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        processor: Any = None,
+        *,
+        device: str = "cuda",
+        dtype: str = "bfloat16",
+        batch_size: int = 32,
+        max_tokens: int = 64,
+        prompt: str = DEFAULT_PROMPT,
+    ):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if isinstance(model, str | Path):
+            if processor is not None:
+                raise ValueError("give a processor only with a built model; a directory has its own")
+            model, processor = load_qwen_vl(model, device=device, dtype=dtype)
+        elif processor is None:
+            raise ValueError("a built model needs its processor: TransformersOcrEngine(model, processor)")
+        self.model, self.processor = model.eval(), processor
+        self.batch_size, self.max_tokens = batch_size, max_tokens
+        self.text = processor.tokenizer.apply_chat_template(
+            chat_request({"type": "image"}, prompt), add_generation_prompt=True, tokenize=False
+        )
+
+    def recognize(self, images: np.ndarray) -> list[str]:
+        import torch
+
+        texts: list[str] = []
+        for start in range(0, len(images), self.batch_size):
+            batch = list(images[start : start + self.batch_size])
+            inputs = self.processor(text=[self.text] * len(batch), images=batch, return_tensors="pt")
+            inputs = inputs.to(self.model.device)
+            with torch.inference_mode():
+                ids = self.model.generate(**inputs, do_sample=False, max_new_tokens=self.max_tokens)
+            new = ids[:, inputs["input_ids"].shape[1] :]  # generate returns the prompt, then the new tokens
+            texts += self.processor.tokenizer.batch_decode(new, skip_special_tokens=True)
+        return texts

@@ -1,0 +1,221 @@
+"""A Qwen2.5-VL with random weights, offline: the real 3B's widths (the OCR reward's model at real size) or a
+tiny one for CPU tests, with a small byte-level tokenizer holding Qwen's chat and vision tokens, Qwen's chat
+template and Qwen2-VL's image processor. The reward engine reads it as it would the real checkpoint.
+
+    python benchmarks/vlm_model.py                    # H200: 32 images of 512², the recipe's reward batch
+    python benchmarks/vlm_model.py --tiny --images 4  # CPU wiring check
+
+    model, processor = build_random_vlm("3b", device="cuda")          # in memory, bf16
+    engine = TransformersOcrEngine(model, processor, batch_size=32, max_tokens=16)
+    write_random_vlm("/tmp/vlm", "tiny")   # a checkpoint directory: {"engine": "transformers", "model": dir}
+
+The random model reads nothing, so its text is noise and usually runs to max_tokens (a trained one stops at
+<|im_end|> after a short answer): timings are an upper bound on decoding. Its tokenizer knows a few hundred
+tokens; ids above those (most of the 3B's 151936) decode to nothing. Real Qwen2.5-VL ids of the special
+tokens differ from the tiny tokenizer's; the config carries the tokenizer's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from fgrpo.models.qwen_image_edit import EDIT_PROMPT_DROP, EDIT_PROMPT_TEMPLATE, vl_processor
+from fgrpo.models.tiny import VISION_TOKENS, tiny_qwen_tokenizer
+from fgrpo.rewards.vlm import TransformersOcrEngine
+
+# Qwen/Qwen2.5-VL-3B-Instruct's config.json: the language model (36 layers of 2048, GQA 16/2 heads, MRoPE
+# sections 16/24/24 of the 64 rotary pairs of a 128-wide head, tied embeddings) and its vision tower (32 blocks
+# of 1280, windowed attention of 112 px except the full-attention blocks, merger to 2048).
+QWEN25_VL_3B = {
+    "text": dict(
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_hidden_layers=36,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        max_position_embeddings=128000,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]},
+    ),
+    "vision": dict(
+        depth=32,
+        hidden_size=1280,
+        intermediate_size=3420,
+        num_heads=16,
+        out_hidden_size=2048,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        window_size=112,
+        fullatt_block_indexes=[7, 15, 23, 31],
+        tokens_per_second=2,
+        hidden_act="silu",
+    ),
+}
+# The same structure (windowed and full-attention vision blocks, GQA, MRoPE) at a CPU test's size; the
+# vocabulary is the tokenizer's, so every generated id decodes to text.
+TINY = {
+    "text": dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=None,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]},
+    ),
+    "vision": dict(
+        depth=2,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        out_hidden_size=32,
+        window_size=56,
+        fullatt_block_indexes=[1],
+    ),
+}
+SIZES = {"3b": QWEN25_VL_3B, "tiny": TINY}
+# Qwen2.5-VL's preprocessor_config.json pixel bounds (the image is resized to multiples of 28 inside them).
+MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 16384
+# Qwen2.5-VL's chat layout: a default system turn, then each turn as <|im_start|>role\n...<|im_end|>\n, an
+# image as <|vision_start|><|image_pad|><|vision_end|> (the processor repeats the pad once per merged patch).
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if loop.first and message.role != 'system' -%}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{{- '<|im_start|>' + message.role + '\\n' -}}"
+    "{%- if message.content is string -%}{{- message.content -}}{%- else -%}"
+    "{%- for part in message.content -%}"
+    "{%- if part.type in ('image', 'image_url') -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part.type == 'text' -%}{{- part.text -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+def random_vlm_processor() -> Any:
+    """Qwen2-VL's images-only processor over the tiny Qwen tokenizer (chat and vision tokens) with the chat
+    template, and the image processor at Qwen2.5-VL's pixel bounds."""
+    # The edit template holds an image placeholder, so the tokenizer gets the vision tokens besides the chat ones.
+    tokenizer = tiny_qwen_tokenizer(EDIT_PROMPT_TEMPLATE, EDIT_PROMPT_DROP)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    return vl_processor(image_processor, tokenizer)
+
+
+def vlm_config(size: str, tokenizer) -> Qwen2_5_VLConfig:
+    """Qwen2_5_VLConfig of `size` ("3b" or "tiny") whose special-token ids are `tokenizer`'s."""
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
+    ids = tokenizer.get_vocab()
+    names = ("vision_start_token_id", "image_token_id", "vision_end_token_id", "video_token_id")
+    text = dict(SIZES[size]["text"])
+    text["vocab_size"] = text["vocab_size"] or len(tokenizer)
+    text.update(bos_token_id=None, eos_token_id=ids["<|im_end|>"], pad_token_id=tokenizer.pad_token_id)
+    vision = dict(SIZES[size]["vision"])
+    # pyright matches a ** dict against every keyword; these are the int token ids
+    return Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        tie_word_embeddings=size == "3b",
+        **{n: ids[t] for n, t in zip(names, VISION_TOKENS)},  # pyright: ignore[reportArgumentType]
+    )
+
+
+def build_random_vlm(
+    size: str = "3b",
+    device: torch.device | str = "cuda",
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+) -> tuple[Qwen2_5_VLForConditionalGeneration, Any]:
+    """(model, processor): random weights (transformers' init, seeded) built directly on `device` in `dtype`.
+
+    On the meta device it costs no memory (shapes only)."""
+    processor = random_vlm_processor()
+    config = vlm_config(size, processor.tokenizer)
+    cuda = [device] if torch.device(device).type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=dtype)
+    return model.eval(), processor
+
+
+def write_random_vlm(
+    path: str | Path, size: str = "tiny", *, dtype: torch.dtype = torch.float32, seed: int = 0
+) -> Path:
+    """Write a checkpoint directory (config.json, model.safetensors, tokenizer, chat template,
+    preprocessor_config.json) that `fgrpo.rewards.vlm.load_qwen_vl` loads offline ("3b": 15 GB in fp32)."""
+    path = Path(path)
+    model, processor = build_random_vlm(size, "cpu", dtype=dtype, seed=seed)
+    model.save_pretrained(path)
+    processor.tokenizer.save_pretrained(path)
+    processor.image_processor.save_pretrained(path)
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="tiny random model on CPU in fp32 (wiring check)")
+    ap.add_argument("--images", type=int, default=32, help="images per reward call (the recipe's step batch)")
+    ap.add_argument("--size", type=int, default=512, help="image side in pixels")
+    ap.add_argument("--batch-size", type=int, default=32, help="images per generate call")
+    ap.add_argument("--max-tokens", type=int, default=16, help="generated tokens per image at most")
+    ap.add_argument("--iters", type=int, default=3, help="timed calls after one warm-up")
+    args = ap.parse_args()
+    device, dtype = ("cpu", torch.float32) if args.tiny else ("cuda", torch.bfloat16)
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    t0 = time.perf_counter()
+    model, processor = build_random_vlm("tiny" if args.tiny else "3b", device, dtype=dtype, seed=0)
+    sync()
+    build_s = time.perf_counter() - t0
+    engine = TransformersOcrEngine(model, processor, batch_size=args.batch_size, max_tokens=args.max_tokens)
+    images = np.random.default_rng(0).integers(0, 256, (args.images, args.size, args.size, 3), dtype=np.uint8)
+    engine.recognize(images)  # warm-up: kernels, allocator
+    call_s, prep_s = [], []
+    for _ in range(args.iters):
+        sync()
+        t0 = time.perf_counter()
+        engine.recognize(images)
+        sync()
+        call_s.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        inputs = processor(text=[engine.text] * len(images), images=list(images), return_tensors="pt")
+        prep_s.append(time.perf_counter() - t0)
+    tokens = inputs["input_ids"].shape[1]
+    params = sum(p.numel() for p in model.parameters())
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+    name = "tiny" if args.tiny else "3B"
+    print(f"Qwen2.5-VL {name}, random weights ({params:,} params, {dtype}), {device}")
+    print(f"{args.images} images of {args.size}², batch {args.batch_size}, max_tokens {args.max_tokens}")
+    print("| what | value |\n| --- | --- |")
+    print(f"| build (s) | {build_s:.2f} |")
+    print(f"| prompt tokens per image (image pads included) | {tokens} |")
+    print(f"| reward call (s, best of {args.iters}) | {min(call_s):.3f} |")
+    print(f"| processor alone, on CPU (s) | {min(prep_s):.3f} |")
+    print(f"| per image (ms) | {1e3 * min(call_s) / args.images:.1f} |")
+    print(f"| peak GPU memory (GiB) | {peak:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
