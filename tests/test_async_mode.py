@@ -390,6 +390,11 @@ def _async_cfg(**kw):
         (_async_cfg(parallel=ParallelConfig(rollout_ranks=1, max_staleness=-1)), 2, "parallel.max_staleness"),
         (_async_cfg(parallel=ParallelConfig(rollout_ranks=1, is_threshold=0)), 2, "parallel.is_threshold"),
         (_async_cfg(rollout_engine="vllm_omni"), 2, "'vllm_omni' has no asynchronous mode"),
+        (
+            _async_cfg(parallel=ParallelConfig(rollout_ranks=1, is_log_ratio="max")),  # type: ignore[arg-type]
+            2,
+            "parallel.is_log_ratio=max: must be 'mean' or 'sum'; pass --parallel.is-log-ratio",
+        ),
     ],
 )
 def test_config_refusals(cfg, world, match):
@@ -426,6 +431,66 @@ def test_off_policy_weights_per_correction():
         old, behaviour, ParallelConfig(correction="tis", is_level="sequence")
     )
     torch.testing.assert_close(w, torch.tensor([[2.0, 2.0], [0.25, 0.25]]))
+
+
+def test_off_policy_weights_sum_scales_the_log_ratio_by_the_element_count():
+    """Per-element mean gaps [[0, ln 3 / D], [ln 0.25 / D, 1e-3]], D = 64, threshold 2.
+    sum: log w = D gap = [[0, ln 3], [ln 0.25, 0.064]], tis token min(exp, 2) = [[1, 2], [0.25, e^0.064]];
+    mean: w = exp(gap) < 2, untouched by the truncation (the default, bit-identical with elements omitted)."""
+    D = 64
+    behaviour = torch.zeros(2, 2)
+    old = torch.tensor([[0.0, math.log(3.0) / D], [math.log(0.25) / D, 1e-3]])
+    tis = ParallelConfig(correction="tis")
+    w, stats = async_mode.off_policy_weights(
+        old, behaviour, dataclasses.replace(tis, is_log_ratio="sum"), elements=D
+    )
+    torch.testing.assert_close(w, torch.tensor([[1.0, 2.0], [0.25, math.exp(0.064)]]))
+    assert stats["offpolicy/gap_abs_max"] == pytest.approx(math.log(4.0))
+    assert stats["offpolicy/is_frac_high"] == 0.25
+    w, stats = async_mode.off_policy_weights(old, behaviour, tis, elements=D)
+    torch.testing.assert_close(w, old.exp())
+    assert stats["offpolicy/gap_abs_max"] == pytest.approx(math.log(4.0) / D)
+    assert stats["offpolicy/is_frac_high"] == 0.0
+    same, same_stats = async_mode.off_policy_weights(old, behaviour, tis)
+    assert torch.equal(same, w) and same_stats == stats
+
+
+@pytest.mark.parametrize("unit", ["mean", "sum"])
+def test_window_update_weighs_stale_entries_in_the_configured_units(unit):
+    """A stale batch on the tiny model, weights unchanged since the rollout, so the recomputed old log-probs are
+    the rollout's (to rounding); the behaviour log-probs are shifted by ln 3 / D on sample 0 and ln 0.25 / D on
+    sample 1 (D = one sample's latent elements). 'sum': weights min(3, 2) = 2 and 0.25, the gap ln 4;
+    'mean': weights e^(ln 3 / D) and e^(ln 0.25 / D), both within 1 +- 2 / D."""
+    from fgrpo.models.loading import add_lora
+    from fgrpo.models.tiny import tiny_qwen_image
+    from fgrpo.rollout.base import SamplingConfig
+    from fgrpo.rollout.engine import DiffusersEngine
+
+    s = SamplingConfig(
+        height=32, width=32, num_steps=3, guidance_scale=1.0, sde_kind="flow_sde", noise_level=0.9,
+        window_size=1, window_range=(0, 2), micro_batch=2,
+    )  # fmt: skip
+    model = tiny_qwen_image(seed=0)
+    add_lora(model.transformer, rank=4, alpha=4)
+    traj = DiffusersEngine(model).generate(['a sign "OPEN"'] * 2, [0, 1], s)
+    D = traj.x_t[0, 0].numel()
+    shift = torch.tensor([[math.log(3.0)], [math.log(0.25)]]) / D
+    traj = dataclasses.replace(traj, log_prob=traj.log_prob - shift)
+    cfg = TrainConfig(
+        sampling=s,
+        grpo=GRPOConfig(group_size=2, prompts_per_step=1, optimizer_steps_per_step=1),
+        parallel=ParallelConfig(correction="tis", is_log_ratio=unit),
+    )
+    params = [p for p in model.transformer.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0)
+    m = algorithms.build(cfg, params).update(
+        model, params, opt, sched, traj, torch.tensor([1.0, -1.0]), torch.Generator().manual_seed(0), True
+    )
+    scale = D if unit == "sum" else 1
+    assert m["offpolicy/gap_abs_max"] == pytest.approx(math.log(4.0) * scale / D, rel=1e-3)
+    assert m["offpolicy/is_max"] == pytest.approx(2.0 if unit == "sum" else 3 ** (1 / D), rel=1e-3)
+    assert m["offpolicy/is_min"] == pytest.approx(0.25 if unit == "sum" else 0.25 ** (1 / D), rel=1e-3)
 
 
 def test_the_trainer_gets_the_whole_batch_on_its_device(monkeypatch):

@@ -359,7 +359,9 @@ def window_update(
             from fgrpo.async_mode import off_policy_weights
 
             old_log_prob, first_update = recomputed, False  # the gap is the staleness, not the numerics
-            weight, offpolicy_stats = off_policy_weights(recomputed, traj.log_prob, cfg.parallel)
+            weight, offpolicy_stats = off_policy_weights(
+                recomputed, traj.log_prob, cfg.parallel, elements=traj.x_t[0, 0].numel()
+            )
     if not needs_mean:
         old_mean = None  # the loss gets the rollout's means only when it reads them
 

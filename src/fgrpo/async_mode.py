@@ -23,7 +23,9 @@ not depend on timing.
 Off-policy correction (verl's rollout correction, core.correction): for a stale batch the trainer recomputes
 the old policy's log-probs of the stored transitions (its weights when the step starts), the PPO ratio is
 pi_theta / pi_old, and each entry's loss is weighted by the truncated (TIS) or masked importance weight
-pi_old / pi_behaviour, pi_behaviour being the rollout's recorded log-probs.
+pi_old / pi_behaviour, pi_behaviour being the rollout's recorded log-probs. Those are per-element means over
+the latent, so the ratio is per element unless `--parallel.is-log-ratio sum` scales the log-ratio by the
+latent's element count, making it the transitions' density ratio.
 
 Validation (train.validation, every run.val_every steps and after the last) runs on the trainer ranks, before
 they receive the step's batch: they hold the current weights, version k before the update of step k, the one
@@ -172,14 +174,19 @@ class Lagging:
 
 
 def off_policy_weights(
-    old_log_prob: torch.Tensor, behaviour_log_prob: torch.Tensor, p: ParallelConfig
+    old_log_prob: torch.Tensor, behaviour_log_prob: torch.Tensor, p: ParallelConfig, elements: int = 1
 ) -> tuple[torch.Tensor | None, dict[str, float]]:
     """The configured correction's [B, W] weights (None for 'none') and their statistics ('offpolicy/...').
 
-    The statistics (behaviour/old gap, IS weight mean/min/max, ESS, truncated and masked shares) are logged
-    with every correction, 'none' included (with weight 1), so the gap is visible before one turns it on.
+    old_log_prob, behaviour_log_prob: [B, W] per-element mean log-probs of the transitions, whose latents have
+    `elements` elements (D) each. With p.is_log_ratio 'sum' the log-ratio is D (old - behaviour), that of the
+    transition's densities; with 'mean' it is old - behaviour. The statistics (behaviour/old gap, IS weight
+    mean/min/max, ESS, truncated and masked shares) are of that log-ratio, and are logged with every
+    correction, 'none' included (with weight 1), so the gap is visible before one turns it on.
     """
     log_w = correction.log_ratio(old_log_prob, behaviour_log_prob)
+    if p.is_log_ratio == "sum":
+        log_w = log_w * elements
     lower = p.is_threshold_low or None
     if p.correction == "none":
         weight = None

@@ -232,6 +232,12 @@ class ParallelConfig:
     """Upper bound of the importance weight (truncation or mask; verl's default 2.0)."""
     is_threshold_low: float = 0.0
     """masked_is: lower bound of the kept ratios; 0 = 1 / is_threshold."""
+    is_log_ratio: Literal["mean", "sum"] = "mean"
+    """Units of the importance log-ratio log(pi_old / pi_behaviour) of a transition. The recorded log-probs are
+    per-element means over the latent (flow_grpo's convention): 'mean' takes their difference as it is, the
+    per-element geometric-mean ratio, which stays near 1 at small staleness; 'sum' multiplies it by the
+    latent's element count D, the transition's true density ratio, which the thresholds then bound. The
+    train/offpolicy/* statistics (gap, weights) are in the same units."""
     sp: int = 1
     """Ulysses sequence parallel degree: each sample's tokens are split over sp consecutive ranks, which share its
     prompt and seed (diffusers' context parallelism, Qwen-Image). Helps when one sample's activations, not the
@@ -528,6 +534,7 @@ def _validate_parallel(cfg: TrainConfig, world_size: int) -> None:
             p.is_threshold_low,
             f"in [0, parallel.is_threshold={p.is_threshold}] (0 = 1 / is_threshold)",
         ),
+        (p.is_log_ratio in ("mean", "sum"), "parallel.is_log_ratio", p.is_log_ratio, "'mean' or 'sum'"),
     ):
         if not ok:
             raise ValueError(f"{name}={value}: must be {want}; pass {_flag(name)} with a valid value")
