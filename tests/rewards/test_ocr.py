@@ -208,3 +208,75 @@ def test_rapidocr_reads_tiny_images_at_native_size(font_path, rapid_engine):
     assert images.shape == (2, 32, 128, 3)
     out = OcrReward(rapid_engine)(images, [f'"{w}"' for w in words])
     np.testing.assert_array_equal(out.scores, [1.0, 1.0])
+
+
+# Held-out words of the text renderer, the longest (8 letters) filling most of a 32x128 canvas as it draws them.
+RENDERER_WORDS = ["AGENCY", "ANTIQUE", "ALPHA", "BANNERS", "CAPTURES", "DELIVERY", "EXIT", "CAFE"]
+
+
+@pytest.fixture(scope="module")
+def rec_only_engine():
+    """A recognizer-only engine, loaded with rapidocr's downloads made to fail (it too runs offline)."""
+    from rapidocr.utils.download_file import DownloadFile
+
+    from fgrpo.rewards.ocr import RapidOcrEngine
+
+    def no_download(*args, **kwargs):
+        raise AssertionError("rapidocr tried to download a file; fgrpo must run it offline")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(DownloadFile, "run", no_download)
+        engine = RapidOcrEngine(detect=False, num_threads=1)
+        engine.recognize(np.full((1, 32, 128, 3), 255, np.uint8))  # loads the recognizer
+    return engine
+
+
+def test_rapidocr_recognizer_only_reads_rendered_words_like_the_full_pipeline(
+    font_path, rapid_engine, rec_only_engine
+):
+    """Dark-on-light words at 32x128, as the text renderer draws them: recognition alone reads each word
+    letter for letter, as detection + recognition does, and never loads the detector."""
+    images = np.stack(
+        [
+            render_text(w, font_path, size=128, font_size=18 if len(w) > 6 else 22)[48:80]
+            for w in RENDERER_WORDS
+        ]
+    )  # [8, 32, 128, 3]
+    assert rec_only_engine.recognize(images) == RENDERER_WORDS
+    assert rapid_engine.recognize(images) == RENDERER_WORDS
+    assert rec_only_engine._engine.text_det is None
+    assert rec_only_engine.recognize(np.full((1, 32, 128, 3), 255, np.uint8)) == [""]
+
+
+def test_rapidocr_recognizer_only_keeps_the_confidence_filter_and_flags_failures():
+    """Without the detector rapidocr returns the recognizer's raw line: the engine applies text_score itself
+    (PaddleOCR's drop_score, kept at >=) and raises when rapidocr returns no line at all (a failed read)."""
+    from rapidocr.ch_ppocr_rec import TextRecOutput
+    from rapidocr.utils.output import RapidOCROutput
+
+    from fgrpo.rewards.ocr import RapidOcrEngine
+
+    engine = RapidOcrEngine(detect=False, text_score=0.5)
+    seen, scores = [], iter([0.5, 0.49])
+    engine._engine = lambda arr: seen.append(arr) or TextRecOutput(txts=("ABC",), scores=(next(scores),))
+    rgb = np.random.default_rng(0).integers(0, 256, (2, 4, 5, 3), dtype=np.uint8)
+    assert engine.recognize(rgb) == ["ABC", ""]
+    np.testing.assert_array_equal(seen[1], rgb[1][..., ::-1])  # BGR, as on the detector path
+    engine._engine = lambda arr: RapidOCROutput()
+    with pytest.raises(RuntimeError, match="recognizer failed on image 0"):
+        engine.recognize(rgb)
+
+
+def test_rapidocr_detect_option_from_a_spec():
+    """ "detect": false reaches the engine through a reward spec; the default keeps the detector; a value that
+    is not a JSON bool, or a detector size beside detect=False, is a one-line error naming the key."""
+    from fgrpo.rewards import build_reward
+    from fgrpo.rewards.ocr import RapidOcrEngine
+
+    assert RapidOcrEngine()._engine.use_det is True
+    engine = build_reward('{"name": "ocr", "num_threads": 1, "detect": false}').engine
+    assert engine._engine.use_det is False and engine.detect is False
+    with pytest.raises(ValueError, match="detect must be true or false, got 'false'"):
+        build_reward('{"name": "ocr", "detect": "false"}')
+    with pytest.raises(ValueError, match="detect=False skips"):
+        RapidOcrEngine(detect=False, det_limit_side_len=64)

@@ -96,7 +96,7 @@ _RAPIDOCR_MODELS = {
 
 
 class RapidOcrEngine:
-    """PP-OCR (detection + recognition) through rapidocr and onnxruntime on CPU; offline and quiet.
+    """PP-OCR (detection + recognition, or recognition only) via rapidocr, onnxruntime on CPU; offline, quiet.
 
     Args:
         text_score: lines recognized with lower confidence are dropped (PaddleOCR's drop_score, which
@@ -110,6 +110,16 @@ class RapidOcrEngine:
         det_min_side_len: if set, use rapidocr's other mode instead: enlarge an image whose short side is below
             this. `det_limit_side_len` is its old name (this class's first version), kept so callers work.
         params: extra rapidocr config overrides, e.g. {"Det.box_thresh": 0.4}.
+        detect: False skips the detector and reads the whole image as one line with the recognizer (rapidocr's
+            `Global.use_det=False`), dropping the line when its confidence is below `text_score`. Valid only
+            when each image is one line of text filling it, as the bundled text renderer draws (32x128, one
+            word): the recognizer squeezes any image to 48 px high, so a page or a small word on a large
+            canvas reads as noise. On 256 held-out words of that renderer (10 ODE steps; one onnxruntime
+            thread) it took 19 ms an image instead of 27; the mean score moved by 0.011 without CFG (0.621 vs
+            0.632) and 0.0003 with CFG 3 (0.802); the mean |score difference| per image was 0.044 / 0.030,
+            against 0.017 / 0.011 for the detector path reading the same images moved by one pixel. Real
+            renders of the words read exactly either way. Images are read one call each: batching the
+            recognizer was no faster on one thread (64 a call: 30 % slower).
 
     Differs from flow_grpo: PP-OCRv6 small via onnxruntime instead of PaddleOCR's PP-OCR (en); like flow_grpo
     the angle classifier is off (generated text is upright).
@@ -124,15 +134,24 @@ class RapidOcrEngine:
         det_min_side_len: int | None = None,
         det_limit_side_len: int | None = None,
         params: dict[str, Any] | None = None,
+        detect: bool = True,
     ):
         import rapidocr
 
+        if not isinstance(detect, bool):
+            raise ValueError(f"OCR engine option detect must be true or false, got {detect!r}")
         model_dir = Path(rapidocr.__file__).parent / "models"
         if det_limit_side_len is not None:
             if det_min_side_len is not None:
                 raise ValueError("pass det_min_side_len or its old name det_limit_side_len, not both")
             det_min_side_len = det_limit_side_len
+        if not detect and det_min_side_len is not None:
+            raise ValueError(
+                "det_min_side_len (det_limit_side_len) sizes the detector, which detect=False skips"
+            )
+        self.detect = detect
         cfg: dict[str, Any] = {
+            "Global.use_det": detect,
             "Global.use_cls": False,
             "Global.text_score": float(text_score),
             "Global.log_level": "error",  # "info" logs every model load, "warning" every blank image
@@ -152,6 +171,7 @@ class RapidOcrEngine:
             cfg["EngineConfig.onnxruntime.inter_op_num_threads"] = 1
         cfg.update(params or {})
         self._engine = rapidocr.RapidOCR(params=cfg)
+        self._text_score = self._engine.text_score  # what rapidocr's own filter reads (params may set it)
 
     def recognize(self, images: np.ndarray) -> list[str]:
         from rapidocr.ch_ppocr_cls import TextClsOutput
@@ -161,6 +181,9 @@ class RapidOcrEngine:
         for i, image in enumerate(images):
             # rapidocr reads a numpy array as OpenCV BGR; ours are RGB.
             result = self._engine(np.ascontiguousarray(image[..., ::-1]))
+            if not self.detect:
+                texts.append(self._one_line(result, i))
+                continue
             # A failed recognizer is logged by rapidocr, which then returns an earlier stage's output.
             if isinstance(result, TextDetOutput | TextClsOutput):
                 raise RuntimeError(
@@ -170,6 +193,19 @@ class RapidOcrEngine:
             lines = result.txts or ()
             texts.append(" ".join(lines))
         return texts
+
+    def _one_line(self, result: Any, i: int) -> str:
+        """Image i's line as the recognizer reads it, or "" below `text_score` (the detector path's filter)."""
+        from rapidocr.ch_ppocr_rec import TextRecOutput
+
+        # Without the detector rapidocr returns the recognizer's output, or an empty result when it failed.
+        if not isinstance(result, TextRecOutput) or result.txts is None:
+            raise RuntimeError(
+                f"rapidocr's recognizer failed on image {i} (it returned a {type(result).__name__} without "
+                "text); rerun with params={'Global.log_level': 'warning'} to see rapidocr's reason"
+            )
+        (text,), (score,) = result.txts, result.scores
+        return text if score >= self._text_score else ""
 
 
 class OcrReward:
