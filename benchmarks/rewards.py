@@ -4,7 +4,9 @@ the HTTP reward service on loopback (PNG and JPEG on the wire). Prints one table
     uv run python benchmarks/rewards.py                 # 512², 8 images
     uv run python benchmarks/rewards.py --size 1024 --n 16 --threads 2
 
-Images are 512² renderings of short text (DejaVu Sans) so OCR does its real work (detect + recognize).
+Images are 512² renderings of short text (DejaVu Sans) so OCR does its real work (detect + recognize); two
+more rows read the same texts as one line filling 32x128 (the text renderer's images) with and without the
+detector (`RapidOcrEngine(detect=False)`).
 HTTP overhead = (HttpReward time - local time of the same reward) / images, the service running
 `jpeg_compressibility` in a separate process, so it includes encode, transfer, decode and JSON both ways.
 """
@@ -39,6 +41,18 @@ def render(text: str, size: int) -> np.ndarray:
         fill=(20, 20, 20),
         font=ImageFont.truetype(str(FONT), size // 9),
     )
+    return np.asarray(img)
+
+
+def render_line(text: str, height: int = 32, width: int = 128) -> np.ndarray:
+    """One line of text filling a height x width canvas, as the bundled text renderer draws its words."""
+    left, top, right, bottom = ImageFont.truetype(str(FONT), 100).getbbox(text)
+    size = min(24, int(min((width - 8) * 100 / (right - left), (height - 6) * 100 / (bottom - top))))
+    font = ImageFont.truetype(str(FONT), size)
+    left, top, right, bottom = font.getbbox(text)
+    img = Image.new("RGB", (width, height), (235, 235, 235))
+    xy = ((width - right - left) // 2, (height - bottom - top) // 2)
+    ImageDraw.Draw(img).text(xy, text, fill=(30, 30, 30), font=font)
     return np.asarray(img)
 
 
@@ -99,6 +113,16 @@ def main() -> None:
     tb, cb = best_of(ocr_batch, max(1, args.repeats - 1))
     note = f"per image; {cb / args.n * 1e3:.0f} ms CPU; mean score {out.scores.mean():.3f}"
     rows.append((f"OCR rapidocr, batch {args.n}", tb / args.n * 1e3, note))
+
+    # The text renderer's images (one line filling 32x128): the full pipeline against recognition alone.
+    lines = np.stack([render_line(t) for t in texts])
+    for detect in (True, False):
+        line_ocr = OcrReward(RapidOcrEngine(num_threads=args.threads, detect=detect))
+        line_out = line_ocr(lines, prompts)  # also loads the models outside the timing
+        tl, cl = best_of(lambda r=line_ocr: r(lines, prompts), args.repeats)
+        what = f"OCR 32x128 line, {'detect+recognize' if detect else 'recognize only'}"
+        note = f"per image; {cl / args.n * 1e3:.0f} ms CPU; mean score {line_out.scores.mean():.3f}"
+        rows.append((what, tl / args.n * 1e3, note))
 
     jpeg = build_reward("jpeg_compressibility")
     tj, _ = best_of(lambda: jpeg(images, prompts), args.repeats)
