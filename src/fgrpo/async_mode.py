@@ -174,7 +174,7 @@ class Lagging:
 
 
 def off_policy_weights(
-    old_log_prob: torch.Tensor, behaviour_log_prob: torch.Tensor, p: ParallelConfig, elements: int = 1
+    old_log_prob: torch.Tensor, behaviour_log_prob: torch.Tensor, p: ParallelConfig, *, elements: int
 ) -> tuple[torch.Tensor | None, dict[str, float]]:
     """The configured correction's [B, W] weights (None for 'none') and their statistics ('offpolicy/...').
 

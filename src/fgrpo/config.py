@@ -232,11 +232,12 @@ class ParallelConfig:
     """Upper bound of the importance weight (truncation or mask; verl's default 2.0)."""
     is_threshold_low: float = 0.0
     """masked_is: lower bound of the kept ratios; 0 = 1 / is_threshold."""
-    is_log_ratio: Literal["mean", "sum"] = "mean"
+    is_log_ratio: Literal["mean", "sum"] = "sum"
     """Units of the importance log-ratio log(pi_old / pi_behaviour) of a transition. The recorded log-probs are
-    per-element means over the latent (flow_grpo's convention): 'mean' takes their difference as it is, the
-    per-element geometric-mean ratio, which stays near 1 at small staleness; 'sum' multiplies it by the
-    latent's element count D, the transition's true density ratio, which the thresholds then bound. The
+    per-element means over the latent (flow_grpo's convention): 'sum' multiplies their difference by the
+    latent's element count D, the transition's true density ratio, which the thresholds then bound; 'mean'
+    takes it as it is, the per-element geometric-mean ratio, which stays within ~1e-3 of 1 at staleness 1 and so
+    corrects nothing (on the text renderer at staleness 1 it collapsed like no correction, RESULTS.md). The
     train/offpolicy/* statistics (gap, weights) are in the same units."""
     sp: int = 1
     """Ulysses sequence parallel degree: each sample's tokens are split over sp consecutive ranks, which share its
