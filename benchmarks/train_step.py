@@ -7,13 +7,18 @@ condition image per prompt; `--model ltx2`: LTX-2.3's transformer, connectors, v
 `build_real_ltx2`, whose rows count videos); the text encoders are replaced by fixed random prompt embeddings of
 the real shapes (their cost is one forward per distinct prompt, cached over the group). Qwen-Image-Edit and
 LTX-2.3 sample, train their LoRA and batch by their experiment files' `recipe` presets
-(experiments/qwen_image_edit_ocr.py, experiments/ltx2_ocr.py). The reward is a stub (random scores);
-the OCR reward's cost is measured separately in benchmarks/rewards.py. Everything else is the
+(experiments/qwen_image_edit_ocr.py, experiments/ltx2_ocr.py). The reward is a stub (random scores), or with
+`--reward vlm` the OCR reward read by a Qwen2.5-VL at the 3B's widths with random weights (benchmarks/vlm_model.py;
+the tiny one with --tiny) on the same GPU, unsharded and uncompiled: OcrReward (LTX-2.3: VideoOcrReward) over
+TransformersOcrEngine, every image of the rank in one generate call of at most 16 new tokens; its seconds are the
+step's "reward" phase, inside the totals and the images/GPU/s, and its weights inside the peak memory (the FLOP
+ceiling below counts the transformer only). Everything else is the
 trainer's own code: DiffusersEngine.generate, algorithms.*.update (LoRA r64, FSDP2 world of one, bf16
 compute, fp32 masters, gradient checkpointing), recompute of old log-probs.
 
     python benchmarks/train_step.py                      # H200: 2 prompts x 16 images, eager
     python benchmarks/train_step.py --compile            # regional torch.compile of the blocks
+    python benchmarks/train_step.py --compile --reward vlm   # + the OCR reward of a random Qwen2.5-VL-3B, colocated
     python benchmarks/train_step.py --tiny               # CPU wiring check with a tiny model
     python benchmarks/train_step.py --compile --algo nft # another update rule (grpo dppo mixgrpo nft awm)
     python benchmarks/train_step.py --compile --algo grpo,nft,awm   # several, one model build and warm compile
@@ -118,6 +123,13 @@ def main() -> None:
         choices=("full", "selective"),
         default="full",
         help="model.checkpoint_policy: backward recomputes each block's forward, or its pointwise ops only",
+    )
+    ap.add_argument(
+        "--reward",
+        choices=("stub", "vlm"),
+        default="stub",
+        help="stub: random scores (no phase of their own); vlm: the OCR reward of a random Qwen2.5-VL-3B (tiny with --tiny) on "
+        "the same device, timed as the 'reward' phase",
     )
     ap.add_argument("--iters", type=int, default=2, help="timed steps (after one warm-up step)")
     ap.add_argument(
@@ -243,6 +255,12 @@ def main() -> None:
         optim = dataclasses.replace(rec.optim, lr=lr)
         grpo_cfg = rec.grpo
     unit = "videos" if isinstance(model, LTX2) else "images"
+    # built once, before any timing; build_random_vlm forks the RNG, so the LoRA init is the stub run's
+    reward = (
+        vlm_reward(d.device, tiny=args.tiny, images_per_call=n_local, video=isinstance(model, LTX2))
+        if args.reward == "vlm"
+        else None
+    )
     params = setup_trainable(model.transformer, mcfg)
     condition_dir = condition_folder() if isinstance(model, QwenImageEdit) else None
 
@@ -326,7 +344,13 @@ def main() -> None:
                 )
             sync()
             t1 = time.perf_counter()
-            rewards = torch.randn(n, generator=torch.Generator().manual_seed(it)).to(d.device)
+            if reward is None:
+                rewards = torch.randn(n, generator=torch.Generator().manual_seed(it)).to(d.device)
+                t_reward = t1  # the stub's cost stays in the old log-prob phase, as without --reward
+            else:
+                rewards = score_images(reward, traj.images, prompts)
+                sync()
+                t_reward = time.perf_counter()
             adv = grpo.group_advantages(rewards, group, std="global")[ids.start : ids.stop]
             if not forward_process:
                 recompute_log_probs_and_means(model, traj, sampling)  # the 'recompute' variant's extra pass
@@ -351,9 +375,11 @@ def main() -> None:
                     print0(f"#   {e.key[:70]}: {e.device_time_total / 1e6:.2f}s x{e.count}")
             peak = torch.cuda.max_memory_allocated() / 2**30 if d.device.type == "cuda" else 0.0
             if it > 0 or args.iters == 0:  # the first step warms up kernels (and compiles)
-                rows.append((t1 - t0, t2 - t1, t3 - t2, peak, m["logprob_gap/max"]))
+                rows.append((t1 - t0, t_reward - t1, t2 - t_reward, t3 - t2, peak, m["logprob_gap/max"]))
             print0(
-                f"step {it}: rollout {t1 - t0:.2f}s old-logprob {t2 - t1:.2f}s train {t3 - t2:.2f}s "
+                f"step {it}: rollout {t1 - t0:.2f}s "
+                + (f"reward {t_reward - t1:.2f}s " if reward is not None else "")
+                + f"old-logprob {t2 - t_reward:.2f}s train {t3 - t2:.2f}s "
                 f"peak {peak:.1f} GiB gap {m['logprob_gap/max']:.2e}"
                 + (f" nccl {nccl_s:.2f}s" if profile else "")
             )
@@ -366,7 +392,7 @@ def main() -> None:
                     names, params, optimizer, args.save_update, args.compare_update, d.is_main
                 )
 
-        roll, old, train, peak, gap = (sum(r[k] for r in rows) / len(rows) for k in range(5))
+        roll, rew, old, train, peak, gap = (sum(r[k] for r in rows) / len(rows) for k in range(6))
         W, steps = sampling.window_size, sampling.num_steps
         forwards = 2 if sampling.guidance_scale > 1 else 1
         fwd_roll = n_local * steps * forwards
@@ -374,7 +400,7 @@ def main() -> None:
         # NFT/AWM: K points x (the old policy's no-grad forward + the same 3), one sequence (no CFG in training)
         fwd_train = n_local * points * 4 if forward_process else n_local * W * forwards * 3
         floor_s = (fwd_roll + fwd_train) * tflop_per_forward / MATMUL_TFLOPS_H200
-        total = roll + train
+        total = roll + rew + train  # rew is 0 for the stub
         print0()
         print0(
             f"| phase | s | {unit}/GPU/s | effective TFLOP/s per GPU | ({'compiled' if args.compile else 'eager'}, "
@@ -383,17 +409,22 @@ def main() -> None:
             f"first-update log-prob gap {gap:.1e}) |"
         )
         print0("|---|---:|---:|---:|")
+        vlm = reward is not None
         phases = [
             ("rollout", roll, fwd_roll),
-            ("old log-prob (recompute only)", old, n_local * W * forwards),
+            *([("reward (random Qwen2.5-VL OCR)", rew, None)] if vlm else []),
+            *([] if forward_process else [("old log-prob (recompute only)", old, n_local * W * forwards)]),
             ("train", train, fwd_train),
-            ("total (rollout + train)", total, fwd_roll + fwd_train),
-            ("total with recompute", total + old, fwd_roll + fwd_train + n_local * W * forwards),
+            (f"total (rollout + {'reward + ' if vlm else ''}train)", total, fwd_roll + fwd_train),
+            *(
+                []
+                if forward_process
+                else [("total with recompute", total + old, fwd_roll + fwd_train + n_local * W * forwards)]
+            ),
         ]
-        for phase, t, fwd in (
-            phases if not forward_process else [phases[i] for i in (0, 2, 3)]
-        ):  # no log-probs
-            print0(f"| {phase} | {t:.2f} | {n_local / t:.3f} | {fwd * tflop_per_forward / t:.0f} |")
+        for phase, t, fwd in phases:  # the reward's FLOPs are the VLM's, not counted
+            tflops = "-" if fwd is None else f"{fwd * tflop_per_forward / t:.0f}"
+            print0(f"| {phase} | {t:.2f} | {n_local / t:.3f} | {tflops} |")
         if args.profile:
             print0(
                 f"\ntime in NCCL kernels during the profiled step: {nccl_s:.2f} s "
@@ -422,6 +453,40 @@ def main() -> None:
         )
     del params, model
     parallel.shutdown()
+
+
+VLM_MAX_TOKENS = 16  # an answer is one quoted word; a random model runs to the cap, so this bounds decoding
+
+
+def vlm_reward(device: torch.device, *, tiny: bool, images_per_call: int, video: bool):
+    """The OCR reward read by a random Qwen2.5-VL on `device`: the 3B's widths in bf16, or the tiny one in fp32 on
+    the CPU; greedy, every image of a call in one generate batch (a clip: its read frames). Not sharded, not compiled."""
+    from vlm_model import build_random_vlm  # benchmarks/vlm_model.py
+
+    from fgrpo.rewards.ocr import OcrReward
+    from fgrpo.rewards.video import VideoOcrReward
+    from fgrpo.rewards.vlm import TransformersOcrEngine
+
+    model, processor = build_random_vlm(
+        "tiny" if tiny else "3b", device, dtype=torch.float32 if tiny else torch.bfloat16
+    )
+    engine = TransformersOcrEngine(model, processor, batch_size=images_per_call, max_tokens=VLM_MAX_TOKENS)
+    if not video:
+        return OcrReward(engine)
+    reward = VideoOcrReward(engine)
+    engine.batch_size *= reward.frames  # a clip is read as its sampled frames, all in the one call
+    return reward
+
+
+def score_images(reward, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+    """This rank's rollout images [n_local, H, W, 3] uint8 (clips [n_local, F, H, W, 3]) scored by `reward` against
+    `prompts`, gathered over the ranks in rank order: [n] float32 on the images' device, as the trainer gathers them."""
+    from fgrpo import parallel
+    from fgrpo.rewards.base import check_scores
+
+    out = reward(images.cpu().numpy(), prompts)
+    check_scores(out, prompts, "ocr")
+    return parallel.all_gather_cat(torch.as_tensor(out.scores, dtype=torch.float32, device=images.device))
 
 
 def save_or_compare_update(names, params, optimizer, save: str, compare: str, is_main: bool) -> None:

@@ -5,10 +5,12 @@ each new family end to end on the CPU."""
 import importlib.util
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -106,6 +108,55 @@ def test_train_step_tiny_qwen_image_edit():
     assert "qwen_image_edit, LoRA r64" in out and "TFLOP per 64² forward" in out and "## grpo: CFG 4.0" in out
     assert "| phase | s | images/GPU/s |" in out and "micro-batch 4, peak" in out
     assert "| total (rollout + train) |" in out
+    assert "reward" not in out  # the default stub has no phase of its own
+
+
+def test_train_step_tiny_vlm_reward_scores_the_rollout(monkeypatch, capsys):
+    """--reward vlm: the tiny random Qwen2.5-VL reads the 4 rollout images (2 prompts x 2), and its text's OCR scores
+    are what the advantages are computed from. The engine's answers are replaced after it has run, so the scores are
+    known: prompts "WORD0" x2, "WORD1" x2 read as "WORD0", "", "WORD", "WORX1" score 1 - min(d, 5) / 5 = 1, 0,
+    0.8, 0.8. Group means 0.5, 0.8; the batch's population std is sqrt(((0.35)² + (0.65)² + 2 (0.15)²) / 4)
+    = sqrt(0.1475); advantages (r - group mean) / (std + 1e-4) = [0.5, -0.5, 0, 0] / (sqrt(0.1475) + 1e-4)."""
+    from fgrpo.core import grpo
+    from fgrpo.rewards.vlm import TransformersOcrEngine
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    spec = importlib.util.spec_from_file_location("train_step", BENCH / "train_step.py")
+    assert spec is not None and spec.loader is not None
+    train_step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_step)
+
+    read, texts = [], ["WORD0", "", "WORD", "WORX1"]
+    real_recognize = TransformersOcrEngine.recognize
+
+    def recognize(self, images):
+        assert len(real_recognize(self, images)) == len(images)  # the tiny VLM itself reads them
+        read.append((images.shape, images.dtype, self.batch_size, str(self.model.device)))
+        return texts
+
+    fed = []
+    real_advantages = grpo.group_advantages
+
+    def group_advantages(rewards, group_size, **kw):
+        fed.append(rewards.clone())
+        return real_advantages(rewards, group_size, **kw)
+
+    monkeypatch.setattr(TransformersOcrEngine, "recognize", recognize)
+    monkeypatch.setattr(grpo, "group_advantages", group_advantages)
+    args = ["--tiny", "--reward", "vlm", "--iters", "0", "--prompts", "2", "--group", "2", "--opt-steps", "1"]
+    monkeypatch.setattr(sys, "argv", ["train_step.py", *args])
+    train_step.main()
+    out = capsys.readouterr().out
+
+    assert read == [((4, 64, 64, 3), np.dtype(np.uint8), 4, "cpu")]  # one generate batch of the rank's images
+    (rewards,) = fed
+    torch.testing.assert_close(rewards, torch.tensor([1.0, 0.0, 0.8, 0.8]))
+    adv = real_advantages(rewards, 2, std="global")
+    torch.testing.assert_close(adv, torch.tensor([0.5, -0.5, 0.0, 0.0]) / (math.sqrt(0.1475) + 1e-4))
+    step = next(line for line in out.splitlines() if line.startswith("step 0:"))
+    assert re.search(r"rollout [0-9.]+s reward [0-9.]+s old-logprob", step)
+    assert re.search(r"^\| reward \(random Qwen2.5-VL OCR\) \| [0-9.]+ \| [0-9.]+ \| - \|$", out, re.M)
+    assert "| total (rollout + reward + train) |" in out
 
 
 @pytest.mark.slow
