@@ -37,9 +37,10 @@ Checkpoints (train.record, every rank joins) keep, besides the trainer's state, 
 before the current one (Lagging, rank 0's checkpoint tensors): the batches sampled ahead of a checkpoint are
 not saved but sampled again after a resume, with those versions, so a resumed run is the uninterrupted one.
 
-The wire is gloo point-to-point (parallel.isend_object): a trainer rank receives its rows of each batch from
-one rollout rank; rank 0 sends each rollout rank every update. Samples and weights cross as CPU tensors (for
-full weights on GPUs an NCCL broadcast would be faster; not measured yet).
+The wire is gloo point-to-point (parallel.isend_object; the weights' data unpickled, parallel.isend_tensors): a
+trainer rank receives its rows of each batch from one rollout rank; rank 0 sends each rollout rank every update.
+Samples and weights cross as CPU tensors (for full weights on GPUs an NCCL broadcast would be faster; not
+measured yet).
 """
 
 from __future__ import annotations
@@ -108,12 +109,20 @@ def select_rows(traj: Trajectory, rows: slice) -> Trajectory:
 
 
 def trainable_tensors(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Full CPU copies of the trainable tensors (collective over the trainer ranks: FSDP2 shards gathered)."""
-    out = {}
-    for name, p in transformer.named_parameters():
-        if p.requires_grad:
-            t = p.detach()
-            out[name] = (t.full_tensor() if parallel.is_dtensor(t) else t).cpu().clone()
+    """Full CPU copies of the trainable tensors (collective over the trainer ranks: FSDP2 shards gathered one
+    tensor at a time), each copied once, straight into its slice of one CPU buffer per dtype."""
+    params = [(name, p.detach()) for name, p in transformer.named_parameters() if p.requires_grad]
+    sizes: dict[torch.dtype, int] = {}
+    for _, p in params:  # a DTensor's shape is the full one
+        sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    flats = {dtype: torch.empty(n, dtype=dtype) for dtype, n in sizes.items()}
+    out, offset = {}, dict.fromkeys(sizes, 0)
+    for name, p in params:
+        full = p.full_tensor() if parallel.is_dtensor(p) else p
+        o, n = offset[p.dtype], p.numel()
+        out[name] = flats[p.dtype][o : o + n].view(p.shape)
+        out[name].copy_(full)
+        offset[p.dtype] += n
     return out
 
 
@@ -224,8 +233,11 @@ class Wire:
             parallel.isend_object(part, dst, self.pending, group=self.split.wire, tag=BATCH_TAG)
 
     def recv_weights(self) -> Weights:
-        msg = parallel.recv_object(self.split.trainer_ranks[0], group=self.split.wire, tag=WEIGHTS_TAG)
+        src = self.split.trainer_ranks[0]
+        msg = parallel.recv_object(src, group=self.split.wire, tag=WEIGHTS_TAG)
         assert isinstance(msg, Weights)
+        if msg.tensors is not None:  # an empty placeholder: the tensors follow, unpickled
+            msg.tensors = parallel.recv_tensors(src, group=self.split.wire, tag=WEIGHTS_TAG)
         return msg
 
     # trainer side
@@ -238,8 +250,11 @@ class Wire:
     def send_weights(self, msg: Weights) -> None:
         """Rank 0 only. The previous pushes are waited for first, so at most one is in flight per rollout rank."""
         self.pending.wait()
+        header = dataclasses.replace(msg, tensors=None if msg.tensors is None else {})
         for dst in self.split.rollout_ranks:
-            parallel.isend_object(msg, dst, self.pending, group=self.split.wire, tag=WEIGHTS_TAG)
+            parallel.isend_object(header, dst, self.pending, group=self.split.wire, tag=WEIGHTS_TAG)
+            if msg.tensors is not None:
+                parallel.isend_tensors(msg.tensors, dst, self.pending, group=self.split.wire, tag=WEIGHTS_TAG)
 
 
 def run_trainer(

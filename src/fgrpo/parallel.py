@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import io
+import math
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, TypeGuard
@@ -220,6 +221,65 @@ def recv_object(src: int, *, group=None, tag: int = 0) -> object:
     dist.recv(data, src, group=group, tag=tag)
     # Our own payload (a Trajectory, metrics, tensors), not a file from elsewhere: full unpickling is safe.
     return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
+
+
+def isend_tensors(
+    tensors: dict[str, torch.Tensor], dst: int, pending: Pending, *, group=None, tag: int = 0
+) -> None:
+    """Send named CPU tensors to global rank `dst` without pickling their data: their index (names, shapes,
+    dtypes) through `isend_object`, then the tensors of each dtype end to end as one byte tensor (one copy,
+    against pickling's several: for a 0.2 B-parameter LoRA the difference is seconds). `recv_tensors` on `dst`
+    is its other half."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for name, t in tensors.items():
+        if t.device.type != "cpu":
+            raise ValueError(f"isend_tensors sends CPU tensors; {name!r} is on {t.device}")
+        by_dtype.setdefault(t.dtype, []).append(t)
+    isend_object(
+        [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()], dst, pending, group=group, tag=tag
+    )
+    for ts in by_dtype.values():
+        flat = _end_to_end(ts)
+        flat = (torch.cat([t.reshape(-1) for t in ts]) if flat is None else flat).view(torch.uint8)
+        if flat.numel():
+            pending.works.append(dist.isend(flat, dst, group=group, tag=tag))
+            pending.buffers.append(flat)
+
+
+def _end_to_end(ts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The 1-D tensor over the one storage that `ts` tile in order, from its start to its end, as contiguous views
+    (async_mode.trainable_tensors lays them out so): sent as it is, without a copy. None when they do not."""
+    storage, offset = ts[0].untyped_storage(), 0
+    for t in ts:
+        if t.untyped_storage().data_ptr() != storage.data_ptr() or t.storage_offset() != offset:
+            return None
+        if not t.is_contiguous():
+            return None
+        offset += t.numel()
+    if offset * ts[0].element_size() != storage.nbytes():
+        return None
+    return ts[0].as_strided((offset,), (1,), 0)
+
+
+def recv_tensors(src: int, *, group=None, tag: int = 0) -> dict[str, torch.Tensor]:
+    """Receive what `isend_tensors` sent from global rank `src`: views of one CPU buffer per dtype."""
+    index = recv_object(src, group=group, tag=tag)
+    assert isinstance(index, list)
+    numel: dict[torch.dtype, int] = {}
+    for _, shape, dtype in index:  # first appearance orders the dtypes, as on the sending side
+        numel[dtype] = numel.get(dtype, 0) + math.prod(shape)
+    flats: dict[torch.dtype, torch.Tensor] = {}
+    for dtype, n in numel.items():
+        raw = torch.empty(n * dtype.itemsize, dtype=torch.uint8)
+        if n:
+            dist.recv(raw, src, group=group, tag=tag)
+        flats[dtype] = raw.view(dtype)
+    out, offset = {}, dict.fromkeys(numel, 0)
+    for name, shape, dtype in index:
+        n = math.prod(shape)
+        out[name] = flats[dtype][offset[dtype] : offset[dtype] + n].view(shape)
+        offset[dtype] += n
+    return out
 
 
 # The dp x ring x ulysses DeviceMesh of `init_sequence_parallel` (None: no sequence parallelism, sp = 1).
