@@ -6,7 +6,7 @@ or sequence-parallel (--parallel.sp) mode.
 The run is experiments/qwen_image_ocr.py's recipe (512², 10 steps, true-CFG 4, flow_sde window 2 of [0, 5),
 LoRA r64, 2 optimizer steps per step) with a few prompts per step, the JPEG-compressibility reward (cheap, no
 weights; the OCR reward's cost is measured in benchmarks/rewards.py), no validation, images or wandb, and one
-checkpoint after the last step (outside the step timers; ~40 s at real size: budget for it). The model is benchmarks/rollout.py's `build_real`
+checkpoint after the last step (outside the step timers, and not quick at real size: budget time for it). The model is benchmarks/rollout.py's `build_real`
 (20 B transformer and VAE, random bf16 weights built on each GPU from the same seed; the text encoder is a stub
 of fixed random prompt embeddings of the real shapes), handed to the loop through `train(model_builder=...)`.
 
