@@ -6,9 +6,10 @@ or sequence-parallel (--parallel.sp) mode.
 The run is experiments/qwen_image_ocr.py's recipe (512², 10 steps, true-CFG 4, flow_sde window 2 of [0, 5),
 LoRA r64, 2 optimizer steps per step) with a few prompts per step, the JPEG-compressibility reward (cheap, no
 weights; the OCR reward's cost is measured in benchmarks/rewards.py), no validation, images or wandb, and one
-checkpoint after the last step (outside the step timers, and not quick at real size: budget time for it). The model is benchmarks/rollout.py's `build_real`
-(20 B transformer and VAE, random bf16 weights built on each GPU from the same seed; the text encoder is a stub
-of fixed random prompt embeddings of the real shapes), handed to the loop through `train(model_builder=...)`.
+checkpoint after the last step (outside the step timers, and not quick at real size: budget time for it). The
+model is benchmarks/rollout.py's `build_real` (20 B transformer and VAE, random bf16 weights built on each GPU
+from the same seed; the text encoder is a stub of fixed random prompt embeddings of the real shapes), handed to
+the loop through `train(model_builder=...)`.
 
 Columns, from the run's metrics.jsonl, means over the steps after the first (whose kernels warm up or compile):
 step s = the trainer's `time/total`; images/GPU/s = images per step / step s / ranks; train, wait = the
