@@ -54,6 +54,14 @@ from fgrpo.logging import read_metrics
 from fgrpo.models.base import FlowModel
 from fgrpo.models.loading import configure_transformer
 
+# The loop's flags that this benchmark sets through its own (the loop's refusals name the loop's flags).
+OWN_FLAGS = {
+    "--model.compile": "--compile",
+    "--sampling.micro-batch": "--micro-batch",
+    "--grpo.prompts-per-step": "--prompts",
+    "--grpo.group-size": "--group",
+    "--num-steps": "--steps",
+}
 NUM_PROMPTS = 64  # distinct prompts in the file: steps draw different ones, as a real run's do
 PEAK_WAIT_S = 300.0  # how long rank 0 waits for the other ranks' peak memory after the run
 
@@ -186,7 +194,10 @@ def main(argv: list[str] | None = None) -> None:
     try:  # bad flags fail here, before any model is built
         validate_config(config(args, "prompts.txt", "runs"), world)
     except ValueError as e:
-        raise SystemExit(f"loop_step: {e}") from None
+        msg = str(e)
+        for loop_flag, flag in OWN_FLAGS.items():  # name the flag this benchmark takes
+            msg = msg.replace(loop_flag, flag)
+        raise SystemExit(f"loop_step: {msg}") from None
     d = parallel.init_distributed("cpu" if args.tiny else "cuda")
     # One run directory for all ranks: rank 0 makes it and writes the prompts, then tells the others.
     where = [None]

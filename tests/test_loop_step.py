@@ -36,15 +36,30 @@ def _mean(rows: list[dict], key: str) -> float:
     return sum(r[key] for r in rows) / len(rows)
 
 
-def test_sync_tiny_in_process(tmp_path, monkeypatch, capsys):
-    """One rank: the recipe's loop trains the tiny random model handed in by model_builder (without that seam
-    the run would load model.path 'Qwen/Qwen-Image'), and the row is the metrics' means over steps 1 and 2."""
+def _loop_step(monkeypatch):
+    """benchmarks/loop_step.py as a module."""
     monkeypatch.syspath_prepend(str(BENCH))  # loop_step imports benchmarks/rollout.py as `rollout`
     spec = importlib.util.spec_from_file_location("loop_step", BENCH / "loop_step.py")
     assert spec is not None and spec.loader is not None
     loop_step = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "loop_step", loop_step)  # tyro resolves the Args annotations through it
     spec.loader.exec_module(loop_step)
+    return loop_step
+
+
+def test_a_refusal_names_the_benchmarks_own_flag(monkeypatch):
+    """The loop refuses compile with sequence parallelism naming --model.compile; the benchmark's flag is --compile."""
+    loop_step = _loop_step(monkeypatch)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as e:
+        loop_step.main([*TINY, "--compile", "--parallel.sp", "2"])
+    assert "--compile" in str(e.value) and "--model.compile" not in str(e.value)
+
+
+def test_sync_tiny_in_process(tmp_path, monkeypatch, capsys):
+    """One rank: the recipe's loop trains the tiny random model handed in by model_builder (without that seam
+    the run would load model.path 'Qwen/Qwen-Image'), and the row is the metrics' means over steps 1 and 2."""
+    loop_step = _loop_step(monkeypatch)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # two threads on two shared cores ran ~10x slower than one
     try:
