@@ -112,17 +112,11 @@ def trainable_tensors(transformer: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Full CPU copies of the trainable tensors (collective over the trainer ranks: FSDP2 shards gathered one
     tensor at a time), each copied once, straight into its slice of one CPU buffer per dtype."""
     params = [(name, p.detach()) for name, p in transformer.named_parameters() if p.requires_grad]
-    sizes: dict[torch.dtype, int] = {}
-    for _, p in params:  # a DTensor's shape is the full one
-        sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
-    flats = {dtype: torch.empty(n, dtype=dtype) for dtype, n in sizes.items()}
-    out, offset = {}, dict.fromkeys(sizes, 0)
+    _, out = parallel.end_to_end(
+        [(name, tuple(p.shape), p.dtype) for name, p in params]
+    )  # a DTensor's full shape
     for name, p in params:
-        full = p.full_tensor() if parallel.is_dtensor(p) else p
-        o, n = offset[p.dtype], p.numel()
-        out[name] = flats[p.dtype][o : o + n].view(p.shape)
-        out[name].copy_(full)
-        offset[p.dtype] += n
+        out[name].copy_(p.full_tensor() if parallel.is_dtensor(p) else p)
     return out
 
 

@@ -261,25 +261,32 @@ def _end_to_end(ts: list[torch.Tensor]) -> torch.Tensor | None:
     return ts[0].as_strided((offset,), (1,), 0)
 
 
+def end_to_end(
+    index: list[tuple[str, tuple[int, ...], torch.dtype]],
+) -> tuple[dict[torch.dtype, torch.Tensor], dict[str, torch.Tensor]]:
+    """New CPU buffers for the named tensors of `index` laid end to end, one per dtype (ordered by first
+    appearance, as `isend_tensors` sends them), and each tensor's view into its buffer."""
+    numel: dict[torch.dtype, int] = {}
+    for _, shape, dtype in index:
+        numel[dtype] = numel.get(dtype, 0) + math.prod(shape)
+    flats = {dtype: torch.empty(n, dtype=dtype) for dtype, n in numel.items()}
+    views, offset = {}, dict.fromkeys(numel, 0)
+    for name, shape, dtype in index:
+        n = math.prod(shape)
+        views[name] = flats[dtype][offset[dtype] : offset[dtype] + n].view(shape)
+        offset[dtype] += n
+    return flats, views
+
+
 def recv_tensors(src: int, *, group=None, tag: int = 0) -> dict[str, torch.Tensor]:
     """Receive what `isend_tensors` sent from global rank `src`: views of one CPU buffer per dtype."""
     index = recv_object(src, group=group, tag=tag)
     assert isinstance(index, list)
-    numel: dict[torch.dtype, int] = {}
-    for _, shape, dtype in index:  # first appearance orders the dtypes, as on the sending side
-        numel[dtype] = numel.get(dtype, 0) + math.prod(shape)
-    flats: dict[torch.dtype, torch.Tensor] = {}
-    for dtype, n in numel.items():
-        raw = torch.empty(n * dtype.itemsize, dtype=torch.uint8)
-        if n:
-            dist.recv(raw, src, group=group, tag=tag)
-        flats[dtype] = raw.view(dtype)
-    out, offset = {}, dict.fromkeys(numel, 0)
-    for name, shape, dtype in index:
-        n = math.prod(shape)
-        out[name] = flats[dtype][offset[dtype] : offset[dtype] + n].view(shape)
-        offset[dtype] += n
-    return out
+    flats, views = end_to_end(index)
+    for flat in flats.values():
+        if flat.numel():
+            dist.recv(flat.view(torch.uint8), src, group=group, tag=tag)
+    return views
 
 
 # The dp x ring x ulysses DeviceMesh of `init_sequence_parallel` (None: no sequence parallelism, sp = 1).
