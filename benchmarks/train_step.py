@@ -125,6 +125,12 @@ def main() -> None:
         help="model.checkpoint_policy: backward recomputes each block's forward, or its pointwise ops only",
     )
     ap.add_argument(
+        "--attention-backend",
+        default="",
+        help="model.attention_backend: a diffusers attention dispatcher name ('native', '_native_cudnn', "
+        "'_native_flash', ...; '' = the recipe's)",
+    )
+    ap.add_argument(
         "--reward",
         choices=("stub", "vlm"),
         default="stub",
@@ -250,10 +256,12 @@ def main() -> None:
             exact_rollout=not args.no_exact_rollout,
         )
         lora_rank = mcfg.lora_rank
-        if mcfg.attention_backend and not args.tiny:  # the recipe's (LTX-2: 'native'), as load_model sets it
-            configure_transformer(model.transformer, attention_backend=mcfg.attention_backend)
         optim = dataclasses.replace(rec.optim, lr=lr)
         grpo_cfg = rec.grpo
+    if args.attention_backend:
+        mcfg = dataclasses.replace(mcfg, attention_backend=args.attention_backend)
+    if mcfg.attention_backend and not args.tiny:  # the recipe's (LTX-2: 'native'), as load_model sets it
+        configure_transformer(model.transformer, attention_backend=mcfg.attention_backend)
     unit = "videos" if isinstance(model, LTX2) else "images"
     # built once, before any timing; build_random_vlm forks the RNG, so the LoRA init is the stub run's
     reward = (
@@ -404,7 +412,8 @@ def main() -> None:
         print0()
         print0(
             f"| phase | s | {unit}/GPU/s | effective TFLOP/s per GPU | ({'compiled' if args.compile else 'eager'}, "
-            f"{d.world_size} GPU(s), shard {args.shard}, {args.checkpointing} checkpointing, {n_local} {unit} per GPU, "
+            f"{d.world_size} GPU(s), shard {args.shard}, {args.checkpointing} checkpointing, attention "
+            f"{mcfg.attention_backend or 'default'}, {n_local} {unit} per GPU, "
             f"micro-batch {micro_batch}, peak {peak:.1f} GiB, "
             f"first-update log-prob gap {gap:.1e}) |"
         )
