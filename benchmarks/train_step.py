@@ -356,7 +356,7 @@ def main() -> None:
                 rewards = torch.randn(n, generator=torch.Generator().manual_seed(it)).to(d.device)
                 t_reward = t1  # the stub's cost stays in the old log-prob phase, as without --reward
             else:
-                rewards = score_images(reward, traj.images, prompts)
+                rewards = score_images(reward, traj.images, prompts, d.device)
                 sync()
                 t_reward = time.perf_counter()
             adv = grpo.group_advantages(rewards, group, std="global")[ids.start : ids.stop]
@@ -487,15 +487,16 @@ def vlm_reward(device: torch.device, *, tiny: bool, images_per_call: int, video:
     return reward
 
 
-def score_images(reward, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+def score_images(reward, images: torch.Tensor, prompts: list[str], device: torch.device) -> torch.Tensor:
     """This rank's rollout images [n_local, H, W, 3] uint8 (clips [n_local, F, H, W, 3]) scored by `reward` against
-    `prompts`, gathered over the ranks in rank order: [n] float32 on the images' device, as the trainer gathers them."""
+    `prompts`, gathered over the ranks in rank order: [n] float32 on `device` (the collectives' device), as the
+    trainer gathers them."""
     from fgrpo import parallel
     from fgrpo.rewards.base import check_scores
 
     out = reward(images.cpu().numpy(), prompts)
     check_scores(out, prompts, "ocr")
-    return parallel.all_gather_cat(torch.as_tensor(out.scores, dtype=torch.float32, device=images.device))
+    return parallel.all_gather_cat(torch.as_tensor(out.scores, dtype=torch.float32, device=device))
 
 
 def save_or_compare_update(names, params, optimizer, save: str, compare: str, is_main: bool) -> None:

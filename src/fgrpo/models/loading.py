@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -105,6 +105,31 @@ def selective_checkpoint(module: nn.Module, *args):
     )
 
 
+def _selective_forward(forward: Callable, *args, **kwargs):
+    """A compiled block's forward under selective checkpointing: the checkpoint inside the block's compiled graph,
+    with `selective_checkpoint`'s policy (TorchTitan's order: checkpoint, then compile, then FSDP2's hooks outside).
+    Around a block compiled on its own, the policy would keep matmul outputs that inductor's generated code reuses
+    as scratch buffers (torch refuses: "cached ... has been mutated"); traced in one graph, what is kept is chosen
+    at compile time instead."""
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return checkpoint(
+        forward,
+        *args,
+        use_reentrant=False,
+        context_fn=partial(create_selective_checkpoint_contexts, _keep_matmuls_and_attention),
+        **kwargs,
+    )
+
+
+def _call_block(module: nn.Module, *args):
+    """The gradient-checkpointing function of compiled, selectively checkpointed blocks: a plain call, since the
+    checkpoint is inside the block's forward (`_selective_forward`)."""
+    return module(*args)
+
+
 def configure_transformer(
     transformer: Transformer,
     *,
@@ -141,6 +166,17 @@ def configure_transformer(
             if hasattr(torch._dynamo.config, name):
                 setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
         transformer.compile_repeated_blocks(fullgraph=True, backend=compile_backend)
+        transformer._fgrpo_compiled = True  # type: ignore[attr-defined]  # for the lines below
+    # Selective checkpointing of compiled blocks moves into their forward (whichever of the two switches came first).
+    if getattr(transformer, "_fgrpo_compiled", False):
+        blocks = set(getattr(transformer, "_repeated_blocks", ()))
+        for module in transformer.modules():
+            if getattr(module, "_gradient_checkpointing_func", None) is not selective_checkpoint:
+                continue
+            module._gradient_checkpointing_func = _call_block
+            for block in module.modules():
+                if type(block).__name__ in blocks and not isinstance(block.forward, partial):
+                    block.forward = partial(_selective_forward, block.forward)
 
 
 def load_model(mcfg: ModelConfig, *, device: torch.device | str, dtype: torch.dtype) -> FlowModel:
