@@ -165,7 +165,11 @@ def configure_transformer(
         for name in ("recompile_limit", "cache_size_limit"):
             if hasattr(torch._dynamo.config, name):
                 setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
-        transformer.compile_repeated_blocks(fullgraph=True, backend=compile_backend)
+        # a family's inductor settings (qwen_image_edit's), as options of its blocks' compile only
+        options = (
+            getattr(transformer, "_fgrpo_compile_options", None) if compile_backend == "inductor" else None
+        )
+        transformer.compile_repeated_blocks(fullgraph=True, backend=compile_backend, options=options)
         transformer._fgrpo_compiled = True  # type: ignore[attr-defined]  # for the lines below
     # Selective checkpointing of compiled blocks moves into their forward (whichever of the two switches came first).
     if getattr(transformer, "_fgrpo_compiled", False):
@@ -173,7 +177,7 @@ def configure_transformer(
         for module in transformer.modules():
             if getattr(module, "_gradient_checkpointing_func", None) is not selective_checkpoint:
                 continue
-            module._gradient_checkpointing_func = _call_block
+            module._gradient_checkpointing_func = _call_block  # type: ignore[assignment]  # a function attribute
             for block in module.modules():
                 if type(block).__name__ in blocks and not isinstance(block.forward, partial):
                     block.forward = partial(_selective_forward, block.forward)

@@ -102,6 +102,10 @@ class QwenImageEdit(QwenImage):
         )
         self.processor = processor
         self.condition_area = condition_area
+        # Regional compile with inductor's comprehensive padding: the first compiled backward of the 4-row training
+        # forward asserted a padded stride ((4, 1385, 1) against (1408, 1, 1): the text with the condition's VL
+        # tokens, 1385, padded to 1408) on the H200; without the padding it trains, gap 0.
+        transformer._fgrpo_compile_options = {"comprehensive_padding": False}
         # The pipeline's image processor: Lanczos resize, [0, 255] -> [-1, 1].
         self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale * self.patch)
         self.condition_cache: PromptCache[str] = PromptCache(self._encode_condition, prompt_cache_size)
