@@ -162,6 +162,10 @@ class Config:
     """With the `words` command: the prompt file whose unquoted text gives the vocabulary."""
     model: tb.TextbedConfig = tb.TextbedConfig()
     """Architecture."""
+    init: str = ""
+    """Start from these weights instead of a random init: a textbed checkpoint folder (model.safetensors and
+    config.json), or 'bundled' for the committed renderer of --model.arch; e.g. to continue its pretraining (a fresh
+    optimizer, warm-up and EMA). Its architecture must equal --model's. '' = random init."""
     data: DataConfig = DataConfig()
     optim: OptimConfig = OptimConfig()
     eval: EvalConfig = EvalConfig()
@@ -293,8 +297,44 @@ class Denoiser(nn.Module):
         return self.model.denoise(x_t, t, self.model.embed_ids(ids, mask), mask)
 
 
+def init_folder(cfg: Config) -> Path | None:
+    """The checkpoint folder that `init` names (None for a random init)."""
+    if not cfg.init:
+        return None
+    return tb.BUNDLED["sd3" if cfg.model.arch == "sd3" else ""] if cfg.init == "bundled" else Path(cfg.init)
+
+
+def build_model(cfg: Config, device: torch.device) -> tb.TextbedModel:
+    """The model to pretrain, fp32, in train mode: random (seeded by the caller) or `init`'s weights."""
+    model = tb.TextbedModel(cfg.model)
+    folder = init_folder(cfg)
+    if folder is not None:
+        from safetensors.torch import load_file
+
+        model.load_state_dict(load_file(str(folder / "model.safetensors")), strict=True)  # bf16 -> fp32
+    return model.to(device).train()
+
+
 def check_config(cfg: Config) -> None:
     """One-line errors for settings that would waste a GPU run."""
+    folder = init_folder(cfg)
+    if folder is not None:
+        if not (folder / "model.safetensors").is_file() or not (folder / "config.json").is_file():
+            raise FileNotFoundError(
+                f"init={cfg.init!r}: no model.safetensors and config.json in {folder}; pass a textbed checkpoint "
+                "folder (a snapshot of this script's out_dir) or 'bundled'"
+            )
+        saved = tb.TextbedConfig.from_dict(json.loads((folder / "config.json").read_text())["model"])
+        if saved != cfg.model:
+            diff = ", ".join(
+                f"{f.name}={getattr(saved, f.name)!r}"
+                for f in dataclasses.fields(saved)
+                if getattr(saved, f.name) != getattr(cfg.model, f.name)
+            )
+            raise ValueError(
+                f"init={cfg.init!r} is a different architecture than --model ({diff} there); pass those --model "
+                "flags or another init"
+            )
     if cfg.optim.schedule not in ("constant", "linear", "cosine"):
         raise ValueError(f"optim.schedule={cfg.optim.schedule!r}: use constant, linear or cosine")
     if cfg.optim.schedule != "constant" and cfg.max_steps <= cfg.optim.warmup_steps:
@@ -333,7 +373,7 @@ def train(cfg: Config) -> list[tuple[float, int, dict[str, torch.Tensor]]]:
     )
     empty_ids, empty_mask = (t.to(device) for t in tb.tokenize([""], cfg.model.max_text_len))
 
-    model = tb.TextbedModel(cfg.model).to(device).train()
+    model = build_model(cfg, device)
     params = [p for p in model.parameters() if p.requires_grad]
     log(
         f"params: transformer {sum(p.numel() for p in model.transformer.parameters()) / 1e6:.2f}M, "

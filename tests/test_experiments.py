@@ -186,6 +186,41 @@ def test_qwen_image_edit_rows_are_deterministic_and_legible(tmp_path):
     assert "CAT" in RapidOcrEngine().recognize(image)[0].upper().replace(" ", "")
 
 
+def test_pretrain_textbed_init_starts_from_a_checkpoint(tmp_path):
+    """--init loads a textbed checkpoint (bf16 on disk) as the fp32 starting weights, 'bundled' names the committed
+    renderer of the architecture, and a checkpoint of another architecture or a folder without one is refused
+    before any rendering, naming the field."""
+    import dataclasses
+
+    import torch
+    from safetensors.torch import load_file
+
+    from fgrpo.models import textbed as tb
+
+    pt = load(ROOT / "experiments" / "pretrain_textbed.py")
+    base = pt.tiny()
+    torch.manual_seed(1)
+    tb.save_textbed(tb.TextbedModel(base.model), tmp_path / "ck")
+    cfg = dataclasses.replace(base, init=str(tmp_path / "ck"))
+    pt.check_config(cfg)
+    saved = load_file(str(tmp_path / "ck" / "model.safetensors"))
+    got = pt.build_model(cfg, torch.device("cpu")).state_dict()
+    assert got.keys() == saved.keys()
+    assert all(got[k].dtype == torch.float32 and torch.equal(got[k], saved[k].float()) for k in saved)
+    torch.manual_seed(1)
+    random = pt.build_model(base, torch.device("cpu")).state_dict()
+    assert not all(
+        torch.equal(random[k], got[k]) for k in saved
+    )  # not the random init it was saved from (bf16)
+
+    with pytest.raises(ValueError, match=r"init=.*num_layers=1 there.*--model"):
+        pt.check_config(dataclasses.replace(cfg, model=dataclasses.replace(base.model, num_layers=2)))
+    with pytest.raises(FileNotFoundError, match="init="):
+        pt.check_config(dataclasses.replace(cfg, init=str(tmp_path)))
+    pt.check_config(dataclasses.replace(pt.Config(), init="bundled"))  # the committed renderer's architecture
+    assert pt.init_folder(dataclasses.replace(base, init="bundled")) == tb.BUNDLED[""]
+
+
 def test_pretrain_textbed_lr_decay_reaches_the_loop(capsys):
     """The pretraining loop's LR follows warm-up then linear decay to 0 at max_steps (hand-computed), and
     settings that cannot decay are refused before any rendering."""
