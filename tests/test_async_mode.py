@@ -132,6 +132,30 @@ def test_staleness_0_is_the_synchronous_run_bit_for_bit(sync_run, tmp_path):
     assert moved > 1e-3  # the weights did move, so equality is not that of an idle run
 
 
+@pytest.mark.slow
+def test_two_rollout_and_two_trainer_ranks_at_staleness_0_are_the_synchronous_two_rank_run(tmp_path):
+    """Splits beyond 1 + 1 use the same wire: with 2 rollout + 2 trainer ranks (rollout rank i feeds trainer rank
+    i; trainer rank 0 pushes the weights to both rollout ranks) and max_staleness 0, every logged number and each
+    step's checkpointed LoRA equal the synchronous run on 2 ranks (FSDP2 over 2, as the trainer side) bit for bit."""
+    sync = _run(tmp_path / "sync", nproc=2, steps=2)
+    rows = _run(
+        tmp_path / "async", "--parallel.rollout-ranks", "2", "--parallel.max-staleness", "0", nproc=4, steps=2
+    )
+    assert len(rows) == len(sync) == 2
+    for a, b in zip(sync, rows):
+        assert _same_numbers(a, b) == []
+        assert b["async/staleness"] == 0 and b["async/dropped_total"] == 0
+    for step in (1, 2):
+        one, two = _weights(tmp_path / "sync", step), _weights(tmp_path / "async", step)
+        assert one.keys() == two.keys() and len(one) > 0
+        assert all(torch.equal(one[k], two[k]) for k in one)
+    moved = max(
+        (_weights(tmp_path / "sync", 2)[k] - _weights(tmp_path / "sync", 1)[k]).abs().max().item()
+        for k in one
+    )
+    assert moved > 1e-3  # the second step moved the weights
+
+
 STALE_1 = ("--parallel.rollout-ranks", "1", "--parallel.max-staleness", "1", *VAL)
 
 
