@@ -137,6 +137,13 @@ def main() -> None:
         help="stub: random scores (no phase of their own); vlm: the OCR reward of a random Qwen2.5-VL-3B (tiny with --tiny) on "
         "the same device, timed as the 'reward' phase",
     )
+    ap.add_argument(
+        "--reward-stream",
+        action="store_true",
+        help="with --reward vlm: each rollout micro-batch is read on a background thread (its own CUDA stream) "
+        "while the next one samples (fgrpo.rewards.runner.RewardStream); the 'reward' phase is the wait after the "
+        "rollout",
+    )
     ap.add_argument("--iters", type=int, default=2, help="timed steps (after one warm-up step)")
     ap.add_argument(
         "--profile", action="store_true", help="profile the last timed step: time in NCCL kernels"
@@ -154,6 +161,8 @@ def main() -> None:
         "--compare-update", default="", help="after the warm-up step: compare them with this file"
     )
     args = ap.parse_args()
+    if args.reward_stream and (args.reward != "vlm" or args.model == "ltx2"):
+        ap.error("--reward-stream streams images to --reward vlm; add it (ltx2's clips are scored whole)")
     if args.shard == "adapters" and args.full:
         ap.error("--shard adapters shards the LoRA and --full trains every weight; drop one of them")
 
@@ -170,6 +179,7 @@ def main() -> None:
     from fgrpo.models.loading import SD3_LORA_TARGETS, configure_transformer, setup_trainable
     from fgrpo.models.ltx2 import LTX2
     from fgrpo.models.qwen_image_edit import QwenImageEdit
+    from fgrpo.rewards.runner import AsyncRewardRunner, RewardStream
     from fgrpo.rollout.base import SamplingConfig
     from fgrpo.rollout.engine import DiffusersEngine, recompute_log_probs_and_means
 
@@ -269,6 +279,9 @@ def main() -> None:
         if args.reward == "vlm"
         else None
     )
+    runner = (
+        AsyncRewardRunner(on_side_stream(reward, d.device), kind="thread") if args.reward_stream else None
+    )
     params = setup_trainable(model.transformer, mcfg)
     condition_dir = condition_folder() if isinstance(model, QwenImageEdit) else None
 
@@ -346,9 +359,13 @@ def main() -> None:
                 torch.cuda.reset_peak_memory_stats()
             sync()
             t0 = time.perf_counter()
+            stream = RewardStream(runner, prompts) if runner is not None else None
             with torch.no_grad(), algo.sampling_weights():
                 traj = engine.generate(
-                    prompts, [it * 1000 + i for i in ids], algo.sampling(it), on_images=audio_sink(model)
+                    prompts,
+                    [it * 1000 + i for i in ids],
+                    algo.sampling(it),
+                    on_images=stream.add if stream is not None else audio_sink(model),
                 )
             sync()
             t1 = time.perf_counter()
@@ -356,7 +373,8 @@ def main() -> None:
                 rewards = torch.randn(n, generator=torch.Generator().manual_seed(it)).to(d.device)
                 t_reward = t1  # the stub's cost stays in the old log-prob phase, as without --reward
             else:
-                rewards = score_images(reward, traj.images, prompts, d.device)
+                out = stream.result() if stream is not None else reward(traj.images.cpu().numpy(), prompts)
+                rewards = gather_scores(out, prompts, d.device)
                 sync()
                 t_reward = time.perf_counter()
             adv = grpo.group_advantages(rewards, group, std="global")[ids.start : ids.stop]
@@ -421,7 +439,11 @@ def main() -> None:
         vlm = reward is not None
         phases = [
             ("rollout", roll, fwd_roll),
-            *([("reward (random Qwen2.5-VL OCR)", rew, None)] if vlm else []),
+            *(
+                [(f"reward (random Qwen2.5-VL OCR{', streamed: the wait' if runner else ''})", rew, None)]
+                if vlm
+                else []
+            ),
             *([] if forward_process else [("old log-prob (recompute only)", old, n_local * W * forwards)]),
             ("train", train, fwd_train),
             (f"total (rollout + {'reward + ' if vlm else ''}train)", total, fwd_roll + fwd_train),
@@ -460,6 +482,8 @@ def main() -> None:
             f"# all-gather of the {layers} blocks' bf16 weights ({weights_gib:.1f} GiB, each rank receives "
             f"{weights_gib * (d.world_size - 1) / d.world_size:.1f} GiB): {ag * 1e3:.0f} ms per full pass"
         )
+    if runner is not None:
+        runner.close()
     del params, model
     parallel.shutdown()
 
@@ -487,16 +511,28 @@ def vlm_reward(device: torch.device, *, tiny: bool, images_per_call: int, video:
     return reward
 
 
-def score_images(reward, images: torch.Tensor, prompts: list[str], device: torch.device) -> torch.Tensor:
-    """This rank's rollout images [n_local, H, W, 3] uint8 (clips [n_local, F, H, W, 3]) scored by `reward` against
-    `prompts`, gathered over the ranks in rank order: [n] float32 on `device` (the collectives' device), as the
-    trainer gathers them."""
+def gather_scores(out, prompts: list[str], device: torch.device) -> torch.Tensor:
+    """This rank's RewardOutput for `prompts`, checked, gathered over the ranks in rank order: [n] float32 on
+    `device` (the collectives' device), as the trainer gathers them."""
     from fgrpo import parallel
     from fgrpo.rewards.base import check_scores
 
-    out = reward(images.cpu().numpy(), prompts)
     check_scores(out, prompts, "ocr")
     return parallel.all_gather_cat(torch.as_tensor(out.scores, dtype=torch.float32, device=device))
+
+
+def on_side_stream(reward, device: torch.device):
+    """`reward` called on a CUDA stream of its own, so that a background thread's kernels run beside the rollout's
+    instead of queueing behind them (the images arrive on the CPU; the scores leave as Python floats)."""
+    import contextlib
+
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def score(images, prompts, metadata=None):
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            return reward(images, prompts, metadata)
+
+    return score
 
 
 def save_or_compare_update(names, params, optimizer, save: str, compare: str, is_main: bool) -> None:

@@ -111,7 +111,8 @@ def test_train_step_tiny_qwen_image_edit():
     assert "reward" not in out  # the default stub has no phase of its own
 
 
-def test_train_step_tiny_vlm_reward_scores_the_rollout(monkeypatch, capsys):
+@pytest.mark.parametrize("stream", [False, True], ids=["after-rollout", "streamed"])
+def test_train_step_tiny_vlm_reward_scores_the_rollout(monkeypatch, capsys, stream):
     """--reward vlm: the tiny random Qwen2.5-VL reads the 4 rollout images (2 prompts x 2), and its text's OCR scores
     are what the advantages are computed from. The engine's answers are replaced after it has run, so the scores are
     known: prompts "WORD0" x2, "WORD1" x2 read as "WORD0", "", "WORD", "WORX1" score 1 - min(d, 5) / 5 = 1, 0,
@@ -126,13 +127,18 @@ def test_train_step_tiny_vlm_reward_scores_the_rollout(monkeypatch, capsys):
     train_step = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train_step)
 
+    from threading import current_thread
+
     read, texts = [], ["WORD0", "", "WORD", "WORX1"]
     real_recognize = TransformersOcrEngine.recognize
 
     def recognize(self, images):
         assert len(real_recognize(self, images)) == len(images)  # the tiny VLM itself reads them
-        read.append((images.shape, images.dtype, self.batch_size, str(self.model.device)))
-        return texts
+        done = sum(r[0][0] for r in read)
+        read.append(
+            (images.shape, images.dtype, self.batch_size, str(self.model.device), current_thread().name)
+        )
+        return texts[done : done + len(images)]
 
     fed = []
     real_advantages = grpo.group_advantages
@@ -144,18 +150,28 @@ def test_train_step_tiny_vlm_reward_scores_the_rollout(monkeypatch, capsys):
     monkeypatch.setattr(TransformersOcrEngine, "recognize", recognize)
     monkeypatch.setattr(grpo, "group_advantages", group_advantages)
     args = ["--tiny", "--reward", "vlm", "--iters", "0", "--prompts", "2", "--group", "2", "--opt-steps", "1"]
+    # streamed: the rollout's two micro-batches of 2 are read one by one, on the runner's thread
+    args += ["--reward-stream", "--micro-batch", "2"] if stream else []
     monkeypatch.setattr(sys, "argv", ["train_step.py", *args])
     train_step.main()
     out = capsys.readouterr().out
 
-    assert read == [((4, 64, 64, 3), np.dtype(np.uint8), 4, "cpu")]  # one generate batch of the rank's images
+    if stream:
+        assert read == [((2, 64, 64, 3), np.dtype(np.uint8), 4, "cpu", "reward_0")] * 2
+    else:  # one generate batch of the rank's images, in the training thread
+        assert read == [((4, 64, 64, 3), np.dtype(np.uint8), 4, "cpu", "MainThread")]
     (rewards,) = fed
     torch.testing.assert_close(rewards, torch.tensor([1.0, 0.0, 0.8, 0.8]))
     adv = real_advantages(rewards, 2, std="global")
     torch.testing.assert_close(adv, torch.tensor([0.5, -0.5, 0.0, 0.0]) / (math.sqrt(0.1475) + 1e-4))
     step = next(line for line in out.splitlines() if line.startswith("step 0:"))
     assert re.search(r"rollout [0-9.]+s reward [0-9.]+s old-logprob", step)
-    assert re.search(r"^\| reward \(random Qwen2.5-VL OCR\) \| [0-9.]+ \| [0-9.]+ \| - \|$", out, re.M)
+    label = (
+        r"reward \(random Qwen2.5-VL OCR, streamed: the wait\)"
+        if stream
+        else r"reward \(random Qwen2.5-VL OCR\)"
+    )
+    assert re.search(rf"^\| {label} \| [0-9.]+ \| [0-9.]+ \| - \|$", out, re.M)
     assert "| total (rollout + reward + train) |" in out
 
 
