@@ -95,13 +95,19 @@ def selective_checkpoint(module: nn.Module, *args):
     of attention, and recomputes only the pointwise ops between them in backward (torch's selective
     checkpointing; diffusers' `gradient_checkpointing_func`). The same kernels on the same inputs as the
     forward, so gradients equal full checkpointing's (and no checkpointing's) bit for bit."""
+    return _checkpoint_keeping_matmuls(module.__call__, *args)
+
+
+def _checkpoint_keeping_matmuls(fn: Callable, *args, **kwargs):
+    """torch's non-reentrant checkpoint of fn(*args, **kwargs) with `_keep_matmuls_and_attention` as its policy."""
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
     return checkpoint(
-        module.__call__,
+        fn,
         *args,
         use_reentrant=False,
         context_fn=partial(create_selective_checkpoint_contexts, _keep_matmuls_and_attention),
+        **kwargs,
     )
 
 
@@ -111,17 +117,9 @@ def _selective_forward(forward: Callable, *args, **kwargs):
     Around a block compiled on its own, the policy would keep matmul outputs that inductor's generated code reuses
     as scratch buffers (torch refuses: "cached ... has been mutated"); traced in one graph, what is kept is chosen
     at compile time instead."""
-    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
-
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
-    return checkpoint(
-        forward,
-        *args,
-        use_reentrant=False,
-        context_fn=partial(create_selective_checkpoint_contexts, _keep_matmuls_and_attention),
-        **kwargs,
-    )
+    return _checkpoint_keeping_matmuls(forward, *args, **kwargs)
 
 
 def _call_block(module: nn.Module, *args):
