@@ -121,7 +121,7 @@ class EvalConfig:
     ocr_workers: int = 0
     """OCR processes (0 = min(cores, 12)); each runs one 1-thread onnxruntime."""
     enabled: bool = True
-    """False: no OCR scoring; the last snapshot is written as `last/` (e.g. to score it elsewhere)."""
+    """False: no OCR scoring (the last snapshot, written as `last/` in any case, can be scored elsewhere)."""
     target: tuple[float, float] = (0.5, 0.75)
     """Held-out OCR band (at this eval's CFG) of the `chosen/` snapshot, the one that leaves Flow-GRPO room
     when the RL samples with the same guidance; an RL run without CFG starts lower, so use `best/` there."""
@@ -584,27 +584,28 @@ def main(cfg: Config) -> dict:
     snapshots = train(cfg)
     if rank != 0:
         return {}
+    # The trained weights reach the disk before the scoring starts: a run stopped while scoring (a time limit, a
+    # missing OCR package) keeps them as `last/`.
+    elapsed, step, sd = snapshots[-1]
+    model = tb.TextbedModel(cfg.model)
+    model.load_state_dict(sd)
+    tb.save_textbed(
+        model,
+        out / "last",
+        {
+            "pretrain": {
+                "seed": cfg.seed,
+                "step": step,
+                "train_seconds": round(elapsed, 1),
+                "batch_size": cfg.batch_size,
+            }
+        },
+    )
+    print(f"wrote {out / 'last'} (step {step}, not scored)", flush=True)
     if not cfg.eval.enabled:
-        elapsed, step, sd = snapshots[-1]
-        model = tb.TextbedModel(cfg.model)
-        model.load_state_dict(sd)
-        tb.save_textbed(
-            model,
-            out / "last",
-            {
-                "pretrain": {
-                    "seed": cfg.seed,
-                    "step": step,
-                    "train_seconds": round(elapsed, 1),
-                    "batch_size": cfg.batch_size,
-                }
-            },
-        )
-        print(f"wrote {out / 'last'} (step {step}, not scored)", flush=True)
         return {"snapshots": [{"step": s, "train_seconds": round(e, 1)} for e, s, _ in snapshots]}
     results = evaluate(cfg, snapshots)
     pick, best = choose(results, cfg.eval.target)
-    model = tb.TextbedModel(cfg.model)
     for name, k in (("chosen", pick), ("best", best)):
         model.load_state_dict(snapshots[k][2])
         meta = {

@@ -221,6 +221,38 @@ def test_pretrain_textbed_init_starts_from_a_checkpoint(tmp_path):
     assert pt.init_folder(dataclasses.replace(base, init="bundled")) == tb.BUNDLED[""]
 
 
+def test_pretrain_textbed_keeps_the_weights_when_scoring_fails(tmp_path, monkeypatch):
+    """The trained weights are on disk (`last/`) before the snapshots are scored, so a run stopped while
+    scoring keeps them: the folder holds the last EMA snapshot (bf16 on disk) and loads as a renderer."""
+    import dataclasses
+
+    import torch
+
+    from fgrpo.models import textbed as tb
+
+    pt = load(ROOT / "experiments" / "pretrain_textbed.py")
+    cfg = dataclasses.replace(pt.tiny(), max_steps=2, out_dir=str(tmp_path / "run"))
+    kept = {}
+    train = pt.train
+
+    def train_and_keep(c):
+        kept["snapshots"] = train(c)
+        return kept["snapshots"]
+
+    def scoring_stops(c, snapshots):
+        raise KeyboardInterrupt("stopped while scoring")
+
+    monkeypatch.setattr(pt, "train", train_and_keep)
+    monkeypatch.setattr(pt, "evaluate", scoring_stops)
+    with pytest.raises(KeyboardInterrupt):
+        pt.main(cfg)
+    model = tb.load_textbed(tmp_path / "run" / "last")
+    last = kept["snapshots"][-1][2]
+    got = model.state_dict()
+    assert last.keys() == got.keys()
+    assert all(torch.equal(got[k].float(), last[k].to(torch.bfloat16).float()) for k in last)
+
+
 def test_pretrain_textbed_lr_decay_reaches_the_loop(capsys):
     """The pretraining loop's LR follows warm-up then linear decay to 0 at max_steps (hand-computed), and
     settings that cannot decay are refused before any rendering."""
