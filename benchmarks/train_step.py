@@ -144,6 +144,12 @@ def main() -> None:
         "while the next one samples (fgrpo.rewards.runner.RewardStream); the 'reward' phase is the wait after the "
         "rollout",
     )
+    ap.add_argument(
+        "--reward-static-cache",
+        action="store_true",
+        help="with --reward vlm: the VLM decodes with a preallocated KV cache, so transformers compiles its "
+        "decoding step (CUDA graphs) in the warm-up step",
+    )
     ap.add_argument("--iters", type=int, default=2, help="timed steps (after one warm-up step)")
     ap.add_argument(
         "--profile", action="store_true", help="profile the last timed step: time in NCCL kernels"
@@ -163,6 +169,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.reward_stream and (args.reward != "vlm" or args.model == "ltx2"):
         ap.error("--reward-stream streams images to --reward vlm; add it (ltx2's clips are scored whole)")
+    if args.reward_static_cache and args.reward != "vlm":
+        ap.error("--reward-static-cache sets the VLM's cache; add --reward vlm")
     if args.shard == "adapters" and args.full:
         ap.error("--shard adapters shards the LoRA and --full trains every weight; drop one of them")
 
@@ -275,7 +283,13 @@ def main() -> None:
     unit = "videos" if isinstance(model, LTX2) else "images"
     # built once, before any timing; build_random_vlm forks the RNG, so the LoRA init is the stub run's
     reward = (
-        vlm_reward(d.device, tiny=args.tiny, images_per_call=n_local, video=isinstance(model, LTX2))
+        vlm_reward(
+            d.device,
+            tiny=args.tiny,
+            images_per_call=n_local,
+            video=isinstance(model, LTX2),
+            static_cache=args.reward_static_cache,
+        )
         if args.reward == "vlm"
         else None
     )
@@ -440,7 +454,13 @@ def main() -> None:
         phases = [
             ("rollout", roll, fwd_roll),
             *(
-                [(f"reward (random Qwen2.5-VL OCR{', streamed: the wait' if runner else ''})", rew, None)]
+                [
+                    (
+                        f"reward (random Qwen2.5-VL OCR{', static cache' if args.reward_static_cache else ''}{', streamed: the wait' if runner else ''})",
+                        rew,
+                        None,
+                    )
+                ]
                 if vlm
                 else []
             ),
@@ -491,9 +511,12 @@ def main() -> None:
 VLM_MAX_TOKENS = 16  # an answer is one quoted word; a random model runs to the cap, so this bounds decoding
 
 
-def vlm_reward(device: torch.device, *, tiny: bool, images_per_call: int, video: bool):
+def vlm_reward(
+    device: torch.device, *, tiny: bool, images_per_call: int, video: bool, static_cache: bool = False
+):
     """The OCR reward read by a random Qwen2.5-VL on `device`: the 3B's widths in bf16, or the tiny one in fp32 on
-    the CPU; greedy, every image of a call in one generate batch (a clip: its read frames). Not sharded, not compiled."""
+    the CPU; greedy, every image of a call in one generate batch (a clip: its read frames). Not sharded; with
+    `static_cache` a preallocated KV cache, whose decoding step transformers compiles on a GPU."""
     from vlm_model import build_random_vlm  # benchmarks/vlm_model.py
 
     from fgrpo.rewards.ocr import OcrReward
@@ -503,7 +526,9 @@ def vlm_reward(device: torch.device, *, tiny: bool, images_per_call: int, video:
     model, processor = build_random_vlm(
         "tiny" if tiny else "3b", device, dtype=torch.float32 if tiny else torch.bfloat16
     )
-    engine = TransformersOcrEngine(model, processor, batch_size=images_per_call, max_tokens=VLM_MAX_TOKENS)
+    engine = TransformersOcrEngine(
+        model, processor, batch_size=images_per_call, max_tokens=VLM_MAX_TOKENS, static_cache=static_cache
+    )
     if not video:
         return OcrReward(engine)
     reward = VideoOcrReward(engine)

@@ -111,7 +111,7 @@ def test_train_step_tiny_qwen_image_edit():
     assert "reward" not in out  # the default stub has no phase of its own
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["after-rollout", "streamed"])
+@pytest.mark.parametrize("stream", [False, True], ids=["after-rollout", "streamed-static-cache"])
 def test_train_step_tiny_vlm_reward_scores_the_rollout(monkeypatch, capsys, stream):
     """--reward vlm: the tiny random Qwen2.5-VL reads the 4 rollout images (2 prompts x 2), and its text's OCR scores
     are what the advantages are computed from. The engine's answers are replaced after it has run, so the scores are
@@ -136,7 +136,14 @@ def test_train_step_tiny_vlm_reward_scores_the_rollout(monkeypatch, capsys, stre
         assert len(real_recognize(self, images)) == len(images)  # the tiny VLM itself reads them
         done = sum(r[0][0] for r in read)
         read.append(
-            (images.shape, images.dtype, self.batch_size, str(self.model.device), current_thread().name)
+            (
+                images.shape,
+                images.dtype,
+                self.batch_size,
+                str(self.model.device),
+                current_thread().name,
+                self.cache,
+            )
         )
         return texts[done : done + len(images)]
 
@@ -150,16 +157,18 @@ def test_train_step_tiny_vlm_reward_scores_the_rollout(monkeypatch, capsys, stre
     monkeypatch.setattr(TransformersOcrEngine, "recognize", recognize)
     monkeypatch.setattr(grpo, "group_advantages", group_advantages)
     args = ["--tiny", "--reward", "vlm", "--iters", "0", "--prompts", "2", "--group", "2", "--opt-steps", "1"]
-    # streamed: the rollout's two micro-batches of 2 are read one by one, on the runner's thread
-    args += ["--reward-stream", "--micro-batch", "2"] if stream else []
+    # streamed: the rollout's two micro-batches of 2 are read one by one, on the runner's thread (and the VLM
+    # decodes with a static KV cache)
+    args += ["--reward-stream", "--micro-batch", "2", "--reward-static-cache"] if stream else []
     monkeypatch.setattr(sys, "argv", ["train_step.py", *args])
     train_step.main()
     out = capsys.readouterr().out
 
     if stream:
-        assert read == [((2, 64, 64, 3), np.dtype(np.uint8), 4, "cpu", "reward_0")] * 2
+        static = {"cache_implementation": "static"}
+        assert read == [((2, 64, 64, 3), np.dtype(np.uint8), 4, "cpu", "reward_0", static)] * 2
     else:  # one generate batch of the rank's images, in the training thread
-        assert read == [((4, 64, 64, 3), np.dtype(np.uint8), 4, "cpu", "MainThread")]
+        assert read == [((4, 64, 64, 3), np.dtype(np.uint8), 4, "cpu", "MainThread", {})]
     (rewards,) = fed
     torch.testing.assert_close(rewards, torch.tensor([1.0, 0.0, 0.8, 0.8]))
     adv = real_advantages(rewards, 2, std="global")
@@ -167,7 +176,7 @@ def test_train_step_tiny_vlm_reward_scores_the_rollout(monkeypatch, capsys, stre
     step = next(line for line in out.splitlines() if line.startswith("step 0:"))
     assert re.search(r"rollout [0-9.]+s reward [0-9.]+s old-logprob", step)
     label = (
-        r"reward \(random Qwen2.5-VL OCR, streamed: the wait\)"
+        r"reward \(random Qwen2.5-VL OCR, static cache, streamed: the wait\)"
         if stream
         else r"reward \(random Qwen2.5-VL OCR\)"
     )

@@ -271,6 +271,25 @@ def test_transformers_engine_is_deterministic_and_batches_read_like_single_image
     assert engine.recognize(VL_IMAGES[:0]) == []
 
 
+def test_transformers_engine_static_cache_reads_the_same_tokens(tiny_vlm, tiny_texts):
+    """static_cache=True hands generate a preallocated KV cache (cache_implementation="static", what lets
+    transformers compile the decoding step on a GPU) and reads the same greedy texts as the growing cache."""
+    model, processor = tiny_vlm
+    seen = []
+    generate = model.generate
+
+    def recording_generate(**kw):
+        seen.append(kw.get("cache_implementation"))
+        return generate(**kw)
+
+    engine = TransformersOcrEngine(model, processor, max_tokens=MAX_TOKENS, static_cache=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(model, "generate", recording_generate)
+        assert engine.recognize(VL_IMAGES) == tiny_texts
+        TransformersOcrEngine(model, processor, max_tokens=MAX_TOKENS).recognize(VL_IMAGES[:1])
+    assert seen == ["static", None]
+
+
 def test_transformers_reward_from_a_checkpoint_directory_offline(
     vlm_model, tiny_texts, tmp_path, monkeypatch
 ):
