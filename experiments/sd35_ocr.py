@@ -99,7 +99,8 @@ def tiny() -> Config:
 
     The batch, window, clip range, lr and validation are the Qwen-Image renderer's `tiny` preset
     (experiments/qwen_image_ocr.py, where RESULTS.md measured them), so the two families differ in the
-    transformer and the sampler alone.
+    transformer, the sampler and the LoRA targets (attention only, as the SD3.5 recipe; the Qwen renderer's
+    also cover the feed-forward layers).
     """
     return dataclasses.replace(
         Config(),
