@@ -5,9 +5,9 @@ tiny config, 4x4 pixel patches) and a 2-layer
 byte-level BERT, jointly, from scratch, on synthetic PIL renders of English words (DejaVu Sans Bold,
 random size/position/gray levels, dark on light). Rectified flow (x_t = (1 - t) x0 + t noise,
 v = noise - x0) with logit-normal t, 10 % prompt dropout for CFG, AdamW, bf16 autocast, EMA.
-It snapshots the EMA weights during training, scores each snapshot with the fgrpo OCR reward on
-held-out words (CFG 3), and keeps the snapshot whose score leaves Flow-GRPO room (about 0.5-0.75) plus the
-best. The committed checkpoint is `best/`: the RL presets sample it without CFG, where the fully trained
+It snapshots the EMA weights during training, writes the last one as `last/`, scores each snapshot with the
+fgrpo OCR reward on held-out words (CFG 3), and keeps the snapshot whose score leaves Flow-GRPO room (about
+0.5-0.75) as `chosen/` plus the best as `best/`. The committed checkpoint is `best/`: the RL presets sample it without CFG, where the fully trained
 renderer starts at 0.63 (from band snapshots sampled with CFG 3, no Flow-GRPO run held 0.9 (best end 0.883);
 benchmarks/RESULTS.md).
 
