@@ -86,8 +86,9 @@ def test_compiled_blocks_train_with_varying_prompt_lengths():
 
 
 def test_sd3_regional_compile_keeps_the_velocity():
-    """diffusers 0.40's SD3Transformer2DModel names no repeated block; SD3 names its layers' class, so the
-    trainer's compile_repeated_blocks compiles them (without it: ValueError "_repeated_blocks attribute is empty")."""
+    """diffusers 0.40's SD3Transformer2DModel names no repeated block; configure_transformer names its layers'
+    class, so the trainer's compile_repeated_blocks compiles them (without it: ValueError "_repeated_blocks
+    attribute is empty")."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     model = tiny_sd3(seed=0)
@@ -98,6 +99,35 @@ def test_sd3_regional_compile_keeps_the_velocity():
     try:
         configure_transformer(model.transformer, compile_blocks=True, compile_backend="eager")
         assert torch.equal(model.velocity(x, sigma, cond, guidance_scale=3.0), ref)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # the blocks ran compiled
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("arch", ["", "sd3"], ids=["qwen_image", "sd3"])
+def test_text_renderer_takes_the_compile_flag(arch, monkeypatch):
+    """model.compile reaches the text renderer as it reaches every other family (it was silently ignored): its
+    blocks are compiled, and with the "eager" backend the velocity is unchanged, for both architectures."""
+    from fgrpo.models import loading
+    from fgrpo.models.textbed import load_textbed, prompt_for
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    configure = loading.configure_transformer
+    monkeypatch.setattr(
+        loading, "configure_transformer", lambda t, **kw: configure(t, **kw, compile_backend="eager")
+    )
+    reference = load_textbed(arch)
+    model = loading.build_model(
+        ModelConfig(kind="textbed", path=arch, dtype="fp32", compile=True), torch.device("cpu"), seed=0
+    )
+    prompts = [prompt_for("RIVER"), prompt_for("CAT")]
+    x = torch.randn(2, *model.latent_shape(32, 128), generator=torch.Generator().manual_seed(0))
+    sigma = torch.tensor([0.7, 0.4])
+    expected = reference.velocity(x, sigma, reference.encode(prompts), guidance_scale=1.0)
+    try:
+        assert getattr(model.transformer, "_fgrpo_compiled", False)
+        assert torch.equal(model.velocity(x, sigma, model.encode(prompts), guidance_scale=1.0), expected)
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # the blocks ran compiled
     finally:
         torch._dynamo.reset()

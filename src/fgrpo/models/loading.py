@@ -163,6 +163,12 @@ def configure_transformer(
         for name in ("recompile_limit", "cache_size_limit"):
             if hasattr(torch._dynamo.config, name):
                 setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
+        if not getattr(transformer, "_repeated_blocks", None):
+            # diffusers 0.40's SD3Transformer2DModel (SD3.5 and the SD3 text renderer) names no repeated block, so
+            # compile_repeated_blocks would raise; its repeated block is the class of its layers.
+            layers = getattr(transformer, "transformer_blocks", None)
+            if layers:
+                transformer._repeated_blocks = [type(layers[0]).__name__]
         # a family's inductor settings (qwen_image_edit's), as options of its blocks' compile only
         options = (
             getattr(transformer, "_fgrpo_compile_options", None) if compile_backend == "inductor" else None
@@ -222,7 +228,11 @@ def build_model(mcfg: ModelConfig, device: torch.device, seed: int) -> FlowModel
     if mcfg.kind == "textbed":
         from fgrpo.models.textbed import load_textbed
 
-        return load_textbed(mcfg.path or None, device=device, dtype=dtype)
+        model = load_textbed(mcfg.path or None, device=device, dtype=dtype)
+        configure_transformer(
+            model.transformer, attention_backend=mcfg.attention_backend, compile_blocks=mcfg.compile
+        )
+        return model
     if mcfg.kind in ("tiny_qwen_image", "tiny_qwen_image_edit", "tiny_sd3", "tiny_ltx2"):
         from fgrpo.models import tiny
 

@@ -60,10 +60,6 @@ class SD3:
         clip_l, clip_g, t5 = text_encoders
         if clip_l is None or clip_g is None:
             raise ValueError("SD3 needs the CLIP-L and CLIP-G text encoders; only T5 may be None")
-        if not getattr(transformer, "_repeated_blocks", None):
-            # diffusers 0.40's SD3Transformer2DModel names no repeated block, so its compile_repeated_blocks
-            # (the trainer's regional compile) would raise; the repeated block is the class of its layers.
-            transformer._repeated_blocks = [type(transformer.transformer_blocks[0]).__name__]
         self.transformer = transformer
         self.vae = vae
         self.clips, self.t5 = (clip_l, clip_g), t5
