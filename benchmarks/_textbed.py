@@ -19,6 +19,7 @@ EXPERIMENT = Path(__file__).resolve().parents[1] / "experiments" / "qwen_image_o
 def preset_rollout(**overrides) -> SamplingConfig:
     """`experiments/qwen_image_ocr.py tiny-gpu`'s SamplingConfig with `overrides` replaced."""
     spec = importlib.util.spec_from_file_location(EXPERIMENT.stem, EXPERIMENT)
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
     spec.loader.exec_module(module)

@@ -59,7 +59,7 @@ def _fmt(x: float | None) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("root", type=Path, help="directory holding the run directories")
     ap.add_argument("--plot", type=Path, default=None, help="write the curves to this PNG")
     ap.add_argument("--target", type=float, default=0.9)

@@ -187,7 +187,7 @@ def table(cfg: TrainConfig, rows: list[dict], world: int, peaks: list[float]) ->
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = tyro.cli(Args, args=argv, description=__doc__.splitlines()[0])
+    args = tyro.cli(Args, args=argv, description=(__doc__ or "").splitlines()[0])
     if args.steps < 2:
         raise SystemExit(f"--steps {args.steps}: need >= 2 (the first step warms up and is not timed)")
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -37,6 +37,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -63,7 +64,8 @@ class StubTextQwenImage(QwenImage):
     def _encode_one(self, prompt: str) -> tuple[torch.Tensor]:
         length = 5 + math.ceil(len(prompt) / 4)
         gen = torch.Generator().manual_seed(sample_seed(len(prompt), *map(ord, prompt[:32])))
-        width = self.transformer.config.joint_attention_dim
+        tcfg: Any = self.transformer.config  # diffusers annotates it dict; it has attribute access
+        width = tcfg.joint_attention_dim
         return (torch.randn(length, width, generator=gen).to(self.device, self.dtype),)
 
 
@@ -81,7 +83,8 @@ def real_size(device: torch.device | str) -> Iterator[None]:
 
 
 def build_real(device: torch.device, text_encoder: bool, layers: int = 60) -> QwenImage:
-    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+    from diffusers.models.autoencoders.autoencoder_kl_qwenimage import AutoencoderKLQwenImage
+    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
 
     with real_size(device):
         transformer = QwenImageTransformer2DModel(num_layers=layers)  # defaults = Qwen/Qwen-Image's config
@@ -112,7 +115,8 @@ class StubTextQwenImageEdit(QwenImageEdit):
         vl = round(image.height / VL_PIXELS_PER_TOKEN) * round(image.width / VL_PIXELS_PER_TOKEN)
         length = 1 + vl + 1 + math.ceil(len(prompt) / 4) + 5
         gen = torch.Generator().manual_seed(sample_seed(len(prompt), *map(ord, prompt[:32])))
-        width = self.transformer.config.joint_attention_dim
+        tcfg: Any = self.transformer.config  # diffusers annotates it dict; it has attribute access
+        width = tcfg.joint_attention_dim
         return (torch.randn(length, width, generator=gen).to(self.device, self.dtype),)
 
 
@@ -126,7 +130,8 @@ def build_real_qwen_image_edit(device: torch.device | str, layers: int = 60) -> 
     original Edit release predates that 2511 switch) and its processor's max_pixels (taken large enough that a
     1024² image keeps its size, Qwen2-VL's default 12845056).
     """
-    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+    from diffusers.models.autoencoders.autoencoder_kl_qwenimage import AutoencoderKLQwenImage
+    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
 
     with real_size(device):
         transformer = QwenImageTransformer2DModel(num_layers=layers)
@@ -167,7 +172,7 @@ class StubTextLTX2(LTX2):
 
     @torch.no_grad()
     def _encode_one(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        cfg = self.connectors.config
+        cfg: Any = self.connectors.config
         length = self.max_sequence_length
         valid = min(length, 1 + math.ceil(len(prompt) / 4))
         gen = torch.Generator().manual_seed(sample_seed(len(prompt), *map(ord, prompt[:32])))
@@ -201,7 +206,9 @@ def build_real_ltx2(device: torch.device | str, layers: int = 48, **clip) -> LTX
     as a flag, off by default; the second is left at diffusers' 1.0) and the latent statistics (random weights
     anyway: zeros / ones here); the clip is the recipe's (verl-omni's LTX-2.3 example), not LTX2Pipeline's default.
     """
-    from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, LTX2VideoTransformer3DModel
+    from diffusers.models.autoencoders.autoencoder_kl_ltx2 import AutoencoderKLLTX2Video
+    from diffusers.models.autoencoders.autoencoder_kl_ltx2_audio import AutoencoderKLLTX2Audio
+    from diffusers.models.transformers.transformer_ltx2 import LTX2VideoTransformer3DModel
     from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
     from diffusers.pipelines.ltx2.vocoder import LTX2VocoderWithBWE
 
@@ -265,7 +272,7 @@ class StubTextSD3(SD3):
 
     def _encode_one(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
         gen = torch.Generator().manual_seed(sample_seed(len(prompt), *map(ord, prompt[:32])))
-        cfg = self.transformer.config
+        cfg: Any = self.transformer.config
         embeds = torch.randn(77 + self.max_sequence_length, cfg.joint_attention_dim, generator=gen)
         pooled = torch.randn(cfg.pooled_projection_dim, generator=gen)
         return embeds.to(self.device, self.dtype), pooled.to(self.device, self.dtype)
@@ -275,7 +282,8 @@ def build_real_sd3(device: torch.device, layers: int = 24) -> SD3:
     """SD3.5-Medium at real size with random bf16 weights (stabilityai/stable-diffusion-3.5-medium's transformer
     and VAE configs: 24 MMDiT-X blocks, dual attention in the first 13, qk RMS-norm; 16-channel VAE) and stub
     text encoders."""
-    from diffusers import AutoencoderKL, SD3Transformer2DModel
+    from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
+    from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
 
     with real_size(device):
         transformer = SD3Transformer2DModel(
@@ -293,7 +301,8 @@ def build_real_sd3(device: torch.device, layers: int = 24) -> SD3:
             dual_attention_layers=tuple(range(min(13, layers))),
             qk_norm="rms_norm",
         )
-        vae = AutoencoderKL(
+        # diffusers annotates the block tuples as 1-tuples (tuple[str]); they take one entry per level
+        vae_config: dict[str, Any] = dict(
             in_channels=3,
             out_channels=3,
             down_block_types=("DownEncoderBlock2D",) * 4,
@@ -306,6 +315,7 @@ def build_real_sd3(device: torch.device, layers: int = 24) -> SD3:
             use_quant_conv=False,
             use_post_quant_conv=False,
         )
+        vae = AutoencoderKL(**vae_config)
     unused = [torch.nn.Identity(), torch.nn.Identity(), None]  # the stub encodes; CLIPs are never called
     return StubTextSD3.from_modules(transformer, vae, unused, [None, None, None], device=device)
 
@@ -327,7 +337,7 @@ def _real_size_text_encoder():
         rope_scaling={"mrope_section": [16, 24, 24], "rope_type": "default", "type": "default"},
     )
     vision = dict(depth=1, hidden_size=64, intermediate_size=64, num_heads=2, out_hidden_size=3584)
-    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, vocab_size=152064)
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision)
     return Qwen2_5_VLForConditionalGeneration(config), tiny_qwen_tokenizer()
 
 

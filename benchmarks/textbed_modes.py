@@ -42,7 +42,7 @@ def ink_extent(gray: np.ndarray) -> tuple[float, bool]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--checkpoint", default=None, help="textbed checkpoint dir (default: the bundled one)")
     ap.add_argument("--lora", default=None, help="an adapter dir written by the trainer (runs/<exp>/lora)")
     ap.add_argument("--words", type=int, default=64, help="first W held-out words")

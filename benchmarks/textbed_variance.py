@@ -39,7 +39,7 @@ def variance_split(scores: np.ndarray) -> tuple[float, float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--checkpoint", default=None, help="textbed checkpoint dir (default: the bundled one)")
     ap.add_argument("--words", type=int, default=16, help="first W held-out words")
     ap.add_argument("--noises", type=int, default=4, help="initial noises x_1 per word (J)")

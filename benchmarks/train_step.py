@@ -65,7 +65,7 @@ VERL_OMNI_IMAGES_PER_GPU_S = 0.305  # published, 4xH800, LoRA + CFG, same recipe
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="tiny random model on CPU (wiring check)")
     ap.add_argument("--prompts", type=int, default=2, help="prompts per step over all ranks")
     ap.add_argument("--group", type=int, default=0, help="images per prompt (0 = 16; ltx2: the recipe's 8)")

@@ -441,9 +441,12 @@ def save_real_size_dir(path: Path, layers: int, device: torch.device) -> Path:
             )
     finally:
         torch.set_default_dtype(default)
+    scheduler: Any = FlowMatchEulerDiscreteScheduler.from_config(
+        SCHEDULER_CONFIG
+    )  # from_config may return a tuple
     pipe = QwenImagePipeline(
         transformer=transformer, vae=vae, text_encoder=encoder, tokenizer=tokenizer,
-        scheduler=FlowMatchEulerDiscreteScheduler.from_config(SCHEDULER_CONFIG),
+        scheduler=scheduler,
     )  # fmt: skip
     tmp = path.with_name(path.name + ".tmp")
     pipe.save_pretrained(tmp, max_shard_size="10GB")
@@ -595,7 +598,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("vllm_omni_check needs a CUDA GPU (use --cpu-selftest here)")
     ctx = Ctx(args)
-    import vllm_omni
+    import vllm_omni  # pyright: ignore[reportMissingImports]  # the optional vllm extra
 
     print(
         f"# vllm-omni {vllm_omni.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}, out={ctx.out}",

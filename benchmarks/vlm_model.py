@@ -171,7 +171,7 @@ def write_random_vlm(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="tiny random model on CPU in fp32 (wiring check)")
     ap.add_argument("--images", type=int, default=32, help="images per reward call (the recipe's step batch)")
     ap.add_argument("--size", type=int, default=512, help="image side in pixels")
@@ -179,6 +179,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16, help="generated tokens per image at most")
     ap.add_argument("--iters", type=int, default=3, help="timed calls after one warm-up")
     args = ap.parse_args()
+    if args.iters < 1:
+        ap.error("--iters must be >= 1")
     device, dtype = ("cpu", torch.float32) if args.tiny else ("cuda", torch.bfloat16)
 
     def sync() -> None:
@@ -192,7 +194,7 @@ def main() -> None:
     engine = TransformersOcrEngine(model, processor, batch_size=args.batch_size, max_tokens=args.max_tokens)
     images = np.random.default_rng(0).integers(0, 256, (args.images, args.size, args.size, 3), dtype=np.uint8)
     engine.recognize(images)  # warm-up: kernels, allocator
-    call_s, prep_s = [], []
+    call_s, prep_s, inputs = [], [], None
     for _ in range(args.iters):
         sync()
         t0 = time.perf_counter()
@@ -202,6 +204,7 @@ def main() -> None:
         t0 = time.perf_counter()
         inputs = processor(text=[engine.text] * len(images), images=list(images), return_tensors="pt")
         prep_s.append(time.perf_counter() - t0)
+    assert inputs is not None  # --iters >= 1
     tokens = inputs["input_ids"].shape[1]
     params = sum(p.numel() for p in model.parameters())
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")

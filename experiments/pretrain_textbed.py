@@ -40,6 +40,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -195,7 +196,7 @@ def write_word_lists(source: str, words_dir: str) -> tuple[int, int]:
 
 # ---------------------------------------------------------------- synthetic data
 
-_FONTS: dict[int, object] = {}
+_FONTS: dict[int, Any] = {}  # PIL FreeTypeFont by size
 
 
 def _font(path: str, size: int):
@@ -392,6 +393,7 @@ def train(cfg: Config) -> list[tuple[float, int, dict[str, torch.Tensor]]]:
         fused=device.type == "cuda",
     )
     ema = make_ema(model)
+    ema_model: tb.TextbedModel = ema.module  # type: ignore[assignment]  # AveragedModel keeps a deep copy of model
     # The last block's text-stream output feeds nothing (no gradient, ever): a static graph lets DDP skip
     # those parameters without searching the graph every step.
     ddp = DistributedDataParallel(
@@ -404,7 +406,7 @@ def train(cfg: Config) -> list[tuple[float, int, dict[str, torch.Tensor]]]:
     def snapshot(elapsed: float, step: int) -> None:
         if rank:
             return
-        snapshots.append((elapsed, step, tb.state_dict_for_save(ema.module, torch.float32)))
+        snapshots.append((elapsed, step, tb.state_dict_for_save(ema_model, torch.float32)))
         print(f"snapshot at step {step} ({elapsed:.0f}s)", flush=True)
 
     B, b = cfg.batch_size, cfg.batch_size // world
