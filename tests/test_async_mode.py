@@ -89,6 +89,7 @@ def _validate_checkpoints(out_dir, steps: list[int]) -> list[float]:
             val = validate(
                 engine,
                 build_reward(cfg.reward.spec),
+                cfg.reward.name,
                 prompts,
                 cfg,
                 flog.NullLogger(),

@@ -107,6 +107,35 @@ def test_the_loop_passes_both_options_on(tmp_path, monkeypatch):
     assert all(torch.equal(runs["today"][k], runs["options"][k]) for k in runs["today"])
 
 
+def test_validation_scores_with_its_own_reward(tmp_path):
+    """reward.val_name: the validation reads its own reward and training the other. A run trained on JPEG
+    compressibility (-kB / 500) and validated on incompressibility (+kB / 500) logs, at every validation, the
+    exact negative of the same run validated on compressibility (the validation's prompts and seeds are fixed,
+    so the images are the same), and the same training rewards and loss."""
+    from fgrpo.logging import read_metrics
+
+    c = Config()
+    rows = {}
+    for name, val_name in (("same", ""), ("own", "jpeg_incompressibility")):
+        cfg = dataclasses.replace(
+            c,
+            num_steps=1,
+            reward=dataclasses.replace(c.reward, val_name=val_name),
+            run=dataclasses.replace(c.run, out_dir=str(tmp_path / name), val_every=1),
+        )
+        train_mod.train(cfg)
+        rows[name] = read_metrics(tmp_path / name / "e2e" / "metrics.jsonl")
+
+    def logged(name: str, key: str) -> list[float]:
+        return [r[key] for r in rows[name] if r.get(key) is not None]
+
+    same = logged("same", "val/reward_mean")
+    assert len(same) == 2 and all(v < 0 for v in same)  # step 0 and the final validation
+    assert logged("own", "val/reward_mean") == [-v for v in same]
+    for key in ("reward/mean", "train/loss"):
+        assert logged("own", key) == logged("same", key) and logged("same", key)
+
+
 class _CountOps(TorchDispatchMode):
     def __init__(self):
         super().__init__()

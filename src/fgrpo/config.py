@@ -174,14 +174,27 @@ class RewardConfig:
     workers: int = 0
     """Score in this many worker processes, each a slice of the batch (CPU OCR is the step's bottleneck on
     a fast GPU); 0 scores in the training process."""
+    val_name: str = ""
+    """Reward spec of the validation ('' = the training reward): a cheaper reward can train while validation
+    keeps the reference one, so `val/` scores stay comparable across runs (e.g. OCR without the detector,
+    '{"name": "ocr", "detect": false}', for training; the default OCR for validation). Scored locally, in
+    `workers` processes as the training reward is."""
 
     @property
     def spec(self) -> str | dict:
         return {"name": "http", "url": self.url} if self.url else self.name
 
     @property
+    def val_spec(self) -> str | dict:
+        return self.val_name or self.spec
+
+    @property
     def is_ocr(self) -> bool:
         return "ocr" in self.name and not self.url
+
+    @property
+    def val_is_ocr(self) -> bool:
+        return "ocr" in self.val_name if self.val_name else self.is_ocr
 
 
 @dataclass(frozen=True)

@@ -99,15 +99,18 @@ def _train(
     parallel.init_sequence_parallel(cfg.parallel.sp, d.device)  # SP groups of consecutive ranks share samples
     train_prompts = load_prompts(cfg.data.train_prompts, require_quoted=cfg.reward.is_ocr)
     val_prompts = load_prompts(
-        cfg.data.val_prompts, require_quoted=cfg.reward.is_ocr, field="data.val_prompts"
+        cfg.data.val_prompts, require_quoted=cfg.reward.val_is_ocr, field="data.val_prompts"
     )[: cfg.data.val_num_prompts]
     run = RunDir(Path(cfg.run.out_dir) / cfg.exp_name)
     resume_from = run.start(cfg, is_main=d.is_main, say=flog.print0)
-    reward = (
-        build_reward(cfg.reward.spec)
-        if cfg.reward.workers == 0
-        else ParallelReward(cfg.reward.spec, cfg.reward.workers)
-    )
+
+    def scorer(spec: str | dict):
+        return build_reward(spec) if cfg.reward.workers == 0 else ParallelReward(spec, cfg.reward.workers)
+
+    reward = scorer(cfg.reward.spec)
+    # The validation's own reward, where one is set, on the ranks that validate (the trainer ranks).
+    val_reward = scorer(cfg.reward.val_spec) if cfg.reward.val_name and split.trains else reward
+    val_reward_name = cfg.reward.val_name or cfg.reward.url or cfg.reward.name
     # A reward service: a wrong URL fails now, not after the first rollout.
     if isinstance(reward, ServedReward):
         reward.health()
@@ -178,7 +181,9 @@ def _train(
         if not (cfg.run.val_every and step % cfg.run.val_every == 0):
             return {}
         with timer("val"):
-            return validate(engine, reward, val_prompts, cfg, logger, step, d.device, split)
+            return validate(
+                engine, val_reward, val_reward_name, val_prompts, cfg, logger, step, d.device, split
+            )
 
     def experience(step: int, timer: flog.PhaseTimer) -> Batch:
         """1.-3. of the step: prompts and seeds, rollout, rewards -> group advantages."""
@@ -295,7 +300,9 @@ def _train(
     bar.close()
     # The trained model, logged as step num_steps (by the trainer ranks: the rollout's copy lags).
     if cfg.run.val_every and start_step < cfg.num_steps and split.trains:
-        final = validate(engine, reward, val_prompts, cfg, logger, cfg.num_steps, d.device, split)
+        final = validate(
+            engine, val_reward, val_reward_name, val_prompts, cfg, logger, cfg.num_steps, d.device, split
+        )
         logger.log(final, step=cfg.num_steps)
         metrics.update(final)
         flog.print0(f"final validation: {final}")
@@ -310,6 +317,7 @@ def _train(
 def validate(
     engine,
     reward,
+    reward_name: str,
     prompts: list[str],
     cfg: TrainConfig,
     logger,
@@ -331,7 +339,7 @@ def validate(
         device,
     )
     out = reward(traj.images.cpu().numpy(), local_prompts)
-    check_scores(out, local_prompts, cfg.reward.url or cfg.reward.name)
+    check_scores(out, local_prompts, reward_name)
     scores = parallel.all_gather_cat(
         torch.as_tensor(out.scores, dtype=torch.float32, device=traj.images.device), split.data_group()
     )
