@@ -229,11 +229,7 @@ def build_model(mcfg: ModelConfig, device: torch.device, seed: int) -> FlowModel
         from fgrpo.models.textbed import load_textbed
 
         model = load_textbed(mcfg.path or None, device=device, dtype=dtype)
-        configure_transformer(
-            model.transformer, attention_backend=mcfg.attention_backend, compile_blocks=mcfg.compile
-        )
-        return model
-    if mcfg.kind in ("tiny_qwen_image", "tiny_qwen_image_edit", "tiny_sd3", "tiny_ltx2"):
+    elif mcfg.kind in ("tiny_qwen_image", "tiny_qwen_image_edit", "tiny_sd3", "tiny_ltx2"):
         from fgrpo.models import tiny
 
         build = {
@@ -248,11 +244,12 @@ def build_model(mcfg: ModelConfig, device: torch.device, seed: int) -> FlowModel
 
             extra = clip_kwargs(mcfg)
         model = build(seed=seed, device=device, dtype=dtype, **extra)
-        configure_transformer(
-            model.transformer, attention_backend=mcfg.attention_backend, compile_blocks=mcfg.compile
-        )
-        return model
-    return load_model(mcfg, device=device, dtype=dtype)
+    else:
+        return load_model(mcfg, device=device, dtype=dtype)  # configured as it loads
+    configure_transformer(
+        model.transformer, attention_backend=mcfg.attention_backend, compile_blocks=mcfg.compile
+    )
+    return model
 
 
 def setup_trainable(transformer: Transformer, mcfg: ModelConfig) -> list[nn.Parameter]:
