@@ -332,6 +332,14 @@ def main() -> None:
         if d.world_size > 1:
             torch.distributed.barrier()
 
+    if runner is not None and reward is not None and args.reward_static_cache:
+        # The static cache compiles the VLM's decoding step at the first call of each batch size. Compiling
+        # traces with torch.fx, which patches nn.Module.__call__ for the whole process, so a compile on the
+        # streaming thread would capture the rollout's own module calls: compile here, before anything runs
+        # beside it, at the sizes the stream sends (one rollout micro-batch, and the remainder).
+        for b in sorted({micro_batch, n_local % micro_batch} - {0}):
+            reward(torch.zeros(b, height, width, 3, dtype=torch.uint8).numpy(), prompts[:b])
+
     for name in algos:
         forward_process = name in FORWARD_PROCESS_ALGOS
         # NFT and AWM sample with the ODE and without CFG and train 9 / 6 grid points a sample (their recipes)

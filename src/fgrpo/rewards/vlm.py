@@ -237,7 +237,9 @@ class TransformersOcrEngine:
         static_cache: a preallocated KV cache (generate's cache_implementation="static") instead of one that
             grows a token at a time. The tokens are the same (greedy); on a GPU transformers then compiles the
             decoding step with torch.compile, which replays it as CUDA graphs: the first call of each batch
-            size compiles (tens of seconds), later ones skip most of the per-token launch work.
+            size compiles (tens of seconds), later ones skip most of the per-token launch work. Make that first
+            call before any other thread runs a module: compiling traces with torch.fx, which patches
+            nn.Module.__call__ process-wide, so a compile on a reward thread breaks a rollout running beside it.
     """
 
     def __init__(
