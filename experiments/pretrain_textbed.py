@@ -305,6 +305,25 @@ def init_folder(cfg: Config) -> Path | None:
     return tb.BUNDLED["sd3" if cfg.model.arch == "sd3" else ""] if cfg.init == "bundled" else Path(cfg.init)
 
 
+def pretrain_record(cfg: Config, step: int, train_seconds: float, scores: dict | None = None) -> dict:
+    """config.json's entry for a snapshot of this run: {"pretrain": {seed, step, train_seconds, batch_size,
+    eval (its scores), init}}. A run that continues a checkpoint (`init`) nests that checkpoint's own entry under
+    "init" with where it came from, so a checkpoint trained in several runs keeps its whole history."""
+    record: dict = {
+        "seed": cfg.seed,
+        "step": step,
+        "train_seconds": train_seconds,
+        "batch_size": cfg.batch_size,
+    }
+    if scores is not None:
+        record["eval"] = scores
+    folder = init_folder(cfg)
+    if folder is not None:
+        previous = json.loads((folder / "config.json").read_text()).get("pretrain", {})
+        record["init"] = {"from": cfg.init} | previous
+    return {"pretrain": record}
+
+
 def build_model(cfg: Config, device: torch.device) -> tb.TextbedModel:
     """The model to pretrain, fp32, in train mode: random (seeded by the caller) or `init`'s weights."""
     model = tb.TextbedModel(cfg.model)
@@ -591,18 +610,7 @@ def main(cfg: Config) -> dict:
     elapsed, step, sd = snapshots[-1]
     model = tb.TextbedModel(cfg.model)
     model.load_state_dict(sd)
-    tb.save_textbed(
-        model,
-        out / "last",
-        {
-            "pretrain": {
-                "seed": cfg.seed,
-                "step": step,
-                "train_seconds": round(elapsed, 1),
-                "batch_size": cfg.batch_size,
-            }
-        },
-    )
+    tb.save_textbed(model, out / "last", pretrain_record(cfg, step, round(elapsed, 1)))
     print(f"wrote {out / 'last'} (step {step}, not scored)", flush=True)
     if not cfg.eval.enabled:
         return {"snapshots": [{"step": s, "train_seconds": round(e, 1)} for e, s, _ in snapshots]}
@@ -610,15 +618,8 @@ def main(cfg: Config) -> dict:
     pick, best = choose(results, cfg.eval.target)
     for name, k in (("chosen", pick), ("best", best)):
         model.load_state_dict(snapshots[k][2])
-        meta = {
-            "pretrain": {
-                "seed": cfg.seed,
-                "step": results[k]["step"],
-                "train_seconds": results[k]["train_seconds"],
-                "batch_size": cfg.batch_size,
-                "eval": {k2: v for k2, v in results[k].items() if k2 != "examples"},
-            }
-        }
+        scores = {k2: v for k2, v in results[k].items() if k2 != "examples"}
+        meta = pretrain_record(cfg, results[k]["step"], results[k]["train_seconds"], scores)
         tb.save_textbed(model, out / name, meta)
     summary = {"snapshots": results, "chosen": pick, "best": best}
     (out / "metrics.json").write_text(json.dumps(summary, indent=2))

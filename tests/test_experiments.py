@@ -247,10 +247,48 @@ def test_pretrain_textbed_keeps_the_weights_when_scoring_fails(tmp_path, monkeyp
     with pytest.raises(KeyboardInterrupt):
         pt.main(cfg)
     model = tb.load_textbed(tmp_path / "run" / "last")
+    assert json.loads((tmp_path / "run" / "last" / "config.json").read_text())["pretrain"]["step"] == 2
     last = kept["snapshots"][-1][2]
     got = model.state_dict()
     assert last.keys() == got.keys()
     assert all(torch.equal(got[k].float(), last[k].to(torch.bfloat16).float()) for k in last)
+
+
+def test_pretrain_textbed_continued_run_keeps_the_init_history(tmp_path):
+    """A run that continues a checkpoint records that checkpoint's own pretraining entry under "init" (nested
+    again for a third run), so the committed renderer's config.json tells its whole training."""
+    import dataclasses
+
+    pt = load(ROOT / "experiments" / "pretrain_textbed.py")
+    first = dataclasses.replace(pt.tiny(), max_steps=2, seed=3)
+    assert pt.pretrain_record(first, 2, 1.5) == {
+        "pretrain": {"seed": 3, "step": 2, "train_seconds": 1.5, "batch_size": first.batch_size}
+    }
+    from fgrpo.models import textbed as tb
+
+    tb.save_textbed(tb.TextbedModel(first.model), tmp_path / "a", pt.pretrain_record(first, 2, 1.5))
+    second = dataclasses.replace(first, init=str(tmp_path / "a"), seed=4)
+    rec = pt.pretrain_record(second, 5, 9.0, {"heldout_ocr": 0.5})
+    assert rec == {
+        "pretrain": {
+            "seed": 4,
+            "step": 5,
+            "train_seconds": 9.0,
+            "batch_size": first.batch_size,
+            "eval": {"heldout_ocr": 0.5},
+            "init": {
+                "from": str(tmp_path / "a"),
+                "seed": 3,
+                "step": 2,
+                "train_seconds": 1.5,
+                "batch_size": first.batch_size,
+            },
+        }
+    }
+    tb.save_textbed(tb.TextbedModel(first.model), tmp_path / "b", rec)
+    third = pt.pretrain_record(dataclasses.replace(first, init=str(tmp_path / "b")), 1, 0.5)
+    assert third["pretrain"]["init"]["init"]["step"] == 2
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["pretrain"] == rec["pretrain"]
 
 
 def test_pretrain_textbed_lr_decay_reaches_the_loop(capsys):
