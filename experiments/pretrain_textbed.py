@@ -331,7 +331,7 @@ def build_model(cfg: Config, device: torch.device) -> tb.TextbedModel:
     if folder is not None:
         from safetensors.torch import load_file
 
-        model.load_state_dict(load_file(str(folder / "model.safetensors")), strict=True)  # bf16 -> fp32
+        tb.load_weights(model, load_file(str(folder / "model.safetensors")))  # bf16 -> fp32
     return model.to(device).train()
 
 
@@ -519,7 +519,7 @@ def evaluate(cfg: Config, snapshots) -> list[dict]:
     dt = torch.bfloat16 if cfg.amp else torch.float32
     images = []
     for _, _, sd in snapshots:
-        model.load_state_dict(sd)
+        tb.load_weights(model, sd)
         model.to(dt)
         images.append(
             tb.upscale(
@@ -609,7 +609,7 @@ def main(cfg: Config) -> dict:
     # missing OCR package) keeps them as `last/`.
     elapsed, step, sd = snapshots[-1]
     model = tb.TextbedModel(cfg.model)
-    model.load_state_dict(sd)
+    tb.load_weights(model, sd)
     tb.save_textbed(model, out / "last", pretrain_record(cfg, step, round(elapsed, 1)))
     print(f"wrote {out / 'last'} (step {step}, not scored)", flush=True)
     if not cfg.eval.enabled:
@@ -617,7 +617,7 @@ def main(cfg: Config) -> dict:
     results = evaluate(cfg, snapshots)
     pick, best = choose(results, cfg.eval.target)
     for name, k in (("chosen", pick), ("best", best)):
-        model.load_state_dict(snapshots[k][2])
+        tb.load_weights(model, snapshots[k][2])
         scores = {k2: v for k2, v in results[k].items() if k2 != "examples"}
         meta = pretrain_record(cfg, results[k]["step"], results[k]["train_seconds"], scores)
         tb.save_textbed(model, out / name, meta)

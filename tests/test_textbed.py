@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -111,11 +112,29 @@ def test_words_and_split():
 
 
 def test_save_load_roundtrip(tiny_model, tmp_path):
+    """Parameters go through the file in bf16; buffers stay out of it (SD3's fixed sin-cos positions), so the
+    loaded model has the constructor's fp32 values, also from an older file that holds them in bf16; a file
+    without a parameter is refused, naming it."""
+    from safetensors.torch import load_file, save_file
+
     tb.save_textbed(tiny_model, tmp_path, {"note": "test"})
+    params = dict(tiny_model.named_parameters())
+    assert load_file(str(tmp_path / "model.safetensors")).keys() == params.keys()
     loaded = tb.load_textbed(tmp_path)
     assert loaded.cfg == tiny_model.cfg
+    buffers = [k for k in tiny_model.state_dict() if k not in params]
+    assert buffers == (["transformer.pos_embed.pos_embed"] if tiny_model.cfg.arch == "sd3" else [])
     for k, v in tiny_model.state_dict().items():
-        assert torch.equal(loaded.state_dict()[k], v.to(torch.bfloat16).float()), k
+        assert torch.equal(loaded.state_dict()[k], v.to(torch.bfloat16).float() if k in params else v), k
+
+    old = tb.state_dict_for_save(tiny_model) | {k: tiny_model.state_dict()[k].to(torch.bfloat16) for k in buffers}
+    save_file(old, str(tmp_path / "model.safetensors"))  # the older format: buffers in bf16 too
+    again = tb.load_textbed(tmp_path).state_dict()
+    assert all(torch.equal(again[k], tiny_model.state_dict()[k]) for k in buffers)
+    name = next(iter(params))
+    save_file({k: v for k, v in old.items() if k != name}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=f"missing \\['{re.escape(name)}'\\]"):
+        tb.load_textbed(tmp_path)
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
         tb.load_textbed(tmp_path / "missing")
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -129,7 +129,7 @@ def build_transformer(cfg: TextbedConfig) -> QwenImageTransformer2DModel | SD3Tr
             sample_size=grid,
             caption_projection_dim=cfg.num_heads * cfg.head_dim,
             pooled_projection_dim=cfg.text_dim,
-            pos_embed_max_size=grid,  # learned positions cropped to the 8 x 32 grid
+            pos_embed_max_size=grid,  # fixed sin-cos positions of a 32 x 32 grid, cropped to the 8 x 32 one
             qk_norm="rms_norm",  # SD3.5's
             dual_attention_layers=tuple(range(cfg.num_layers // 2)),  # SD3.5-Medium: the first half
         )
@@ -367,8 +367,24 @@ def render_words(
 
 
 def state_dict_for_save(model: TextbedModel, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """Flat {transformer.*, text_encoder.*} state dict in `dtype`, contiguous (safetensors-ready)."""
-    return {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
+    """Flat {transformer.*, text_encoder.*} parameters in `dtype`, contiguous (safetensors-ready). Buffers stay out:
+    the constructor rebuilds them (SD3's fixed sin-cos positions), and a bf16 copy would replace the fp32 values
+    the model was trained with."""
+    return {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.named_parameters()}
+
+
+def load_weights(model: TextbedModel, weights: Mapping[str, torch.Tensor]) -> None:
+    """Copy a checkpoint's parameters into `model` (each cast to the parameter's dtype). Every parameter must be
+    there, and no name the model lacks; buffers a file holds (older SD3 files: the positions in bf16) are skipped,
+    so the constructor's fp32 values stay."""
+    params = dict(model.named_parameters())
+    missing, unknown = sorted(params.keys() - weights.keys()), sorted(weights.keys() - model.state_dict().keys())
+    if missing or unknown:
+        raise ValueError(
+            f"textbed weights do not fit a {model.cfg.arch} model of this config: missing {missing[:3]}, "
+            f"unknown {unknown[:3]} ({len(missing)} / {len(unknown)}); check config.json against the weights"
+        )
+    model.load_state_dict({k: weights[k] for k in params}, strict=False)
 
 
 def save_textbed(model: TextbedModel, path: str | Path, meta: dict | None = None) -> None:
@@ -400,5 +416,5 @@ def load_textbed(
         )
     cfg = TextbedConfig.from_dict(json.loads((path / "config.json").read_text())["model"])
     model = TextbedModel(cfg)
-    model.load_state_dict(load_file(str(weights)), strict=True)
+    load_weights(model, load_file(str(weights)))
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
