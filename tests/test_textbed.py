@@ -150,7 +150,7 @@ def test_committed_checkpoint_renders_heldout_words_ocr_reads_exactly(name):
     assert sum(p.numel() for p in model.parameters()) * 2 <= 20 * 2**20  # bf16 checkpoint <= 20 MiB
     # The first 5 held-out words with seeds 0-4 and 10 steps (the tiny Flow-GRPO preset's count); measured
     # on the committed checkpoints: 2 of the 5 are read exactly by the Qwen-Image renderer (AGENT, AIRPORT),
-    # 3 by the SD3 one (ADULTS, AGENCY, AGENT), so one float-rounding flip cannot fail this.
+    # 3 by the SD3 one (ACTORS, AGENCY, AGENT), so one float-rounding flip cannot fail this.
     words = tb.read_words("heldout")[:5]
     images = tb.render_words(model, [tb.prompt_for(w) for w in words], seeds=range(len(words)), num_steps=10)
     texts = RapidOcrEngine(det_limit_side_len=64, num_threads=2).recognize(tb.upscale(images, 2).numpy())

@@ -70,7 +70,7 @@ class TextbedConfig:
     head_dim: int = 32
     """Per-head width; the 3-axis RoPE splits it as axes_dims_rope."""
     axes_dims_rope: tuple[int, int, int] = (8, 12, 12)
-    """qwen_image: RoPE dims for (frame, row, column); must sum to head_dim (sd3 has learned positions)."""
+    """qwen_image: RoPE dims for (frame, row, column); must sum to head_dim (sd3 uses fixed sin-cos positions instead)."""
     text_dim: int = 128
     """Width of the byte-level BERT text encoder (= the transformer's joint_attention_dim)."""
     text_layers: int = 2
