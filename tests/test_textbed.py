@@ -127,7 +127,9 @@ def test_save_load_roundtrip(tiny_model, tmp_path):
     for k, v in tiny_model.state_dict().items():
         assert torch.equal(loaded.state_dict()[k], v.to(torch.bfloat16).float() if k in params else v), k
 
-    old = tb.state_dict_for_save(tiny_model) | {k: tiny_model.state_dict()[k].to(torch.bfloat16) for k in buffers}
+    old = tb.state_dict_for_save(tiny_model) | {
+        k: tiny_model.state_dict()[k].to(torch.bfloat16) for k in buffers
+    }
     save_file(old, str(tmp_path / "model.safetensors"))  # the older format: buffers in bf16 too
     again = tb.load_textbed(tmp_path).state_dict()
     assert all(torch.equal(again[k], tiny_model.state_dict()[k]) for k in buffers)

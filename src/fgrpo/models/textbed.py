@@ -378,7 +378,10 @@ def load_weights(model: TextbedModel, weights: Mapping[str, torch.Tensor]) -> No
     there, and no name the model lacks; buffers a file holds (older SD3 files: the positions in bf16) are skipped,
     so the constructor's fp32 values stay."""
     params = dict(model.named_parameters())
-    missing, unknown = sorted(params.keys() - weights.keys()), sorted(weights.keys() - model.state_dict().keys())
+    missing, unknown = (
+        sorted(params.keys() - weights.keys()),
+        sorted(weights.keys() - model.state_dict().keys()),
+    )
     if missing or unknown:
         raise ValueError(
             f"textbed weights do not fit a {model.cfg.arch} model of this config: missing {missing[:3]}, "
