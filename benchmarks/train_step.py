@@ -43,7 +43,6 @@ steps and windows.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import time
 
@@ -151,13 +150,6 @@ def main() -> None:
         help="with --reward vlm: the VLM decodes with a preallocated KV cache, so transformers compiles its "
         "decoding step (CUDA graphs) in the warm-up step",
     )
-    ap.add_argument(
-        "--rollout-priority",
-        default="default",
-        help="comma-separated, each run in turn in this process: 'default' runs the step on the default CUDA stream; "
-        "'high' on a stream of the highest priority, so that with --reward-stream the GPU's block scheduler serves "
-        "the rollout's kernels before the reader's (which keeps the lowest)",
-    )
     ap.add_argument("--iters", type=int, default=2, help="timed steps (after one warm-up step)")
     ap.add_argument(
         "--profile", action="store_true", help="profile the last timed step: time in NCCL kernels"
@@ -179,9 +171,6 @@ def main() -> None:
         ap.error("--reward-stream streams images to --reward vlm; add it (ltx2's clips are scored whole)")
     if args.reward_static_cache and args.reward != "vlm":
         ap.error("--reward-static-cache sets the VLM's cache; add --reward vlm")
-    priorities = args.rollout_priority.split(",")
-    if not set(priorities) <= {"default", "high"}:
-        ap.error(f"--rollout-priority: choose from default,high, got {args.rollout_priority!r}")
     if args.shard == "adapters" and args.full:
         ap.error("--shard adapters shards the LoRA and --full trains every weight; drop one of them")
 
@@ -351,18 +340,7 @@ def main() -> None:
         for b in sorted({micro_batch, n_local % micro_batch} - {0}):
             reward(torch.zeros(b, height, width, 3, dtype=torch.uint8).numpy(), prompts[:b])
 
-    for name, priority in [(a, p) for a in algos for p in priorities]:
-        # the main thread's current stream (thread-local), for rollout and training alike, so the caching
-        # allocator keeps one pool; 'default' leaves it as it is
-        high = (
-            torch.cuda.Stream(
-                d.device, priority=-1
-            )  # torch's high priority; new streams default to 0, the lowest
-            if priority == "high" and d.device.type == "cuda"
-            else None
-        )
-        step_stream = torch.cuda.stream(high) if high is not None else contextlib.nullcontext()
-        step_stream.__enter__()
+    for name in algos:
         forward_process = name in FORWARD_PROCESS_ALGOS
         # NFT and AWM sample with the ODE and without CFG and train 9 / 6 grid points a sample (their recipes)
         points = args.train_points or {"nft": 9, "awm": 6}.get(name, 2)
@@ -389,11 +367,6 @@ def main() -> None:
         print0(
             f"\n## {name}: CFG {sampling.guidance_scale}"
             + (f", {points} points a sample" if forward_process else "")
-            + (
-                f", the step on a {priority}-priority stream"
-                if len(priorities) > 1 or high is not None
-                else ""
-            )
         )
         rows = []
         nccl_s = float("nan")
@@ -527,7 +500,6 @@ def main() -> None:
                 f"published {VERL_OMNI_IMAGES_PER_GPU_S}; FLOP floor {floor_s:.1f} s -> ceiling {n_local / floor_s:.2f} "
                 f"images/GPU/s ({floor_s / total:.0%} of it)"
             )
-        step_stream.__exit__(None, None, None)
         del engine, optimizer, algo
     if args.comm_probe and d.device.type == "cuda":
         ag = comm_probe(model.transformer)
@@ -585,6 +557,8 @@ def gather_scores(out, prompts: list[str], device: torch.device) -> torch.Tensor
 def on_side_stream(reward, device: torch.device):
     """`reward` called on a CUDA stream of its own, so that a background thread's kernels run beside the rollout's
     instead of queueing behind them (the images arrive on the CPU; the scores leave as Python floats)."""
+    import contextlib
+
     side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def score(images, prompts, metadata=None):
