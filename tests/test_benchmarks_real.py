@@ -115,10 +115,12 @@ def test_train_step_tiny_qwen_image_edit():
 def test_train_step_tiny_vlm_reward_scores_the_rollout(monkeypatch, capsys, stream):
     """--reward vlm: the tiny random Qwen2.5-VL reads the 4 rollout images (2 prompts x 2), and its text's OCR scores
     are what the advantages are computed from. The engine's answers are replaced after it has run, so the scores are
-    known: prompts "WORD0" x2, "WORD1" x2 read as "WORD0", "", "WORD", "WORX1" score 1 - min(d, 5) / 5 = 1, 0,
+    known: the images of prompts "WORD0" x2, "WORD1" x2 (rows 0-3, in whatever micro-batches the rollout groups
+    them) read as "WORD0", "", "WORD", "WORX1" score 1 - min(d, 5) / 5 = 1, 0,
     0.8, 0.8. Group means 0.5, 0.8; the batch's population std is sqrt(((0.35)² + (0.65)² + 2 (0.15)²) / 4)
     = sqrt(0.1475); advantages (r - group mean) / (std + 1e-4) = [0.5, -0.5, 0, 0] / (sqrt(0.1475) + 1e-4)."""
     from fgrpo.core import grpo
+    from fgrpo.rewards.runner import RewardStream
     from fgrpo.rewards.vlm import TransformersOcrEngine
 
     monkeypatch.syspath_prepend(str(BENCH))
@@ -145,7 +147,16 @@ def test_train_step_tiny_vlm_reward_scores_the_rollout(monkeypatch, capsys, stre
                 self.cache,
             )
         )
-        return texts[done : done + len(images)]
+        # the rows of these images: a streamed micro-batch's rows are those RewardStream.add was given
+        rows = np.concatenate(added) if added else np.arange(4)
+        return [texts[r] for r in rows[done : done + len(images)]]
+
+    added = []
+    real_add = RewardStream.add
+
+    def add(self, rows, images, metadata=None):
+        added.append(np.arange(len(self.prompts))[rows] if isinstance(rows, slice) else np.asarray(rows))
+        return real_add(self, rows, images, metadata)
 
     fed = []
     real_advantages = grpo.group_advantages
@@ -155,6 +166,7 @@ def test_train_step_tiny_vlm_reward_scores_the_rollout(monkeypatch, capsys, stre
         return real_advantages(rewards, group_size, **kw)
 
     monkeypatch.setattr(TransformersOcrEngine, "recognize", recognize)
+    monkeypatch.setattr(RewardStream, "add", add)
     monkeypatch.setattr(grpo, "group_advantages", group_advantages)
     args = ["--tiny", "--reward", "vlm", "--iters", "0", "--prompts", "2", "--group", "2", "--opt-steps", "1"]
     # streamed: the rollout's two micro-batches of 2 are read one by one, on the runner's thread (and the VLM

@@ -22,7 +22,13 @@ from fgrpo.data import ImagePrompt
 from fgrpo.models.loading import add_lora
 from fgrpo.models.tiny import tiny_qwen_image_edit
 from fgrpo.rollout.base import SamplingConfig
-from fgrpo.rollout.engine import DiffusersEngine, exact_micro_batch, micro_batches, minibatch_rows
+from fgrpo.rollout.engine import (
+    DiffusersEngine,
+    exact_micro_batch,
+    forward_units,
+    micro_batches,
+    minibatch_rows,
+)
 
 SIZE = 32
 SAMPLING = SamplingConfig(
@@ -69,9 +75,20 @@ def test_exact_micro_batch_hand_values():
 @pytest.mark.parametrize(
     "n, micro_batch, k", [(4, 4, 2), (12, 4, 2), (8, 4, 4), (48, 8, 4), (28, 4, 4), (16, 4, 2)]
 )
-def test_minibatch_rows_deal_whole_rollout_micro_batches(n, micro_batch, k):
-    rollout = {tuple(range(r.start, r.stop)) for r in micro_batches(n, exact_micro_batch(n, micro_batch, k))}
-    chunks = minibatch_rows(n, micro_batch, micro_batch, k, torch.Generator().manual_seed(0))
+@pytest.mark.parametrize("windowed", [False, True], ids=["no-window", "per-sample-windows"])
+def test_minibatch_rows_deal_whole_rollout_micro_batches(n, micro_batch, k, windowed):
+    rows_per_forward = exact_micro_batch(n, micro_batch, k)
+    if windowed:  # per-sample windows of 2 in steps [0, 5): the rollout groups rows by window start
+        start = torch.randint(0, 4, (n,), generator=torch.Generator().manual_seed(n))
+        window = torch.stack([start, start + 1], dim=1)
+        rollout = {tuple(u.tolist()) for u in forward_units(window, rows_per_forward)}
+        assert rows_per_forward == n or rollout != {
+            tuple(range(r.start, r.stop)) for r in micro_batches(n, rows_per_forward)
+        }
+    else:  # no windows: the rollout's forwards are consecutive rows
+        window = torch.zeros(n, 0, dtype=torch.long)
+        rollout = {tuple(range(r.start, r.stop)) for r in micro_batches(n, rows_per_forward)}
+    chunks = minibatch_rows(window, micro_batch, micro_batch, k, torch.Generator().manual_seed(0))
     assert len(chunks) == k and all(chunks)
     assert sorted(torch.cat([r for c in chunks for r in c]).tolist()) == list(range(n))
     assert {tuple(r.tolist()) for c in chunks for r in c} <= rollout

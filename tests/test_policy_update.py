@@ -92,7 +92,7 @@ def test_zero_advantages_leave_weights_unchanged(rollout):
 def test_minibatch_rows_partition_the_samples():
     g = torch.Generator().manual_seed(0)
     for mb, rollout_mb in [(4, 4), (3, 4)]:
-        chunks = minibatch_rows(16, mb, rollout_mb, 2, g)
+        chunks = minibatch_rows(torch.zeros(16, 1, dtype=torch.long), mb, rollout_mb, 2, g)  # one window
         assert len(chunks) == 2
         rows = torch.cat([r for chunk in chunks for r in chunk])
         assert sorted(rows.tolist()) == list(range(16))

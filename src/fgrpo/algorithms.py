@@ -112,7 +112,7 @@ class Algorithm:
         this rank's mini-batches (`forward_rows`), which the trainer then trains whole."""
         s = self.cfg.sampling
         n = self.cfg.samples_per_step // self.cfg.parallel.trainer_ranks(world_size())
-        return dataclasses.replace(s, micro_batch=forward_rows(n, self.cfg))
+        return dataclasses.replace(s, micro_batch=forward_rows(n, self.cfg), unit_block=n)
 
     def sampling_weights(self) -> contextlib.AbstractContextManager:
         """The weights the rollout samples with (theta unless an algorithm samples an old policy)."""
@@ -366,7 +366,7 @@ def window_update(
         old_mean = None  # the loss gets the rollout's means only when it reads them
 
     for _epoch in range(g.inner_epochs):
-        for chunk in minibatch_rows(B, mb, s.micro_batch, g.optimizer_steps_per_step, generator):
+        for chunk in minibatch_rows(traj.window, mb, s.micro_batch, g.optimizer_steps_per_step, generator):
             n_elems = sum(len(rows) for rows in chunk) * W
             for j in range(W):
                 for rows in chunk:
@@ -494,7 +494,7 @@ def forward_process_update(
         raise ValueError(
             f"algo.name={a.name!r} trains on the rollout's clean latents; this engine returns none"
         )
-    B, K = len(traj), a.train_steps
+    K = a.train_steps
     points = draw_points(
         traj, K, (a.train_steps_lo, a.train_steps_hi or s.num_steps), generator, shared=algo.shared_steps
     )
@@ -502,7 +502,7 @@ def forward_process_update(
     mb = g.train_micro_batch or s.micro_batch
     stats: Stats = defaultdict(list)
     for _epoch in range(g.inner_epochs):
-        for chunk in minibatch_rows(B, mb, s.micro_batch, g.optimizer_steps_per_step, generator):
+        for chunk in minibatch_rows(traj.window, mb, s.micro_batch, g.optimizer_steps_per_step, generator):
             n_points = sum(len(rows) for rows in chunk) * K
             for k in range(K):
                 for rows in chunk:

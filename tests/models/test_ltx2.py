@@ -24,7 +24,7 @@ from fgrpo.models.base import FlowModel
 from fgrpo.models.loading import add_lora, build_model, setup_trainable
 from fgrpo.models.ltx2 import LTX2, LTX2_LORA_TARGETS, LTX2Config
 from fgrpo.rollout.base import SamplingConfig
-from fgrpo.rollout.engine import DiffusersEngine, micro_batches, recompute_log_prob, recompute_log_probs
+from fgrpo.rollout.engine import DiffusersEngine, forward_units, recompute_log_prob, recompute_log_probs
 from fgrpo.rollout.seeds import sample_generator
 
 SIZE = 32
@@ -194,7 +194,7 @@ def test_recompute_is_bit_exact_with_lora_and_grad():
     cfg = dataclasses.replace(BASE, num_steps=4, window_range=(1, 3))
     traj = DiffusersEngine(m).generate(PROMPTS, SEEDS, cfg)
     assert torch.equal(recompute_log_probs(m, traj, cfg), traj.log_prob)
-    rows = next(micro_batches(len(traj), cfg.micro_batch))
+    rows = forward_units(traj.window, cfg.micro_batch)[0]
     log_prob, _, _ = recompute_log_prob(m, traj, cfg, rows, 1)
     assert torch.equal(log_prob.detach(), traj.log_prob[rows, 1])
     log_prob.sum().backward()

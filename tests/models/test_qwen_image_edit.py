@@ -26,7 +26,7 @@ from fgrpo.models.loading import QWEN_IMAGE_LORA_TARGETS, add_lora
 from fgrpo.models.qwen_image import pack, unpack
 from fgrpo.models.qwen_image_edit import EDIT_PROMPT_DROP, EDIT_PROMPT_TEMPLATE, QwenImageEdit
 from fgrpo.rollout.base import SamplingConfig
-from fgrpo.rollout.engine import DiffusersEngine, micro_batches, recompute_log_prob, recompute_log_probs
+from fgrpo.rollout.engine import DiffusersEngine, forward_units, recompute_log_prob, recompute_log_probs
 from fgrpo.rollout.seeds import sample_generator
 
 SIZE = 64  # output and condition images, pixels a side
@@ -190,7 +190,7 @@ def test_recompute_is_bit_exact_with_lora_and_grad(prompts):
     cfg = dataclasses.replace(BASE, num_steps=4, sde_kind="cps", noise_level=0.7, window_range=(1, 3))
     traj = DiffusersEngine(m).generate(prompts, SEEDS, cfg)
     assert torch.equal(recompute_log_probs(m, traj, cfg), traj.log_prob)
-    rows = next(micro_batches(len(traj), cfg.micro_batch))
+    rows = forward_units(traj.window, cfg.micro_batch)[0]
     log_prob, _, _ = recompute_log_prob(m, traj, cfg, rows, 1)
     assert torch.equal(log_prob.detach(), traj.log_prob[rows, 1])
     log_prob.sum().backward()

@@ -126,5 +126,37 @@ def test_reward_stream_scores_blocks_as_they_come_and_joins_them_in_row_order():
     gap.add(slice(0, 3), images[:3])
     with pytest.raises(ValueError, match="do not tile"):
         gap.result()
-    with pytest.raises(ValueError, match="rows 0:2 for 3 images"):
+    with pytest.raises(ValueError, match="2 rows for 3 images"):
         gap.add(slice(0, 2), images[:3])
+
+
+def test_reward_stream_takes_blocks_of_any_rows():
+    """A rollout micro-batch holds rows grouped by window, not consecutive ones: a block names its rows by index,
+    in the order of its images; each image is scored with its own row's prompt and lands in its row."""
+    from fgrpo.rewards.runner import RewardStream
+
+    images = np.random.default_rng(3).integers(0, 256, (6, 8, 8, 3), dtype=np.uint8)
+    prompts = list("abcdef")
+
+    def by_prompt(images, prompts, metadata=None):  # the score names the prompt it was given, and the pixels
+        return RewardOutput(
+            scores=np.array([ord(p) * 1000 for p in prompts], np.float32) + mean_pixel(images),
+            components={"pixel": mean_pixel(images)},
+        )
+
+    expected = by_prompt(images, prompts)
+    with AsyncRewardRunner(by_prompt, max_workers=2) as runner:
+        for reward in (runner, by_prompt):  # pool (scored at add) and in process (scored at result)
+            stream = RewardStream(reward, prompts)
+            stream.add(np.array([5, 0, 3]), images[[5, 0, 3]])
+            stream.add([4, 1, 2], images[[4, 1, 2]])
+            out = stream.result()
+            np.testing.assert_array_equal(out.scores, expected.scores)
+            np.testing.assert_array_equal(out.components["pixel"], expected.components["pixel"])
+    twice = RewardStream(by_prompt, prompts)
+    twice.add([0, 1, 2], images[:3])
+    twice.add([2, 3, 4, 5], images[2:])
+    with pytest.raises(ValueError, match="do not tile"):
+        twice.result()
+    with pytest.raises(ValueError, match="outside the batch"):
+        twice.add([6], images[:1])

@@ -27,7 +27,7 @@ from fgrpo.policy import transition
 from fgrpo.rollout.base import SamplingConfig
 from fgrpo.rollout.engine import (
     DiffusersEngine,
-    micro_batches,
+    forward_units,
     recompute_log_prob,
     recompute_log_probs,
     recompute_log_probs_and_means,
@@ -165,10 +165,10 @@ def test_recomputed_log_probs_equal_the_rollouts_bit_exactly(models, kind, guida
     log_probs, means = recompute_log_probs_and_means(model, traj, cfg)
     assert torch.equal(log_probs, traj.log_prob)
     assert torch.equal(means, traj.mean)  # Flow-DPPO's old mean needs no recompute pass
-    decoded = torch.cat(
-        [model.decode(traj.x0[r], cfg.height, cfg.width) for r in micro_batches(len(traj), cfg.micro_batch)]
-    )
-    assert torch.equal(decoded, traj.images)  # x0: the latents the rollout decoded (in its micro-batches)
+    units = forward_units(traj.window, cfg.micro_batch)
+    decoded = torch.cat([model.decode(traj.x0[r], cfg.height, cfg.width) for r in units])
+    # x0: the latents the rollout decoded (in its micro-batches), each image in its sample's row
+    assert torch.equal(decoded, traj.images[torch.cat(units)])
 
 
 @pytest.mark.parametrize("kind", ["qwen", "sd3"])
@@ -186,7 +186,7 @@ def test_recompute_is_bit_exact_with_lora_and_grad(kind):
     traj = DiffusersEngine(model).generate(PROMPTS, SEEDS, cfg)
     assert torch.equal(recompute_log_probs(model, traj, cfg), traj.log_prob)
     # The trainer's call: with autograd on, the same numbers, and a gradient reaches the adapter.
-    rows = next(micro_batches(len(traj), cfg.micro_batch))
+    rows = forward_units(traj.window, cfg.micro_batch)[0]
     log_prob, _, _ = recompute_log_prob(model, traj, cfg, rows, 1)
     assert torch.equal(log_prob.detach(), traj.log_prob[rows, 1])
     log_prob.sum().backward()
@@ -469,8 +469,8 @@ def test_bad_flash_requests_fail_before_model_work(models, changes, match):
 
 def test_images_reach_the_sink_micro_batch_by_micro_batch(models):
     """on_images gets every micro-batch's decoded images as soon as they exist (before the next micro-batch is
-    sampled), in row order, equal to the trajectory's images; the rollout helper hands an engine without
-    streaming's images over in one block."""
+    sampled), with the indices of their batch rows, equal to the trajectory's images; the rollout helper hands an
+    engine without streaming's images over in one block."""
     from fgrpo.rollout.engine import rollout
 
     model = models["qwen"]
@@ -496,9 +496,13 @@ def test_images_reach_the_sink_micro_batch_by_micro_batch(models):
         )
     finally:
         del model.velocity
-    assert [(r.start, r.stop) for r, _, _ in got] == [(0, 2), (2, 4), (4, 5)]
+    units = [u.tolist() for u in forward_units(traj.window, 2)]
+    # by hand: the micro-batches are the rows sorted by window start, so here not consecutive rows
+    assert traj.window[:, 0].tolist() == [1, 3, 2, 3, 0] and units == [[0, 4], [1, 2], [3]]
+    assert [r.tolist() for r, _, _ in got] == units  # one block per micro-batch, its rows as indices
     assert all(meta is None for _, _, meta in got)  # Qwen-Image decodes nothing besides pixels
-    np.testing.assert_array_equal(np.concatenate([im for _, im, _ in got]), traj.images.numpy())
+    for rows, im, _ in got:
+        np.testing.assert_array_equal(im, traj.images[torch.as_tensor(rows)].numpy())
     per_micro_batch = counting.calls // 3
     assert forwards_before[:2] == [per_micro_batch, 2 * per_micro_batch]  # no later micro-batch sampled yet
 
@@ -517,3 +521,83 @@ def test_images_reach_the_sink_micro_batch_by_micro_batch(models):
     )
     assert [(r.start, r.stop) for r, _ in blocks] == [(0, 5)]
     np.testing.assert_array_equal(blocks[0][1], traj.images.numpy())
+
+
+def test_forward_units_group_rows_by_window_start():
+    # starts 3, 0, 2, 0, 3, 1 -> stable order 1, 3, 5, 2, 0, 4 -> groups of 4 (each sorted) and the rest
+    window = torch.tensor([[3, 4], [0, 1], [2, 3], [0, 1], [3, 4], [1, 2]])
+    assert [u.tolist() for u in forward_units(window, 4)] == [[1, 2, 3, 5], [0, 4]]
+    assert [u.tolist() for u in forward_units(window, 6)] == [[0, 1, 2, 3, 4, 5]]
+    same = torch.tensor([[2, 3]] * 5)  # one window for all (MixGRPO): the consecutive rows
+    assert [u.tolist() for u in forward_units(same, 2)] == [[0, 1], [2, 3], [4]]
+    none = torch.zeros(5, 0, dtype=torch.long)  # no window (ODE sampling): the consecutive rows
+    assert [u.tolist() for u in forward_units(none, 2)] == [[0, 1], [2, 3], [4]]
+    # blocks of 3 rows (a rollout serving two trainers of 3 samples): each trainer's rows grouped on their own
+    assert [u.tolist() for u in forward_units(window, 2, block=3)] == [[1, 2], [0], [3, 5], [4]]
+    with pytest.raises(ValueError, match="micro_batch must be >= 1"):
+        forward_units(window, 0)
+
+
+def test_a_rollout_serving_two_trainers_groups_each_share_alone(monkeypatch):
+    """In the asynchronous mode one rollout rank samples for several trainers; each trainer regroups its own rows
+    (`minibatch_rows`), so the rollout groups within each trainer's share (`unit_block`), never across shares."""
+    import fgrpo.algorithms as algorithms_module
+    from fgrpo.config import GRPOConfig, ParallelConfig, TrainConfig
+
+    cfg = dataclasses.replace(
+        TrainConfig(),
+        grpo=GRPOConfig(group_size=4, prompts_per_step=3),  # 12 samples a step
+        parallel=ParallelConfig(rollout_ranks=1, max_staleness=1),
+    )
+    monkeypatch.setattr(algorithms_module, "world_size", lambda: 3)  # 1 rollout + 2 trainer ranks
+    sampling = algorithms_module.build(cfg, []).sampling(0)
+    assert sampling.unit_block == 6  # a trainer's share
+    monkeypatch.setattr(algorithms_module, "world_size", lambda: 1)
+    synchronous = dataclasses.replace(cfg, parallel=ParallelConfig())
+    assert algorithms_module.build(synchronous, []).sampling(0).unit_block == 12  # the whole batch
+
+
+def test_exact_rollout_runs_the_training_graph_only_where_a_unit_has_a_window_row(models, monkeypatch):
+    """With train_graph, a micro-batch's step runs through autograd when any of its rows is in its window. The
+    rollout and the recompute use the same units (`forward_units`: rows grouped by window start), so the
+    training graph runs on the union of the windows of rows that share a forward: here 8 forwards of 6 rows' steps
+    against 9 for consecutive rows (by hand below)."""
+    import fgrpo.rollout.engine as engine_module
+
+    model = models["qwen"]
+    rollout_rows: list[list[int]] = []
+    real_cond_index = engine_module.cond_index
+
+    def recording(cond, rows):
+        rollout_rows.append(rows.tolist())
+        return real_cond_index(cond, rows)
+
+    grad_forwards = []
+    real_velocity = model.velocity
+
+    def velocity(*a, **k):
+        grad_forwards.append(torch.is_grad_enabled())
+        return real_velocity(*a, **k)
+
+    monkeypatch.setattr(engine_module, "cond_index", recording)
+    model.velocity = velocity
+    try:
+        with torch.no_grad():
+            traj = DiffusersEngine(model, train_graph=True).generate(PROMPTS, SEEDS, BASE)
+    finally:
+        del model.velocity
+    units = [u.tolist() for u in forward_units(traj.window, BASE.micro_batch)]
+    assert rollout_rows == units  # the rollout's forwards are the units
+
+    def union(rows):  # steps at which some row of the forward is in its window
+        return len({int(i) for r in rows for i in traj.window[r]})
+
+    # starts 1, 3, 2, 3, 0 (window 2): units [0, 4] {0, 1, 2}, [1, 2] {2, 3, 4}, [3] {3, 4}
+    assert traj.window[:, 0].tolist() == [1, 3, 2, 3, 0]
+    assert sum(grad_forwards) == sum(union(u) for u in units) == 3 + 3 + 2
+    consecutive = [[0, 1], [2, 3], [4]]  # {1, 2, 3, 4}, {2, 3, 4}, {0, 1}
+    assert sum(union(u) for u in consecutive) == 4 + 3 + 2
+    assert len(grad_forwards) == 3 * BASE.num_steps
+    rollout_rows.clear()
+    assert torch.equal(recompute_log_probs(model, traj, BASE), traj.log_prob)
+    assert rollout_rows == units * BASE.window_size  # the recompute: the same rows, per window position

@@ -139,33 +139,51 @@ class RewardStream:
 
     def __init__(self, reward: Reward, prompts: Sequence[str]):
         self.reward, self.prompts = reward, list(prompts)
-        self._parts: list[tuple[int, cf.Future[RewardOutput] | RewardOutput]] = []
-        self._pending: list[tuple[int, np.ndarray, list[str], list[dict[str, Any]]]] = []
+        self._parts: list[tuple[np.ndarray, cf.Future[RewardOutput] | RewardOutput]] = []
+        self._pending: list[tuple[np.ndarray, np.ndarray, list[str], list[dict[str, Any]]]] = []
 
-    def add(self, rows: slice, images: np.ndarray, metadata: Sequence[dict[str, Any]] | None = None) -> None:
-        """Rows rows.start:rows.stop of the batch, decoded: uint8 [n, H, W, 3] (with per-row metadata)."""
-        start, stop = rows.start or 0, rows.stop
-        if stop - start != len(images):
-            raise ValueError(f"RewardStream.add: rows {start}:{stop} for {len(images)} images")
-        prompts = self.prompts[start:stop]
+    def add(
+        self,
+        rows: slice | np.ndarray | Sequence[int],
+        images: np.ndarray,
+        metadata: Sequence[dict[str, Any]] | None = None,
+    ) -> None:
+        """Batch rows `rows` (a slice or their indices, in the order of `images`), decoded: uint8 [n, H, W, 3]
+        (with per-row metadata)."""
+        idx = (
+            np.arange(len(self.prompts))[rows]
+            if isinstance(rows, slice)
+            else np.asarray(rows, dtype=np.int64)
+        )
+        if idx.ndim != 1 or len(idx) != len(images):
+            raise ValueError(f"RewardStream.add: {len(idx)} rows for {len(images)} images")
+        if len(idx) and (idx.min() < 0 or idx.max() >= len(self.prompts)):
+            raise ValueError(f"RewardStream.add: rows outside the batch of {len(self.prompts)}")
+        prompts = [self.prompts[i] for i in idx]
         meta = check_inputs(images, prompts, metadata)
         if not isinstance(self.reward, AsyncRewardRunner):  # scored in result(): nothing would overlap it
-            self._pending.append((start, np.array(images, copy=True), prompts, meta))
+            self._pending.append((idx, np.array(images, copy=True), prompts, meta))
             return
         bounds = np.linspace(0, len(prompts), min(self.reward.max_workers, len(prompts)) + 1).astype(int)
         for a, b in zip(bounds[:-1], bounds[1:]):
             if b > a:
-                self._parts.append((start + a, self.reward.submit(images[a:b], prompts[a:b], meta[a:b])))
+                self._parts.append((idx[a:b], self.reward.submit(images[a:b], prompts[a:b], meta[a:b])))
 
     def result(self) -> RewardOutput:
         """The whole batch's RewardOutput, rows in order; every row must have been added exactly once."""
-        self._parts += [(start, self.reward(im, pr, me)) for start, im, pr, me in self._pending]
+        self._parts += [(idx, self.reward(im, pr, me)) for idx, im, pr, me in self._pending]
         self._pending = []
-        parts = sorted(self._parts, key=lambda p: p[0])
+        parts = sorted(self._parts, key=lambda p: int(p[0].min()) if len(p[0]) else -1)
         outs = [p.result() if isinstance(p, cf.Future) else p for _, p in parts]
-        covered = sum(len(o.scores) for o in outs)
-        if covered != len(self.prompts) or any(
-            a + len(o.scores) != b for (a, _), o, (b, _) in zip(parts, outs, parts[1:])
+        idx = np.concatenate([rows for rows, _ in parts]) if parts else np.zeros(0, dtype=np.int64)
+        if sorted(idx.tolist()) != list(range(len(self.prompts))) or any(
+            len(o.scores) != len(rows) for (rows, _), o in zip(parts, outs)
         ):
             raise ValueError(f"RewardStream: rows added do not tile the batch of {len(self.prompts)}")
-        return concat_outputs(outs)
+        out = concat_outputs(outs)
+        order = np.argsort(idx, kind="stable")  # the joined rows, back in batch order
+        return RewardOutput(
+            scores=out.scores[order],
+            components={k: v[order] for k, v in out.components.items()},
+            metrics=out.metrics,
+        )

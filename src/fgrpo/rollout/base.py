@@ -38,6 +38,10 @@ class SamplingConfig:
     """Steps [lo, hi) from which each sample's window is drawn (start uniform in [lo, hi - window_size])."""
     micro_batch: int = 8
     """Samples per transformer forward during rollout (and training recomputation)."""
+    unit_block: int = 0
+    """Rows are grouped into micro-batches (by window start, rollout.engine.forward_units) within each run of this
+    many consecutive rows; 0: the whole batch. Set by the algorithm to a trainer's share of the rollout, which
+    differs from the batch only in the asynchronous mode (a rollout rank serving several trainers)."""
     ode_tail: Literal["euler", "dpmpp_2m"] = "euler"
     """Solver after the SDE window: Euler on the full grid, or MixGRPO-Flash's DPM-Solver++(2M) on a compressed
     grid (needs one window for the whole batch; without a window every step stays Euler)."""

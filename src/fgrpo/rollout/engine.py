@@ -4,13 +4,14 @@ Each sample b gets a window of W consecutive steps (drawn from its own generator
 the configured SDE and the transition (x_t, x_next, log-prob) is recorded, outside it the step is the
 deterministic Euler (ODE) step. With `cfg.ode_tail="dpmpp_2m"` (MixGRPO-Flash; one window for the batch)
 the steps after the window are DPM-Solver++(2M) steps on a compressed grid instead. Samples run in
-micro-batches of `cfg.micro_batch` consecutive rows, all steps of a micro-batch before the next one.
+micro-batches of `cfg.micro_batch` rows grouped by window (`forward_units`), all steps of a micro-batch
+before the next one.
 
 Exactness contract (tested): `recompute_log_probs` - one transformer forward per (window position j,
-micro-batch of the same consecutive rows) - reproduces the rollout's log-probs bit for bit with
-unchanged weights. It holds because both sides call the same `model.velocity` on the same rows in the
-same order with the same (trimmed) prompt padding, and the same core step and log-prob on the result:
-every row's numbers depend on the shapes of the forward, not on the other rows' values.
+micro-batch of the same rows) - reproduces the rollout's log-probs bit for bit with unchanged weights. It
+holds because both sides call the same `model.velocity` on the same rows in the same order with the same
+(trimmed) prompt padding, and the same core step and log-prob on the result: every row's numbers depend on
+the shapes of the forward, not on the other rows' values.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ from fgrpo.policy import transition, transition_log_prob
 from fgrpo.rollout.base import RolloutEngine, SamplingConfig, SleepingEngine, Trajectory
 from fgrpo.rollout.seeds import sample_generator
 
-# Receives a rollout's decoded samples block by block: (rows of the batch, uint8 [n, H, W, 3] (or video
-# [n, F, H, W, 3]) numpy array, per-row reward metadata or None: what a model decodes besides pixels).
-ImageSink = Callable[[slice, np.ndarray, "list[dict] | None"], None]
+# Receives a rollout's decoded samples block by block: (the block's batch rows: an int64 index array in the order
+# of its images (a micro-batch) or a slice (a whole batch), uint8 [n, H, W, 3] (or video [n, F, H, W, 3]) numpy
+# array, per-row reward metadata or None: what a model decodes besides pixels).
+ImageSink = Callable[["np.ndarray | slice", np.ndarray, "list[dict] | None"], None]
 
 
 class _GivenVelocity:
@@ -51,11 +53,42 @@ class _GivenVelocity:
 
 
 def micro_batches(n: int, size: int) -> Iterator[slice]:
-    """The row slices [0, size), [size, 2 size), ... of n samples: the rollout's and recompute's grouping."""
+    """The row slices [0, size), [size, 2 size), ... of n samples: the grouping of passes without SDE windows
+    (the forward-process algorithms' training points); windowed rollouts group by `forward_units`."""
     if size < 1:
         raise ValueError(f"micro_batch must be >= 1, got {size}")
     for start in range(0, n, size):
         yield slice(start, min(start + size, n))
+
+
+def forward_units(window: torch.Tensor, size: int, block: int = 0) -> list[torch.Tensor]:
+    """The rows of each forward of a rollout and of every pass that must reproduce it: int64 index tensors of
+    `size` rows (the last of a block may hold fewer), each in increasing order, together a partition of the batch.
+
+    window: [B, W] the samples' window steps (Trajectory.window). The rows are ordered by the first step of
+    their window (a stable sort: equal windows keep the batch order), then cut into groups of `size`. A group
+    then holds samples whose windows coincide or overlap, so fewer of its steps have any row inside a window;
+    with the exact rollout each such step is a forward through the training graph (e.g. per-sample windows of 2
+    in steps [0, 5), 32 samples in forwards of 8: 2.6 such steps of 10 on average instead of 4.8 for consecutive
+    rows, by simulation of the draws). Without windows
+    (W = 0) or with one window for all rows the groups are the consecutive rows. Each sample's randomness is its
+    own generator's (rollout.seeds), so the grouping changes no draw; it decides only which rows share a forward.
+
+    block: if > 0, rows are grouped within each run of `block` consecutive rows (SamplingConfig.unit_block: the
+    asynchronous mode's rollout serves several trainers, each of which trains whole forwards of its own rows).
+    """
+    if size < 1:
+        raise ValueError(f"micro_batch must be >= 1, got {size}")
+    if window.ndim != 2:
+        raise ValueError(f"window must be [B, W], got shape {tuple(window.shape)}")
+    n = window.shape[0]
+    start = window[:, 0].cpu() if window.shape[1] else torch.zeros(n, dtype=torch.long)
+    units = []
+    for first in range(0, n, block if block > 0 else max(n, 1)):
+        part = start[first : first + block] if block > 0 else start
+        order = torch.sort(part, stable=True).indices + first
+        units += [torch.sort(unit).values for unit in order.split(size)]
+    return units
 
 
 def check_request(
@@ -191,8 +224,8 @@ class DiffusersEngine:
         log_prob = torch.zeros(B, W, device=device)
         means = torch.zeros(B, W, *shape, device=device)
         x0 = torch.zeros(B, *shape, device=device)
-        images = []
-        for rows in micro_batches(B, cfg.micro_batch):
+        images, image_rows = [], []
+        for rows in forward_units(window, cfg.micro_batch, cfg.unit_block):
             x = x_init[rows].to(device)
             c = cond_index(cond, rows)
             m = x.shape[0]
@@ -212,7 +245,7 @@ class DiffusersEngine:
                 noise = torch.stack(
                     [
                         torch.randn(shape, generator=gens[b]) if sde_rows[k] else torch.zeros(shape)
-                        for k, b in enumerate(range(rows.start, rows.stop))
+                        for k, b in enumerate(rows.tolist())
                     ]
                 ).to(device)
                 x_sde = sde.sample(mean, std, noise)
@@ -224,7 +257,7 @@ class DiffusersEngine:
                     keep = sde_rows.to(device).view(m, *([1] * len(shape)))
                     x_new = torch.where(keep, x_sde, x_ode)
                 for k in sde_rows.nonzero().flatten().tolist():
-                    b = rows.start + k
+                    b = int(rows[k])
                     j = i - int(window[b, 0])  # windows are consecutive steps
                     x_t[b, j], x_next[b, j], log_prob[b, j], means[b, j] = x[k], x_new[k], lp[k], mean[k]
                 x = x_new
@@ -239,11 +272,17 @@ class DiffusersEngine:
                     x0_pred = sde.x0_prediction(x, v, sigma)
                     x = sde.dpmpp_2m_step(x, x0_pred, x0_prev, sigma_prev, sigma, sigma_next)
                     x0_prev, sigma_prev = x0_pred, sigma
-            x0[rows] = x
+            x0[rows.to(device)] = x
             images.append(model.decode(x, cfg.height, cfg.width))
+            image_rows.append(rows)
             if on_images is not None:
                 extra = getattr(model, "reward_metadata", None)
-                on_images(rows, images[-1].cpu().numpy(), extra(x, cfg.height, cfg.width) if extra else None)
+                on_images(
+                    rows.numpy(), images[-1].cpu().numpy(), extra(x, cfg.height, cfg.width) if extra else None
+                )
+        stacked = torch.cat(images)
+        ordered = torch.empty_like(stacked)
+        ordered[torch.cat(image_rows).to(stacked.device)] = stacked
 
         return Trajectory(
             prompts=prompts,
@@ -254,7 +293,7 @@ class DiffusersEngine:
             x_next=x_next,
             log_prob=log_prob,
             cond=cond,
-            images=torch.cat(images),
+            images=ordered,
             mean=means,
             x0=x0,
         )
@@ -265,7 +304,7 @@ def recompute_log_prob(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(log_prob [m], mean, std) of window position j of `rows` under the current weights (with grad if on).
 
-    Pass the rollout's own micro-batches (`micro_batches(len(traj), cfg.micro_batch)`) for bit-exact
+    Pass the rollout's own micro-batches (`forward_units(traj.window, cfg.micro_batch)`) for bit-exact
     agreement with the rollout's log-probs while the weights are unchanged.
     """
     steps = traj.window[rows, j]
@@ -284,7 +323,8 @@ def recompute_log_probs_and_means(
     log_probs = torch.empty_like(traj.log_prob)
     means = torch.empty_like(traj.x_next)
     for j in range(traj.window.shape[1]):
-        for rows in micro_batches(len(traj), cfg.micro_batch):
+        for rows in forward_units(traj.window, cfg.micro_batch, cfg.unit_block):
+            rows = rows.to(traj.log_prob.device)
             log_probs[rows, j], means[rows, j], _ = recompute_log_prob(model, traj, cfg, rows, j)
     return log_probs, means
 
@@ -307,18 +347,24 @@ def exact_micro_batch(n: int, micro_batch: int, num_minibatches: int) -> int:
 
 
 def minibatch_rows(
-    n: int, micro_batch: int, rollout_micro_batch: int, num_minibatches: int, generator: torch.Generator
+    window: torch.Tensor,
+    micro_batch: int,
+    rollout_micro_batch: int,
+    num_minibatches: int,
+    generator: torch.Generator,
 ) -> list[list[torch.Tensor]]:
-    """Split n samples into `num_minibatches` mini-batches, each a list of micro-batch row index tensors.
+    """Split the n = len(window) samples of a rollout ([B, W] Trajectory.window) into `num_minibatches`
+    mini-batches, each a list of micro-batch row index tensors.
 
-    With micro_batch == rollout_micro_batch the units shuffled are the rollout's own micro-batches of
-    `exact_micro_batch(n, rollout_micro_batch, num_minibatches)` consecutive rows (what the algorithms roll out
-    with), dealt to the mini-batches in equal counts where the count of units allows (else the first ones get
-    one more), so each training forward sees exactly the rows (and prompt padding) of a rollout forward;
+    With micro_batch == rollout_micro_batch the units shuffled are the rollout's own micro-batches,
+    `forward_units(window, exact_micro_batch(n, rollout_micro_batch, num_minibatches))` (what the algorithms roll
+    out with), dealt to the mini-batches in equal counts where the count of units allows (else the first ones
+    get one more), so each training forward sees exactly the rows (and prompt padding) of a rollout forward;
     otherwise single samples are shuffled and cut into micro-batches.
     """
+    n = len(window)
     if micro_batch == rollout_micro_batch:
-        units = list(torch.arange(n).split(exact_micro_batch(n, rollout_micro_batch, num_minibatches)))
+        units = forward_units(window, exact_micro_batch(n, rollout_micro_batch, num_minibatches))
         order = torch.randperm(len(units), generator=generator)
         return [[units[u] for u in part.tolist()] for part in order.tensor_split(num_minibatches)]
     perm = torch.randperm(n, generator=generator)

@@ -67,6 +67,7 @@ def config_to_dict(cfg: SamplingConfig) -> dict[str, Any]:
         "window_size": cfg.window_size,
         "window_range": list(cfg.window_range),
         "micro_batch": cfg.micro_batch,
+        "unit_block": cfg.unit_block,
     }
 
 
