@@ -189,7 +189,12 @@ def main() -> None:
     from fgrpo.models.qwen_image_edit import QwenImageEdit
     from fgrpo.rewards.runner import AsyncRewardRunner, RewardStream
     from fgrpo.rollout.base import SamplingConfig
-    from fgrpo.rollout.engine import DiffusersEngine, recompute_log_probs_and_means
+    from fgrpo.rollout.engine import (
+        DiffusersEngine,
+        forward_units,
+        micro_batches,
+        recompute_log_probs_and_means,
+    )
 
     algos = args.algo.split(",")
     unknown = [a for a in algos if a not in algorithms.ALGORITHMS]
@@ -383,10 +388,11 @@ def main() -> None:
             t0 = time.perf_counter()
             stream = RewardStream(runner, prompts) if runner is not None else None
             with torch.no_grad(), algo.sampling_weights():
+                engine_sampling = algo.sampling(it)
                 traj = engine.generate(
                     prompts,
                     [it * 1000 + i for i in ids],
-                    algo.sampling(it),
+                    engine_sampling,
                     on_images=stream.add if stream is not None else audio_sink(model),
                 )
             sync()
@@ -431,6 +437,21 @@ def main() -> None:
                 f"peak {peak:.1f} GiB gap {m['logprob_gap/max']:.2e}"
                 + (f" nccl {nccl_s:.2f}s" if profile else "")
             )
+            if it == 0 and train_graph and traj.window.shape[1]:
+                # steps of a micro-batch with a row inside its window: each runs the training graph
+                mb = engine_sampling.micro_batch
+                grouped = [
+                    forward_units(traj.window, mb, engine_sampling.unit_block),
+                    [range(r.start, r.stop) for r in micro_batches(n_local, mb)],
+                ]
+                per_unit = [
+                    sum(len({int(i) for r in u for i in traj.window[r]}) for u in units) / len(units)
+                    for units in grouped
+                ]
+                print0(
+                    f"# step 0: {per_unit[0]:.2f} of {sampling.num_steps} steps per micro-batch through the training "
+                    f"graph (rows grouped by window; consecutive rows would give {per_unit[1]:.2f})"
+                )
             if it == 0 and m.get("skipped_steps", 0):
                 print0(
                     f"# warning: {m['skipped_steps']:.0f} optimizer step(s) skipped (non-finite gradient norm)"
