@@ -70,9 +70,9 @@ def forward_units(window: torch.Tensor, size: int, block: int = 0) -> list[torch
     then holds samples whose windows coincide or overlap, so fewer of its steps have any row inside a window;
     with the exact rollout each such step is a forward through the training graph (e.g. per-sample windows of 2
     in steps [0, 5), 32 samples in forwards of 8: 2.6 such steps of 10 on average instead of 4.8 for consecutive
-    rows, by simulation of the draws). Without windows
-    (W = 0) or with one window for all rows the groups are the consecutive rows. Each sample's randomness is its
-    own generator's (rollout.seeds), so the grouping changes no draw; it decides only which rows share a forward.
+    rows, by simulation of the draws). Without windows (W = 0) or with one window for all rows the groups are the
+    consecutive rows. Each sample's randomness is its own generator's (rollout.seeds), so the grouping changes no
+    draw; it decides only which rows share a forward.
 
     block: if > 0, rows are grouped within each run of `block` consecutive rows (SamplingConfig.unit_block: the
     asynchronous mode's rollout serves several trainers, each of which trains whole forwards of its own rows).
