@@ -173,7 +173,7 @@ class RewardStream:
         """The whole batch's RewardOutput, rows in order; every row must have been added exactly once."""
         self._parts += [(idx, self.reward(im, pr, me)) for idx, im, pr, me in self._pending]
         self._pending = []
-        parts = sorted(self._parts, key=lambda p: int(p[0].min()) if len(p[0]) else -1)
+        parts = self._parts
         outs = [p.result() if isinstance(p, cf.Future) else p for _, p in parts]
         idx = np.concatenate([rows for rows, _ in parts]) if parts else np.zeros(0, dtype=np.int64)
         if sorted(idx.tolist()) != list(range(len(self.prompts))) or any(

@@ -83,10 +83,10 @@ def forward_units(window: torch.Tensor, size: int, block: int = 0) -> list[torch
         raise ValueError(f"window must be [B, W], got shape {tuple(window.shape)}")
     n = window.shape[0]
     start = window[:, 0].cpu() if window.shape[1] else torch.zeros(n, dtype=torch.long)
+    span = block if block > 0 else max(n, 1)
     units = []
-    for first in range(0, n, block if block > 0 else max(n, 1)):
-        part = start[first : first + block] if block > 0 else start
-        order = torch.sort(part, stable=True).indices + first
+    for first in range(0, n, span):
+        order = torch.sort(start[first : first + span], stable=True).indices + first
         units += [torch.sort(unit).values for unit in order.split(size)]
     return units
 
