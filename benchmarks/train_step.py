@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import time
 
 import torch
@@ -150,6 +151,12 @@ def main() -> None:
         help="with --reward vlm: the VLM decodes with a preallocated KV cache, so transformers compiles its "
         "decoding step (CUDA graphs) in the warm-up step",
     )
+    ap.add_argument(
+        "--merged-rollout",
+        default="off",
+        help="off, on, or off,on (each in turn, after its own warm-up step): rollout steps with no row in its "
+        "window run merged LoRA weights (model.merged_rollout); needs --shard adapters",
+    )
     ap.add_argument("--iters", type=int, default=2, help="timed steps (after one warm-up step)")
     ap.add_argument(
         "--profile", action="store_true", help="profile the last timed step: time in NCCL kernels"
@@ -171,6 +178,11 @@ def main() -> None:
         ap.error("--reward-stream streams images to --reward vlm; add it (ltx2's clips are scored whole)")
     if args.reward_static_cache and args.reward != "vlm":
         ap.error("--reward-static-cache sets the VLM's cache; add --reward vlm")
+    merged_settings = [s.strip() == "on" for s in args.merged_rollout.split(",")]
+    if any(s.strip() not in ("off", "on") for s in args.merged_rollout.split(",")):
+        ap.error(f"--merged-rollout {args.merged_rollout!r}: use off, on or off,on")
+    if any(merged_settings) and (args.shard != "adapters" or args.full):
+        ap.error("--merged-rollout on merges LoRA into a copy of the unsharded base: add --shard adapters")
     if args.shard == "adapters" and args.full:
         ap.error("--shard adapters shards the LoRA and --full trains every weight; drop one of them")
 
@@ -345,7 +357,7 @@ def main() -> None:
         for b in sorted({micro_batch, n_local % micro_batch} - {0}):
             reward(torch.zeros(b, height, width, 3, dtype=torch.uint8).numpy(), prompts[:b])
 
-    for name in algos:
+    for name, merged_rollout in itertools.product(algos, merged_settings):
         forward_process = name in FORWARD_PROCESS_ALGOS
         # NFT and AWM sample with the ODE and without CFG and train 9 / 6 grid points a sample (their recipes)
         points = args.train_points or {"nft": 9, "awm": 6}.get(name, 2)
@@ -354,7 +366,7 @@ def main() -> None:
         )
         cfg = dataclasses.replace(
             TrainConfig(),
-            model=mcfg,
+            model=dataclasses.replace(mcfg, merged_rollout=merged_rollout),
             sampling=sampling,
             grpo=dataclasses.replace(
                 grpo_cfg,
@@ -367,10 +379,11 @@ def main() -> None:
         )
         optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=1e-4)
         sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1.0)
-        engine = DiffusersEngine(model, train_graph=train_graph)
+        engine = DiffusersEngine(model, train_graph=train_graph, merged_lora=merged_rollout)
         algo = algorithms.build(cfg, params)
         print0(
             f"\n## {name}: CFG {sampling.guidance_scale}"
+            + (", merged LoRA outside the window (rollout)" if merged_rollout else "")
             + (f", {points} points a sample" if forward_process else "")
         )
         rows = []

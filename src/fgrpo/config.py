@@ -61,6 +61,12 @@ class ModelConfig:
     """With compile: run the rollout's SDE-window forwards through the training graph (autograd on, dropped at
     once), so the first update reproduces the rollout's log-probs exactly. Off, the compiled no-grad rollout and
     the training forward differ by ~1e-4 in log-prob and small clip ranges need grpo.old_log_prob='recompute'."""
+    merged_rollout: bool = False
+    """Rollout steps at which no sample of a micro-batch is inside its SDE window (their forwards make states, not
+    trained log-probs) run each LoRA layer as one matmul with a merged bf16 copy of W + (alpha / r) B A, instead of
+    the base matmul plus the adapter's two. The window's forwards keep the adapters, so the trained log-probs keep
+    their bits; the other states differ from the unmerged forward's by rounding. Costs one bf16 copy of every
+    adapted weight during the rollout. Needs model.lora, parallel.shard='adapters' and the diffusers engine."""
 
     @property
     def lora_target_list(self) -> list[str]:
@@ -443,6 +449,14 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
     if g.kl_coef > 0 and not m.lora:
         raise ValueError(
             "grpo.kl_coef>0 needs model.lora=True (the reference is the model with adapters off)"
+        )
+    if m.merged_rollout and not (
+        m.lora and cfg.parallel.shard == "adapters" and cfg.rollout_engine == "diffusers"
+    ):
+        raise ValueError(
+            "model.merged_rollout merges the LoRA into a copy of the frozen base in this process: it needs "
+            "model.lora=True, --parallel.shard adapters and rollout_engine='diffusers'; add them or drop "
+            "--model.merged-rollout"
         )
     if cfg.parallel.shard == "adapters" and not m.lora:
         raise ValueError(

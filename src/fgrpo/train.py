@@ -139,7 +139,11 @@ def _train(
         ),
     )
     engine = build_engine(
-        model, cfg.rollout_engine, cfg.model.path, train_graph=cfg.model.compile and cfg.model.exact_rollout
+        model,
+        cfg.rollout_engine,
+        cfg.model.path,
+        train_graph=cfg.model.compile and cfg.model.exact_rollout,
+        merged_lora=cfg.model.merged_rollout,
     )
     algo = algorithms.build(cfg, params)
 

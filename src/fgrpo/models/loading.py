@@ -8,7 +8,7 @@ import json
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -332,3 +332,71 @@ def adapters_disabled(transformer: Transformer) -> Iterator[None]:
         yield
     finally:
         transformer.enable_adapters()
+
+
+class MergedLora:
+    """bf16 copies of every LoRA layer's merged weight W + (alpha / r) B A, swapped in on demand.
+
+    Inside `active()` each adapted Linear runs one matmul with its merged copy and its adapter is off, instead of
+    the base matmul plus the adapter's two (whose output, as wide as the base layer's, is written and added
+    once more). The copies are made once, from the weights as they are at construction (a rollout's weights do
+    not change while it samples); on leaving, the original weight tensors and the adapters come back untouched,
+    so forwards outside `active()` keep their bits. The merged forward differs from the unmerged one by rounding.
+
+    Needs the frozen base as ordinary tensors (unsharded, or FSDP2 with `parallel.shard='adapters'`); sharded
+    adapters are gathered for the merge (a collective: every rank of the mesh must build it). Plain LoRA only
+    (no DoRA or other variant, no bias on B, no fan_in_fan_out). Memory: one bf16 copy of each adapted weight.
+    """
+
+    def __init__(self, transformer: nn.Module):
+        from peft.tuners.lora import Linear as LoraLinear
+        from torch.distributed.tensor import DTensor
+
+        def full(t: Any) -> torch.Tensor:
+            return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+
+        # (peft layer, its base weight's tensor, the merged copy); peft declares no attribute types, hence Any
+        self.layers: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
+        for name, module in transformer.named_modules():
+            if not isinstance(module, LoraLinear) or module.disable_adapters:
+                continue
+            layer: Any = module
+            weight = layer.get_base_layer().weight
+            if isinstance(weight, DTensor):
+                raise ValueError(
+                    f"model.merged_rollout: the base weight of '{name}' is sharded; add --parallel.shard adapters "
+                    "(the frozen base whole on every rank) or drop --model.merged-rollout"
+                )
+            (adapter,) = layer.active_adapters
+            if (
+                adapter in layer.lora_variant
+                or layer.fan_in_fan_out
+                or layer.lora_B[adapter].bias is not None
+            ):
+                raise ValueError(
+                    f"model.merged_rollout merges plain LoRA; '{name}' has a variant, a bias or fan_in_fan_out"
+                )
+            a, b = full(layer.lora_A[adapter].weight), full(layer.lora_B[adapter].weight)
+            merged = torch.addmm(full(weight).float(), b.float(), a.float(), alpha=layer.scaling[adapter])
+            self.layers.append((layer, weight.data, merged.to(weight.dtype)))
+        if not self.layers:
+            raise ValueError(
+                "model.merged_rollout needs LoRA adapters on the transformer; add them or drop it"
+            )
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Forwards inside run the merged copies with the adapters off (peft's switch, which also freezes the
+        adapter; each parameter's requires_grad is restored as it was)."""
+        trainable = [[p.requires_grad for p in layer.parameters()] for layer, _, _ in self.layers]
+        for layer, _, merged in self.layers:
+            layer.get_base_layer().weight.data = merged
+            layer.enable_adapters(False)
+        try:
+            yield
+        finally:
+            for (layer, original, _), flags in zip(self.layers, trainable, strict=True):
+                layer.get_base_layer().weight.data = original
+                layer.enable_adapters(True)
+                for p, flag in zip(layer.parameters(), flags, strict=True):
+                    p.requires_grad_(flag)

@@ -27,6 +27,7 @@ import torch
 from fgrpo.core import schedule, sde
 from fgrpo.models.base import Cond, FlowModel, cond_index
 from fgrpo.models.common import module_device
+from fgrpo.models.loading import MergedLora
 from fgrpo.policy import transition, transition_log_prob
 from fgrpo.rollout.base import RolloutEngine, SamplingConfig, SleepingEngine, Trajectory
 from fgrpo.rollout.seeds import sample_generator
@@ -159,11 +160,17 @@ class DiffusersEngine:
     trainer runs them, and drop the graph at once. Compiled, a no-grad and a grad forward are two graphs whose
     kernels round differently (~1e-4 in log-prob); through the training graph the first update's forward
     reproduces the rollout's log-probs bit for bit. Eager, both modes give the same bits.
+
+    merged_lora: steps at which no row of a micro-batch is inside its SDE window (their forwards make states,
+    not trained log-probs) run each LoRA layer as one matmul with a merged bf16 copy (`MergedLora`, made once per
+    call); the window's forwards keep the adapters, so the trained log-probs keep their bits. Those states then
+    differ from the unmerged forward's by rounding.
     """
 
-    def __init__(self, model: FlowModel, *, train_graph: bool = False):
+    def __init__(self, model: FlowModel, *, train_graph: bool = False, merged_lora: bool = False):
         self.model = model
         self.train_graph = train_graph
+        self.merged_lora = merged_lora
 
     @torch.no_grad()
     def generate(
@@ -225,61 +232,81 @@ class DiffusersEngine:
         means = torch.zeros(B, W, *shape, device=device)
         x0 = torch.zeros(B, *shape, device=device)
         images, image_rows = [], []
-        for rows in forward_units(window, cfg.micro_batch, cfg.unit_block):
-            x = x_init[rows].to(device)
-            c = cond_index(cond, rows)
-            m = x.shape[0]
-            x0_prev = None
-            for i in range(last + 1 if flash else T):
-                sigma, sigma_next = sigmas[i].expand(m), sigmas[i + 1].expand(m)
-                sde_rows = in_window[rows, i]  # [m] bool
-                if not sde_rows.any():
-                    x, _ = transition(model, x, sigma, sigma_next, c, cfg, stochastic=False)
-                    continue
-                with torch.enable_grad() if self.train_graph else contextlib.nullcontext():
-                    v = model.velocity(x, sigma, c, guidance_scale=cfg.guidance_scale).detach()
-                if flash and i == last:
-                    x0_prev = sde.x0_prediction(x, v, sigma)
-                given = _GivenVelocity(v)
-                mean, std = transition(given, x, sigma, sigma_next, c, cfg, stochastic=True)
-                noise = torch.stack(
-                    [
-                        torch.randn(shape, generator=gens[b]) if sde_rows[k] else torch.zeros(shape)
-                        for k, b in enumerate(rows.tolist())
-                    ]
-                ).to(device)
-                x_sde = sde.sample(mean, std, noise)
-                lp = sde.log_prob(x_sde, mean, std)  # [m], same call and shapes as transition_log_prob
-                if sde_rows.all():
-                    x_new = x_sde
-                else:
-                    x_ode, _ = transition(given, x, sigma, sigma_next, c, cfg, stochastic=False)
-                    keep = sde_rows.to(device).view(m, *([1] * len(shape)))
-                    x_new = torch.where(keep, x_sde, x_ode)
-                for k in sde_rows.nonzero().flatten().tolist():
-                    b = int(rows[k])
-                    j = i - int(window[b, 0])  # windows are consecutive steps
-                    x_t[b, j], x_next[b, j], log_prob[b, j], means[b, j] = x[k], x_new[k], lp[k], mean[k]
-                x = x_new
-            if flash:
-                # The solver's history is seeded with the window's last x0 prediction (taken before its SDE
-                # noise), so the tail's first step is already second order, as in MixGRPO's "post" strategy
-                # where the window's steps update the solver state; the step to sigma = 0 is first order.
-                sigma_prev = sigmas[last].expand(m)
-                for k in range(len(tail) - 1):
-                    sigma, sigma_next = tail[k].expand(m), tail[k + 1].expand(m)
-                    v = model.velocity(x, sigma, c, guidance_scale=cfg.guidance_scale)
-                    x0_pred = sde.x0_prediction(x, v, sigma)
-                    x = sde.dpmpp_2m_step(x, x0_pred, x0_prev, sigma_prev, sigma, sigma_next)
-                    x0_prev, sigma_prev = x0_pred, sigma
-            x0[rows.to(device)] = x
-            images.append(model.decode(x, cfg.height, cfg.width))
-            image_rows.append(rows)
-            if on_images is not None:
-                extra = getattr(model, "reward_metadata", None)
-                on_images(
-                    rows.numpy(), images[-1].cpu().numpy(), extra(x, cfg.height, cfg.width) if extra else None
-                )
+        merged = MergedLora(model.transformer) if self.merged_lora else None
+        span = contextlib.ExitStack()  # holds merged.active() over a run of steps with no row in its window
+        merging = False
+
+        def outside_window(on: bool) -> None:
+            nonlocal merging
+            if merged is not None and on and not merging:
+                span.enter_context(merged.active())
+            elif merging and not on:
+                span.close()
+            merging = merged is not None and on
+
+        try:
+            for rows in forward_units(window, cfg.micro_batch, cfg.unit_block):
+                x = x_init[rows].to(device)
+                c = cond_index(cond, rows)
+                m = x.shape[0]
+                x0_prev = None
+                for i in range(last + 1 if flash else T):
+                    sigma, sigma_next = sigmas[i].expand(m), sigmas[i + 1].expand(m)
+                    sde_rows = in_window[rows, i]  # [m] bool
+                    outside_window(not sde_rows.any())
+                    if not sde_rows.any():
+                        x, _ = transition(model, x, sigma, sigma_next, c, cfg, stochastic=False)
+                        continue
+                    with torch.enable_grad() if self.train_graph else contextlib.nullcontext():
+                        v = model.velocity(x, sigma, c, guidance_scale=cfg.guidance_scale).detach()
+                    if flash and i == last:
+                        x0_prev = sde.x0_prediction(x, v, sigma)
+                    given = _GivenVelocity(v)
+                    mean, std = transition(given, x, sigma, sigma_next, c, cfg, stochastic=True)
+                    noise = torch.stack(
+                        [
+                            torch.randn(shape, generator=gens[b]) if sde_rows[k] else torch.zeros(shape)
+                            for k, b in enumerate(rows.tolist())
+                        ]
+                    ).to(device)
+                    x_sde = sde.sample(mean, std, noise)
+                    lp = sde.log_prob(x_sde, mean, std)  # [m], same call and shapes as transition_log_prob
+                    if sde_rows.all():
+                        x_new = x_sde
+                    else:
+                        x_ode, _ = transition(given, x, sigma, sigma_next, c, cfg, stochastic=False)
+                        keep = sde_rows.to(device).view(m, *([1] * len(shape)))
+                        x_new = torch.where(keep, x_sde, x_ode)
+                    for k in sde_rows.nonzero().flatten().tolist():
+                        b = int(rows[k])
+                        j = i - int(window[b, 0])  # windows are consecutive steps
+                        x_t[b, j], x_next[b, j], log_prob[b, j], means[b, j] = x[k], x_new[k], lp[k], mean[k]
+                    x = x_new
+                if flash:
+                    # The solver's history is seeded with the window's last x0 prediction (taken before its SDE
+                    # noise), so the tail's first step is already second order, as in MixGRPO's "post" strategy
+                    # where the window's steps update the solver state; the step to sigma = 0 is first order.
+                    sigma_prev = sigmas[last].expand(m)
+                    outside_window(True)
+                    for k in range(len(tail) - 1):
+                        sigma, sigma_next = tail[k].expand(m), tail[k + 1].expand(m)
+                        v = model.velocity(x, sigma, c, guidance_scale=cfg.guidance_scale)
+                        x0_pred = sde.x0_prediction(x, v, sigma)
+                        x = sde.dpmpp_2m_step(x, x0_pred, x0_prev, sigma_prev, sigma, sigma_next)
+                        x0_prev, sigma_prev = x0_pred, sigma
+                outside_window(False)
+                x0[rows.to(device)] = x
+                images.append(model.decode(x, cfg.height, cfg.width))
+                image_rows.append(rows)
+                if on_images is not None:
+                    extra = getattr(model, "reward_metadata", None)
+                    on_images(
+                        rows.numpy(),
+                        images[-1].cpu().numpy(),
+                        extra(x, cfg.height, cfg.width) if extra else None,
+                    )
+        finally:
+            span.close()  # the adapters and original weights back, whatever happened
         stacked = torch.cat(images)
         ordered = torch.empty_like(stacked)
         ordered[torch.cat(image_rows).to(stacked.device)] = stacked
@@ -372,15 +399,20 @@ def minibatch_rows(
 
 
 def build_engine(
-    model: FlowModel, engine: str, model_path: str, *, train_graph: bool = False
+    model: FlowModel,
+    engine: str,
+    model_path: str,
+    *,
+    train_graph: bool = False,
+    merged_lora: bool = False,
 ) -> RolloutEngine:
-    """The configured rollout engine: this process's diffusers modules (train_graph: see DiffusersEngine), or
-    vLLM-Omni with its own weights."""
+    """The configured rollout engine: this process's diffusers modules (train_graph, merged_lora: see
+    DiffusersEngine), or vLLM-Omni with its own weights."""
     if engine == "vllm_omni":
         from fgrpo.rollout.vllm_omni import VllmOmniEngine
 
         return VllmOmniEngine(model_path, enable_sleep_mode=True)
-    return DiffusersEngine(model, train_graph=train_graph)
+    return DiffusersEngine(model, train_graph=train_graph, merged_lora=merged_lora)
 
 
 @torch.no_grad()
