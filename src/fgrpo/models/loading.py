@@ -343,12 +343,15 @@ class MergedLora:
     not change while it samples); on leaving, the original weight tensors and the adapters come back untouched,
     so forwards outside `active()` keep their bits. The merged forward differs from the unmerged one by rounding.
 
+    targets: merge only the LoRA layers whose module name is one of these or ends in "." + one of them (a model's
+    `merge_targets`: those whose inputs hold many tokens); empty: all of them.
+
     Needs the frozen base as ordinary tensors (unsharded, or FSDP2 with `parallel.shard='adapters'`); sharded
     adapters are gathered for the merge (a collective: every rank of the mesh must build it). Plain LoRA only
     (no DoRA or other variant, no bias on B, no fan_in_fan_out). Memory: one bf16 copy of each adapted weight.
     """
 
-    def __init__(self, transformer: nn.Module):
+    def __init__(self, transformer: nn.Module, targets: Sequence[str] = ()):
         from peft.tuners.lora import Linear as LoraLinear
         from torch.distributed.tensor import DTensor
 
@@ -359,6 +362,8 @@ class MergedLora:
         self.layers: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
         for name, module in transformer.named_modules():
             if not isinstance(module, LoraLinear) or module.disable_adapters:
+                continue
+            if targets and not any(name == s or name.endswith("." + s) for s in targets):
                 continue
             layer: Any = module
             weight = layer.get_base_layer().weight
@@ -381,7 +386,8 @@ class MergedLora:
             self.layers.append((layer, weight.data, merged.to(weight.dtype)))
         if not self.layers:
             raise ValueError(
-                "model.merged_rollout needs LoRA adapters on the transformer; add them or drop it"
+                f"model.merged_rollout found no LoRA layer to merge (targets {list(targets) or 'all'}); add LoRA "
+                "or drop it"
             )
 
     @contextlib.contextmanager

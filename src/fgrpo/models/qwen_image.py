@@ -70,6 +70,9 @@ QWEN_IMAGE_LORA_TARGETS = (
     "txt_mlp.net.0.proj",
     "txt_mlp.net.2",
 )
+# Those of the image stream, whose inputs hold every image token: the layers a merged rollout
+# (model.merged_rollout) merges. The text stream's carry the prompt's few tokens; their adapters cost little.
+QWEN_IMAGE_IMAGE_STREAM_LORA = ("to_q", "to_k", "to_v", "to_out.0", "img_mlp.net.0.proj", "img_mlp.net.2")
 # Qwen/Qwen-Image's scheduler/scheduler_config.json, the keys that differ from FlowMatchEulerDiscreteScheduler's
 # defaults. A loaded model reads its own file; a model built in code (the tiny one) is given this.
 SCHEDULER_CONFIG: dict[str, Any] = {
@@ -119,6 +122,10 @@ def unpack(x: torch.Tensor, h: int, w: int) -> torch.Tensor:
 
 class QwenImage:
     """Qwen-Image (text encoder, transformer, VAE) as a FlowModel. Weights are frozen; LoRA goes on later."""
+
+    merge_targets = (
+        QWEN_IMAGE_IMAGE_STREAM_LORA  # what model.merged_rollout merges (rollout.engine.MergedLora)
+    )
 
     def __init__(
         self,

@@ -232,7 +232,9 @@ class DiffusersEngine:
         means = torch.zeros(B, W, *shape, device=device)
         x0 = torch.zeros(B, *shape, device=device)
         images, image_rows = [], []
-        merged = MergedLora(model.transformer) if self.merged_lora else None
+        merged = (
+            MergedLora(model.transformer, getattr(model, "merge_targets", ())) if self.merged_lora else None
+        )
         span = contextlib.ExitStack()  # holds merged.active() over a run of steps with no row in its window
         merging = False
 
