@@ -37,8 +37,8 @@ class Recording(DiffusersEngine):
 
     seen: list = []
 
-    def generate(self, prompts, seeds, cfg, **kw):
-        traj = super().generate(prompts, seeds, cfg, **kw)
+    def generate(self, prompts, seeds, cfg, *a, **kw):
+        traj = super().generate(prompts, seeds, cfg, *a, **kw)
         Recording.seen.append((cfg, traj))
         return traj
 
@@ -56,7 +56,9 @@ def test_each_algorithm_trains_end_to_end(tmp_path, name, recording):
     m = train_mod.train(cfg_for(tmp_path, name, window_iters=1))
     assert m["train/skipped_steps"] == 0 and m["train/optimizer_steps"] == 2
     assert all(torch.isfinite(torch.tensor(v)) for k, v in m.items() if k.startswith("train/"))
-    w1 = checkpoint._read_tensors(checkpoint.latest(tmp_path / "e2e" / "checkpoints") / "model.safetensors")
+    latest = checkpoint.latest(tmp_path / "e2e" / "checkpoints")
+    assert latest is not None
+    w1 = checkpoint._read_tensors(latest / "model.safetensors")
     assert max(t.abs().max().item() for k, t in w1.items() if "lora_B" in k) > 0  # B starts at 0: it trained
     cfgs = [c for c, _ in recording]
     if name in ("nft", "awm"):  # ODE rollouts, no window, clean latents kept
@@ -92,10 +94,10 @@ def test_nft_samples_with_the_ema_and_the_ema_follows_core_ema(tmp_path, monkeyp
     sampled = []
 
     class Weighing(DiffusersEngine):
-        def generate(self, prompts, seeds, cfg, **kw):
+        def generate(self, prompts, seeds, cfg, *a, **kw):
             ps = [p for p in self.model.transformer.parameters() if p.requires_grad]
             sampled.append([algorithms._local(p).detach().clone() for p in ps])
-            return super().generate(prompts, seeds, cfg, **kw)
+            return super().generate(prompts, seeds, cfg, *a, **kw)
 
     monkeypatch.setattr(train_mod, "build_engine", lambda model, engine, path, **kw: Weighing(model))
     calls = []
@@ -135,6 +137,7 @@ def test_nft_resume_is_exact_including_the_ema(tmp_path):
     train_mod.train(resumed)
     a = checkpoint.latest(tmp_path / "a" / "e2e" / "checkpoints")
     b = checkpoint.latest(tmp_path / "b" / "e2e" / "checkpoints")
+    assert a is not None and b is not None
     for f in ("model.safetensors", "tensors_rank0.safetensors"):
         ta, tb = checkpoint._read_tensors(a / f), checkpoint._read_tensors(b / f)
         assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta), f
@@ -174,6 +177,7 @@ def test_every_algorithm_preset_validates_and_keeps_the_base_budget():
     spec = importlib.util.spec_from_file_location(
         "qwen_image_ocr", ROOT / "experiments" / "qwen_image_ocr.py"
     )
+    assert spec is not None and spec.loader is not None
     m = importlib.util.module_from_spec(spec)
     sys.modules["qwen_image_ocr"] = m
     spec.loader.exec_module(m)
@@ -201,9 +205,13 @@ def test_training_points_do_not_depend_on_the_batch_a_sample_is_in(shared):
     def gen():
         return torch.Generator().manual_seed(5)
 
-    full = algorithms.draw_points(traj, 3, (0, 10), gen(), shared=shared)
+    full = algorithms.draw_points(traj, 3, (0, 10), gen(), shared=shared)  # pyright: ignore[reportArgumentType] - a stand-in with the fields draw_points reads
     part = algorithms.draw_points(
-        SimpleNamespace(x0=x0[3:], seeds=traj.seeds[3:], sigmas=traj.sigmas), 3, (0, 10), gen(), shared=shared
+        SimpleNamespace(x0=x0[3:], seeds=traj.seeds[3:], sigmas=traj.sigmas),  # pyright: ignore[reportArgumentType] - a stand-in with the fields draw_points reads
+        3,
+        (0, 10),
+        gen(),
+        shared=shared,
     )
     assert torch.equal(part.noise, full.noise[3:]) and torch.equal(part.sigma, full.sigma[3:])
     assert not torch.equal(full.noise[0], full.noise[1])  # different samples, different noise

@@ -125,6 +125,7 @@ def test_staleness_0_is_the_synchronous_run_bit_for_bit(sync_run, tmp_path):
         assert not any(k.startswith("train/offpolicy/") for k in b)
     assert _same_numbers(sync_rows[STEPS], rows[STEPS], min_keys=2) == []
     assert [r.get("val/version") for r in rows[:STEPS]] == [0, None, 2]
+    one = {}  # rebound by the loop (STEPS >= 1)
     for step in range(1, STEPS + 1):
         one, two = _weights(sync_out, step), _weights(tmp_path, step)
         assert one.keys() == two.keys() and len(one) > 0

@@ -33,6 +33,13 @@ def _build(seed: int):
     return model, opt, sched
 
 
+def _linear(model: nn.Sequential, i: int) -> nn.Linear:
+    """Layer i of `_build`'s model (nn.Sequential's indexing is typed as returning any Module)."""
+    layer = model[i]
+    assert isinstance(layer, nn.Linear)
+    return layer
+
+
 def _train(model, opt, sched, n: int) -> None:
     """n steps on batches drawn, like the trainer's, from a generator seeded by the step (sched counts them), so a
     resume needs no RNG state."""
@@ -67,7 +74,8 @@ def test_resume_is_bit_exact(tmp_path):
     _train(model, opt, sched, 3)
     ckpt.save(tmp_path, 3, model=model, optimizer=opt, lr_scheduler=sched, extra_state={"data_pos": 15})
     model2, opt2, sched2 = _build(123)
-    model2[0].weight.data.copy_(model[0].weight)  # the frozen base comes from the pretrained load
+    # the frozen base comes from the pretrained load
+    _linear(model2, 0).weight.data.copy_(_linear(model, 0).weight)
     _seed_all(999)
     step, extra = ckpt.load(tmp_path, model=model2, optimizer=opt2, lr_scheduler=sched2)
     assert (step, extra) == (3, {"data_pos": 15})
@@ -109,9 +117,9 @@ def test_files_hold_trainable_weights_and_no_pickle(tmp_path):
     assert path == tmp_path / "step_000007"
     weights = load_file(path / "model.safetensors")
     assert set(weights) == {"0.bias", "2.weight", "2.bias"}
-    assert torch.equal(weights["2.weight"], model[2].weight)
+    assert torch.equal(weights["2.weight"], _linear(model, 2).weight)
     o = load_file(path / "optimizer.safetensors")
-    assert torch.equal(o["state/2.weight/exp_avg"], opt.state[model[2].weight]["exp_avg"])
+    assert torch.equal(o["state/2.weight/exp_avg"], opt.state[_linear(model, 2).weight]["exp_avg"])
     assert o["state/2.weight/step"].item() == 1.0
     assert json.loads((path / "meta.json").read_text())["step"] == 7
     assert not list(path.glob("rng_*"))  # the seeded generators make RNG state redundant
@@ -334,7 +342,7 @@ def _qwen_inputs(b=2, h=4, w=4, txt=5, dim=32):
 
 def test_export_lora_loads_in_diffusers(tmp_path):
     pytest.importorskip("diffusers")
-    from diffusers import QwenImagePipeline
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
 
     from fgrpo.models import tiny
     from fgrpo.models.loading import QWEN_IMAGE_LORA_TARGETS, add_lora
@@ -371,7 +379,7 @@ def test_export_lora_loads_in_diffusers(tmp_path):
 
 def test_export_lora_loads_in_sd3_pipeline(tmp_path):
     pytest.importorskip("diffusers")
-    from diffusers import StableDiffusion3Pipeline
+    from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import StableDiffusion3Pipeline
 
     from fgrpo.models import tiny
     from fgrpo.models.loading import SD3_LORA_TARGETS, add_lora
@@ -466,7 +474,7 @@ def test_unreadable_files_of_unverifiable_checkpoints_are_wrapped(tmp_path):
     model2, opt2, sched2 = _build(3)
     with pytest.warns(UserWarning, match="cannot be verified"):
         assert ckpt.load(path, model=model2, optimizer=opt2, lr_scheduler=sched2) == (1, {"v": 1})
-    assert torch.equal(model2[2].weight, model[2].weight)
+    assert torch.equal(_linear(model2, 2).weight, _linear(model, 2).weight)
 
     (path / "optimizer.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage")
     with pytest.warns(UserWarning), pytest.raises(ckpt.CheckpointError, match=r"optimizer\.safetensors"):

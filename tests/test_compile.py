@@ -7,6 +7,7 @@ inductor does without generating kernels, so this runs in seconds.
 """
 
 import dataclasses
+from typing import Literal
 
 import pytest
 import torch
@@ -20,7 +21,9 @@ from fgrpo.rollout.base import SamplingConfig
 from fgrpo.rollout.engine import DiffusersEngine
 
 
-def _compiled_tiny_setup(*, dtype: str, backend: str, clip_range: float = GRPOConfig().clip_range):
+def _compiled_tiny_setup(
+    *, dtype: Literal["bf16", "fp32"], backend: str, clip_range: float = GRPOConfig().clip_range
+):
     """Tiny Qwen-Image with LoRA, regional compile on `backend`, FSDP2 world of one, and the trainer's config:
     (model, params, optimizer, lr scheduler, train config)."""
     torch._dynamo.reset()

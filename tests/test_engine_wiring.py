@@ -67,9 +67,9 @@ def test_group_init_noise_reaches_the_engine(tmp_path, monkeypatch):
     seen = []
 
     class Capturing(DiffusersEngine):
-        def generate(self, prompts, seeds, cfg, init_seeds=None, **kw):
+        def generate(self, prompts, seeds, cfg, init_seeds=None, *a, **kw):
             seen.append(init_seeds)
-            return super().generate(prompts, seeds, cfg, init_seeds=init_seeds, **kw)
+            return super().generate(prompts, seeds, cfg, init_seeds, *a, **kw)
 
     monkeypatch.setattr(train_mod, "build_engine", lambda model, engine, path, **kw: Capturing(model))
     base = Config()

@@ -16,6 +16,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
 
 def load(path: Path):
     spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
     spec.loader.exec_module(module)
@@ -182,6 +183,7 @@ def test_qwen_image_edit_rows_are_deterministic_and_legible(tmp_path):
     rows = load_prompts(a, require_quoted=True)
     assert [extract_target(r) for r in rows] == ["HOUSE", "RIVER", "CAT", "DOG"]
     assert all(isinstance(r, ImagePrompt) for r in rows)
+    assert isinstance(rows[0], ImagePrompt)
     image = np.asarray(Image.open(rows[0].image).convert("RGB"))[None]
     assert "CAT" in RapidOcrEngine().recognize(image)[0].upper().replace(" ", "")
 

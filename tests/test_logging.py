@@ -7,6 +7,7 @@ import io
 import json
 import math
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import pytest
@@ -123,6 +124,8 @@ def test_image_grid_layout_pixels_and_captions():
 
 
 def test_reward_curve_plots_both_series_with_labels_and_legend_off_the_data(tmp_path):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
     rows = [{"step": s, "reward/mean": 0.1 * s} for s in range(10)]
     rows += [{"step": s, "val/reward_mean": 1.0 - 0.1 * s} for s in (0, 4, 8)]
     rows += [{"step": 9, "reward/mean": 0.95}]  # a resumed run re-logs a step: the later row wins
@@ -135,12 +138,16 @@ def test_reward_curve_plots_both_series_with_labels_and_legend_off_the_data(tmp_
     (ax,) = fig.axes
     train, held = ax.get_lines()
     assert (train.get_label(), held.get_label()) == ("train (reward/mean)", "held-out (val/reward_mean)")
-    np.testing.assert_allclose(held.get_xydata(), [[0, 1.0], [4, 0.6], [8, 0.2]])
-    assert math.isnan(train.get_ydata()[-1])
+    # Line2D's data getters return arrays here (curve_figure plots arrays); matplotlib types them as ArrayLike
+    np.testing.assert_allclose(cast(np.ndarray, held.get_xydata()), [[0, 1.0], [4, 0.6], [8, 0.2]])
+    assert math.isnan(cast(np.ndarray, train.get_ydata())[-1])
     assert ax.get_xlabel() == "step" and ax.get_ylabel() == "reward"
     fig.canvas.draw()
+    assert isinstance(fig.canvas, FigureCanvasAgg)  # curve_figure draws on Agg
     renderer = fig.canvas.get_renderer()
-    legend, axes = ax.get_legend().get_window_extent(renderer), ax.get_window_extent(renderer)
+    leg = ax.get_legend()
+    assert leg is not None
+    legend, axes = leg.get_window_extent(renderer), ax.get_window_extent(renderer)
     assert legend.x0 > axes.x1  # right of the plot area: it covers no data
 
     path = flog.plot_reward_curve(tmp_path / "curve.png", rows)
@@ -250,6 +257,7 @@ def test_wandb_offline_writes_a_run_dir(tmp_path, monkeypatch):
         run: Run = field(default_factory=Run)
 
     logger = flog.make_logger(Cfg(), tmp_path / "run", experiment_source="x = 1\n")
+    assert isinstance(logger, flog.Logger)  # enabled: not the NullLogger
     assert logger.wandb_run is not None
     _exercise(logger)
     runs = list((tmp_path / "run").rglob("offline-run-*"))

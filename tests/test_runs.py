@@ -85,6 +85,7 @@ def test_a_second_writer_is_refused_while_the_first_holds_the_lock(tmp_path):
         text=True,
     )
     try:
+        assert holder.stdout is not None  # stdout=PIPE
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(RunDirError, match=rf"in use by pid {holder.pid}"):
             RunDir(tmp_path / "e2e").lock()
@@ -127,11 +128,12 @@ def test_resume_auto_without_a_checkpoint_says_so_and_keeps_one_row_per_step(tmp
 def test_resume_falls_back_past_a_corrupt_checkpoint(done):
     tmp_path = done
     newest = checkpoint.latest(tmp_path / "e2e" / "checkpoints")
+    assert newest is not None
     data = (newest / "model.safetensors").read_bytes()
     (newest / "model.safetensors").write_bytes(data[: len(data) // 2])  # truncated
     with pytest.warns(UserWarning, match="step_000002"):
         path = RunDir(tmp_path / "e2e").start(cfg_for(tmp_path, resume="auto"), is_main=True, say=print)
-    assert path.name == "step_000001"
+    assert path is not None and path.name == "step_000001"
     RunDir(tmp_path / "e2e").unlock()
     # the skipped checkpoint is set aside: the run redoes step 2, and keep_last must not keep the damaged one
     assert [s for s, _ in checkpoint.list_checkpoints(tmp_path / "e2e" / "checkpoints")] == [1]

@@ -164,6 +164,7 @@ def test_committed_checkpoint_renders_heldout_words_ocr_reads_exactly(name):
 def _pretraining():
     path = Path(__file__).resolve().parents[1] / "experiments" / "pretrain_textbed.py"
     spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
     spec.loader.exec_module(module)
@@ -190,7 +191,7 @@ def test_pretraining_ema_is_the_hand_written_recipe_ema():
                 p.add_(torch.randn(p.shape, generator=g))
         pt.update_ema(ema, model, cfg, k)
         d = min(0.3, (1 + k) / (10 + k))
-        torch._foreach_lerp_(ref, [p.detach() for p in params], 1 - d)
+        torch._foreach_lerp_(ref, [p.detach() for p in params], 1 - d)  # pyright: ignore[reportPrivateImportUsage] - torch does not re-export it
         closed = [d * c + (1 - d) * p.detach().double() for c, p in zip(closed, params)]
     averaged = list(ema.module.parameters())
     assert len(averaged) == len(ref) and all(torch.equal(a, r) for a, r in zip(averaged, ref))
@@ -204,6 +205,7 @@ def test_sd3_renderer_has_sd35_medium_structure_and_trains_with_fgrpo(tmp_path):
     """arch='sd3' builds diffusers' SD3Transformer2DModel with SD3.5-M's pieces (qk RMS-norm, dual attention in
     the first half), and the renderer goes through fgrpo's loop as it is: load by config.json, LoRA on SD3's
     attention projections, two Flow-GRPO steps that change the adapters, the adapter exported."""
+    from diffusers.models.attention import JointTransformerBlock
     from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
 
     from fgrpo.models.loading import SD3_LORA_TARGETS
@@ -213,7 +215,9 @@ def test_sd3_renderer_has_sd35_medium_structure_and_trains_with_fgrpo(tmp_path):
     t = model.transformer
     assert isinstance(t, SD3Transformer2DModel)
     assert [b.attn2 is not None for b in t.transformer_blocks] == [True, False]
-    assert t.transformer_blocks[0].attn.norm_q.__class__.__name__ == "RMSNorm"
+    block = t.transformer_blocks[0]
+    assert isinstance(block, JointTransformerBlock)
+    assert block.attn.norm_q.__class__.__name__ == "RMSNorm"
     tb.save_textbed(model, tmp_path / "renderer")
     assert tb.load_textbed(tmp_path / "renderer").cfg.arch == "sd3"
 

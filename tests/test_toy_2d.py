@@ -15,6 +15,7 @@ _PATH = Path(__file__).resolve().parents[1] / "experiments" / "toy_2d.py"
 @pytest.fixture(scope="module")
 def toy():
     spec = importlib.util.spec_from_file_location("toy_2d", _PATH)
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules["toy_2d"] = module  # dataclasses resolve string annotations through sys.modules
     spec.loader.exec_module(module)

@@ -108,6 +108,7 @@ def test_kill_and_resume_is_bit_exact(tmp_path):
     deadline = time.time() + 600
     while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
+    assert proc.stderr is not None  # stderr=PIPE
     assert ckpt.exists(), proc.stderr.read().decode()[-3000:] if proc.poll() is not None else "timed out"
     proc.send_signal(signal.SIGKILL)
     proc.wait()

@@ -95,6 +95,7 @@ def test_zero_advantages_and_unit_ratio():
     lw = torch.randn(4, requires_grad=True)
     loss, m = awm_loss(lw, lw.detach(), torch.zeros(4))
     loss.backward()
+    assert lw.grad is not None
     assert loss.item() == 0.0 and torch.equal(lw.grad, torch.zeros(4))
     assert m["ratio_mean"] == 1 and m["clip_frac"] == 0
 

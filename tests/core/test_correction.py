@@ -2,6 +2,7 @@
 boundaries, finiteness, no gradient."""
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -61,7 +62,7 @@ def test_rejection_mask_oracle():
     token k3 >= 0.05 (lower only matters with a bound below): upper 1, lower 0.05 -> [[0, 1], [1, 0]]
     """
     lw = _lw()
-    cases = [
+    cases: list[tuple[dict[str, Any], list[list[int]]]] = [
         (dict(estimator="k2", level="token", upper=0.2), [[1, 1], [0, 1]]),
         (dict(estimator="k1", level="seq_sum", upper=0.6, lower=-0.6), [[1, 1], [0, 0]]),
         (dict(estimator="k1", level="seq_mean", upper=0.6, lower=-0.6), [[1, 1], [1, 1]]),
@@ -283,6 +284,7 @@ def test_weight_none_is_the_unweighted_loss_bit_for_bit(b, seed):
     assert torch.equal(loss.detach(), reference) and torch.equal(loss1, loss)
     loss.backward()
     loss1.backward()
+    assert lp.grad is not None and lp1.grad is not None
     assert torch.equal(lp.grad, lp1.grad)
 
 

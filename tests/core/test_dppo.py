@@ -125,6 +125,7 @@ def test_mask_blocks_the_gradient_and_nothing_flows_through_the_means():
     old_log_prob = old_log_prob.clone().requires_grad_(True)
     loss, _ = dppo_loss(log_prob, old_log_prob, mean, old_mean, std, adv, tau=0.1)
     loss.backward()
+    assert log_prob.grad is not None
     assert log_prob.grad[0] == 0  # the dropped entry
     assert mean.grad is None  # D only gates; it is not a penalty
     assert old_log_prob.grad is None
@@ -170,6 +171,7 @@ def test_zero_advantages_give_zero_loss_and_gradient():
     loss, m = dppo_loss(log_prob, old_log_prob, mean, old_mean, std, torch.zeros(3), tau=0.0)
     loss.backward()
     assert loss.item() == 0.0 and m["masked_frac"] == 0
+    assert log_prob.grad is not None
     assert torch.equal(log_prob.grad, torch.zeros(3))
 
 

@@ -1,5 +1,7 @@
 """fgrpo.core.ema: the references' decay schedules by hand, and the in-place EMA update."""
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -31,7 +33,7 @@ def test_decay_schedules_by_hand(step, kwargs, expected):
 
 def test_decay_bad_inputs():
     for kwargs in ({"step": -1}, {"delay": -1}, {"rate": -0.1}, {"max_decay": 1.5}):
-        args = {"step": 0, "rate": 0.001, "max_decay": 0.5} | kwargs
+        args: dict[str, Any] = {"step": 0, "rate": 0.001, "max_decay": 0.5} | kwargs
         with pytest.raises(ValueError, match="ema_decay needs"):
             ema_decay(**args)
 

@@ -17,7 +17,7 @@ INTS = st.integers(-5, 5)
 
 
 @st.composite
-def grouped_rewards(draw, values=INTS):
+def grouped_rewards(draw, values: st.SearchStrategy[float] = INTS):
     g = draw(st.integers(1, 6))
     n = draw(st.integers(1, 5))
     r = draw(st.lists(values, min_size=g * n, max_size=g * n))
@@ -86,7 +86,7 @@ def test_advantages_bad_inputs():
     with pytest.raises(ValueError, match="groups of 4"):
         grpo.group_advantages(torch.zeros(6), 4)
     with pytest.raises(ValueError, match="std"):
-        grpo.group_advantages(torch.zeros(4), 2, std="batch")
+        grpo.group_advantages(torch.zeros(4), 2, std="batch")  # pyright: ignore[reportArgumentType] - deliberately invalid
 
 
 # --- clipped policy loss ------------------------------------------------------------------------------------

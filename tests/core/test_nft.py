@@ -89,7 +89,7 @@ def _random(seed, B=5, n=7):
 def test_matches_a_slow_loop(seed, beta):
     args = _random(seed)
     loss, _ = nft_loss(*args, beta=beta, scale=3.0)
-    ref = _slow_nft(*[a.tolist() for a in args], beta, 3.0)
+    ref = _slow_nft(*[a.tolist() for a in args], beta=beta, scale=3.0)
     assert loss.item() == pytest.approx(ref, rel=1e-5)
 
 

@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
+from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 
 from fgrpo.core import schedule
 from fgrpo.models import qwen_image, sd3
@@ -21,17 +21,21 @@ SD35_SHIFT = SD35_SCHEDULER["shift"]
 def _diffusers_qwen(num_steps, image_seq_len):
     """What QwenImagePipeline.__call__ does (diffusers 0.40, step 5 "Prepare timesteps")."""
     scheduler = FlowMatchEulerDiscreteScheduler.from_config(QWEN_IMAGE_SCHEDULER)
+    assert isinstance(scheduler, FlowMatchEulerDiscreteScheduler)  # not the (scheduler, unused kwargs) pair
     sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
     c = scheduler.config
-    mu = calculate_shift(image_seq_len, c.base_image_seq_len, c.max_image_seq_len, c.base_shift, c.max_shift)
+    mu = calculate_shift(image_seq_len, c.base_image_seq_len, c.max_image_seq_len, c.base_shift, c.max_shift)  # pyright: ignore[reportAttributeAccessIssue] - a FrozenDict: keys are attributes
     retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=sigmas, mu=mu)
+    assert isinstance(scheduler.sigmas, torch.Tensor)
     return scheduler.sigmas
 
 
 def _diffusers_sd3(num_steps, config=SD35_SCHEDULER):
     """What StableDiffusion3Pipeline.__call__ does: no custom sigmas, no dynamic shifting."""
     scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
+    assert isinstance(scheduler, FlowMatchEulerDiscreteScheduler)  # not the (scheduler, unused kwargs) pair
     retrieve_timesteps(scheduler, num_steps, "cpu")
+    assert isinstance(scheduler.sigmas, torch.Tensor)
     return scheduler.sigmas
 
 

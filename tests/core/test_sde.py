@@ -1,10 +1,12 @@
 """fgrpo.core.sde: log-density against torch.distributions, Euler limits, and closed-form marginals."""
 
 import math
+from typing import cast
 
 import pytest
 import torch
-from diffusers import DPMSolverMultistepScheduler
+from diffusers.schedulers.scheduling_dpmsolver_multistep import DPMSolverMultistepScheduler
+from diffusers.schedulers.scheduling_utils import SchedulerOutput
 
 from fgrpo.core import sde
 
@@ -135,7 +137,7 @@ def test_bf16_inputs_give_fp32_outputs():
 def test_bad_inputs_raise_clear_errors():
     x, v, sigma, sigma_next = _batch()
     with pytest.raises(ValueError, match="kind"):
-        sde.step_mean_std(x, v, sigma, sigma_next, noise_level=0.7, kind="sde")
+        sde.step_mean_std(x, v, sigma, sigma_next, noise_level=0.7, kind="sde")  # pyright: ignore[reportArgumentType] - deliberately invalid
     with pytest.raises(ValueError, match="noise_level"):
         sde.step_mean_std(x, v, sigma, sigma_next, noise_level=-0.1, kind="flow_sde")
     with pytest.raises(ValueError, match="noise_level"):
@@ -147,7 +149,7 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="noise"):
         sde.sample(x, torch.ones(4, 1, 1, 1), x[:, :1])
     with pytest.raises(ValueError, match="reduce"):
-        sde.log_prob(x, x, torch.ones(4, 1, 1, 1), reduce="max")
+        sde.log_prob(x, x, torch.ones(4, 1, 1, 1), reduce="max")  # pyright: ignore[reportArgumentType] - deliberately invalid
 
 
 # --- Marginal preservation on Gaussian data ---------------------------------------------------------------
@@ -288,7 +290,8 @@ def test_dpmpp_2m_matches_diffusers_multistep_scheduler(num_steps, shift):
 
     x_ref, x_ours, x0_prev, sigma_prev = x.clone(), x.clone(), None, None
     for i, t in enumerate(scheduler.timesteps):
-        x_ref = scheduler.step(velocity(x_ref, sigmas[i]), t, x_ref).prev_sample
+        # return_dict=True (the default) returns a SchedulerOutput; diffusers types it with the tuple form too
+        x_ref = cast(SchedulerOutput, scheduler.step(velocity(x_ref, sigmas[i]), t, x_ref)).prev_sample
         sigma, sigma_next = sigmas[i].expand(3), sigmas[i + 1].expand(3)
         x0 = sde.x0_prediction(x_ours, velocity(x_ours, sigmas[i]), sigma)
         x_ours = sde.dpmpp_2m_step(x_ours, x0, x0_prev, sigma_prev, sigma, sigma_next)

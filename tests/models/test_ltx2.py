@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import typing
 
 import pytest
 import torch
@@ -211,7 +212,9 @@ def test_checkpointed_backward_under_bf16_fsdp_recomputes_the_blocks_forward(mon
     from the inputs its forward used. Before torch 2.13 FSDP2 cast a block's floating inputs in its forward and not
     in the checkpoint's recompute (pytorch#159359), so the fp32 RoPE was bf16 in one and fp32 in the other and
     backward raised a CheckpointError; that recompute is emulated on a newer torch."""
-    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState, TrainingState
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    from torch.distributed.tensor import DTensor
 
     cast = getattr(FSDPState, "_cast_forward_inputs", None)
     if cast is not None:  # torch >= 2.13; an older one skips the recompute's cast by itself
@@ -240,7 +243,10 @@ def test_checkpointed_backward_under_bf16_fsdp_recomputes_the_blocks_forward(mon
         x = torch.randn(2, *m.latent_shape(SIZE, SIZE), generator=torch.Generator().manual_seed(0))
         v = m.velocity(x, torch.tensor(0.7), m.encode(PROMPTS[:2]), guidance_scale=1.0)
         v.square().sum().backward()
-        grads = [p.grad.full_tensor() for p in m.transformer.parameters() if p.requires_grad]
+        # FSDP2 shards the parameters, so their gradients are DTensors
+        grads = [
+            typing.cast(DTensor, p.grad).full_tensor() for p in m.transformer.parameters() if p.requires_grad
+        ]
         assert all(torch.isfinite(g).all() for g in grads) and any(g.abs().max() > 0 for g in grads)
     finally:
         if owned:

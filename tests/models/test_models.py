@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers import QwenImagePipeline, StableDiffusion3Pipeline
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
+from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import StableDiffusion3Pipeline
 
 from fgrpo.core import guidance
 from fgrpo.models import qwen_image, tiny
@@ -66,7 +67,9 @@ def test_tiny_qwen_tokenizer_splits_the_template_prefix_like_qwen():
     # The prefix's last token ends the "user\n" line; the prompt starts right after the drop index.
     full = tok(PROMPT_TEMPLATE.format("hello world"))["input_ids"]
     assert full[:PROMPT_DROP] == ids
-    assert tok.decode(full[PROMPT_DROP:]).startswith("hello world<|im_end|>")
+    text = tok.decode(full[PROMPT_DROP:])
+    assert isinstance(text, str)  # one sequence decodes to one string
+    assert text.startswith("hello world<|im_end|>")
     for special in ("<|im_start|>", "<|im_end|>"):
         assert len(tok(special, add_special_tokens=False)["input_ids"]) == 1
 
@@ -101,6 +104,7 @@ def test_pack_matches_the_pipeline_and_unpack_inverts_it():
 def test_qwen_encode_matches_the_pipeline(qwen, qwen_parts):
     pipe = QwenImagePipeline(**qwen_parts)
     ref, ref_mask = pipe.encode_prompt(PROMPTS, device=torch.device("cpu"))
+    assert ref_mask is not None
     cond = qwen.encode(PROMPTS, negative_prompt=" ")
     assert torch.equal(cond["prompt_mask"].long(), ref_mask)
     m = cond["prompt_mask"]
@@ -116,8 +120,8 @@ def test_sd3_encode_matches_the_pipeline(sd3, sd3_parts):
     pipe = StableDiffusion3Pipeline(**sd3_parts)
     pe, ne, pp, npool = pipe.encode_prompt(
         PROMPTS,
-        None,
-        None,
+        None,  # pyright: ignore[reportArgumentType] - diffusers uses prompt for a None prompt_2
+        None,  # pyright: ignore[reportArgumentType] - and for a None prompt_3
         device=torch.device("cpu"),
         negative_prompt="",
         max_sequence_length=tiny.T5_MAX_LENGTH_TINY,

@@ -89,7 +89,7 @@ def pipe(parts, monkeypatch):
     return p
 
 
-def test_model_implements_the_protocol_and_mirrors_the_pipelines_template(model, pipe):
+def test_model_implements_the_protocol_and_mirrors_the_pipelines_template(model: QwenImageEdit, pipe):
     assert isinstance(model, FlowModel)
     assert pipe.prompt_template_encode == EDIT_PROMPT_TEMPLATE
     assert pipe.prompt_template_encode_start_idx == EDIT_PROMPT_DROP

@@ -18,8 +18,9 @@ IMAGES = np.random.default_rng(0).integers(0, 256, (2, 16, 16, 3), dtype=np.uint
 
 
 def test_names():
-    assert isinstance(build_reward("ocr"), OcrReward)
-    assert isinstance(build_reward("ocr").engine, RapidOcrEngine)
+    ocr = build_reward("ocr")
+    assert isinstance(ocr, OcrReward)
+    assert isinstance(ocr.engine, RapidOcrEngine)
     c, i = build_reward("jpeg_compressibility"), build_reward("jpeg_incompressibility")
     np.testing.assert_allclose(c(IMAGES, ["", ""]).scores, -i(IMAGES, ["", ""]).scores)
 
@@ -28,6 +29,7 @@ def test_dict_options_reach_the_reward():
     r = build_reward({"name": "jpeg_incompressibility", "scale": 1.0, "quality": 50})
     assert isinstance(r, JpegReward) and (r.scale, r.quality, r.sign) == (1.0, 50, 1.0)
     v = build_reward({"name": "ocr", "engine": "vlm", "base_url": "http://127.0.0.1:1", "model": "m"})
+    assert isinstance(v, OcrReward)
     assert isinstance(v.engine, VlmOcrEngine) and v.engine.url == "http://127.0.0.1:1/v1/chat/completions"
     h = build_reward({"name": "http", "url": "http://127.0.0.1:1", "batch_size": 3})
     assert isinstance(h, HttpReward) and h.batch_size == 3
@@ -48,8 +50,9 @@ def test_multi_from_list_dict_and_json_string_agree():
             out.scores, 2.0 * out.components["jpeg_compressibility"] + 0.5 * out.components["inc"]
         )
         np.testing.assert_array_equal(out.scores, outs[0].scores)
-    assert isinstance(build_reward(members), MultiReward)
-    assert [m.required for m in build_reward(members).members] == [True, False]
+    multi = build_reward(members)
+    assert isinstance(multi, MultiReward)
+    assert [m.required for m in multi.members] == [True, False]
 
 
 def test_import_path_spec():

@@ -167,7 +167,7 @@ def test_rapidocr_engine_feeds_bgr_and_joins_lines():
             self.txts = txts
 
     engine = RapidOcrEngine()  # cheap: rapidocr loads its models on first use
-    engine._engine = lambda arr: seen.append(arr) or Result(("NEW", "YORK") if len(seen) == 1 else None)
+    engine._engine = lambda arr: seen.append(arr) or Result(("NEW", "YORK") if len(seen) == 1 else None)  # pyright: ignore[reportAttributeAccessIssue] - a stand-in for rapidocr's engine
     rgb = np.random.default_rng(0).integers(0, 256, (2, 4, 5, 3), dtype=np.uint8)
     assert engine.recognize(rgb) == ["NEW YORK", ""]
     np.testing.assert_array_equal(seen[0], rgb[0][..., ::-1])
@@ -181,7 +181,7 @@ def test_rapidocr_engine_raises_when_the_recognizer_failed():
     from fgrpo.rewards.ocr import RapidOcrEngine
 
     engine = RapidOcrEngine()
-    engine._engine = lambda arr: TextDetOutput(boxes=np.zeros((1, 4, 2)), scores=[0.9])
+    engine._engine = lambda arr: TextDetOutput(boxes=np.zeros((1, 4, 2)), scores=[0.9])  # pyright: ignore[reportAttributeAccessIssue] - a stand-in for rapidocr's engine
     with pytest.raises(RuntimeError, match="recognizer failed on image 0"):
         engine.recognize(np.zeros((1, 4, 5, 3), dtype=np.uint8))
 
@@ -258,11 +258,12 @@ def test_rapidocr_recognizer_only_keeps_the_confidence_filter_and_flags_failures
 
     engine = RapidOcrEngine(detect=False, text_score=0.5)
     seen, scores = [], iter([0.5, 0.49])
-    engine._engine = lambda arr: seen.append(arr) or TextRecOutput(txts=("ABC",), scores=(next(scores),))
+    # rapidocr's recognizer itself passes scores as a tuple (TextRecOutput declares a list)
+    engine._engine = lambda arr: seen.append(arr) or TextRecOutput(txts=("ABC",), scores=(next(scores),))  # pyright: ignore[reportAttributeAccessIssue, reportArgumentType] - a stand-in for rapidocr's engine
     rgb = np.random.default_rng(0).integers(0, 256, (2, 4, 5, 3), dtype=np.uint8)
     assert engine.recognize(rgb) == ["ABC", ""]
     np.testing.assert_array_equal(seen[1], rgb[1][..., ::-1])  # BGR, as on the detector path
-    engine._engine = lambda arr: RapidOCROutput()
+    engine._engine = lambda arr: RapidOCROutput()  # pyright: ignore[reportAttributeAccessIssue] - a stand-in for rapidocr's engine
     with pytest.raises(RuntimeError, match="recognizer failed on image 0"):
         engine.recognize(rgb)
 
@@ -274,7 +275,9 @@ def test_rapidocr_detect_option_from_a_spec():
     from fgrpo.rewards.ocr import RapidOcrEngine
 
     assert RapidOcrEngine()._engine.use_det is True
-    engine = build_reward('{"name": "ocr", "num_threads": 1, "detect": false}').engine
+    reward = build_reward('{"name": "ocr", "num_threads": 1, "detect": false}')
+    assert isinstance(reward, OcrReward) and isinstance(reward.engine, RapidOcrEngine)
+    engine = reward.engine
     assert engine._engine.use_det is False and engine.detect is False
     with pytest.raises(ValueError, match="detect must be true or false, got 'false'"):
         build_reward('{"name": "ocr", "detect": "false"}')

@@ -67,7 +67,7 @@ def test_process_runner_builds_reward_from_spec():
 
 def test_runner_rejects_unknown_kind():
     with pytest.raises(ValueError, match="kind"):
-        AsyncRewardRunner("jpeg_compressibility", kind="fiber")
+        AsyncRewardRunner("jpeg_compressibility", kind="fiber")  # pyright: ignore[reportArgumentType] - deliberately invalid
 
 
 def test_parallel_reward_splits_the_batch_over_its_processes_in_order():

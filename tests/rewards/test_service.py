@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -42,12 +43,14 @@ class MetaReward:
     """Scores metadata["w"] * mean pixel."""
 
     def __call__(self, images, prompts, metadata=None):
+        assert metadata is not None  # this reward needs it
         w = np.array([m["w"] for m in metadata], np.float32)
         return RewardOutput(scores=w * mean_pixel(images), metrics={"meta/seen_count": float(len(images))})
 
 
 class NanOnOdd:  # an optional member that fails on samples with odd metadata["w"]
     def __call__(self, images, prompts, metadata=None):
+        assert metadata is not None  # this reward needs it
         w = np.array([m["w"] for m in metadata])
         return RewardOutput(scores=np.where(w % 2 == 1, np.nan, 1.0).astype(np.float32))
 
@@ -195,6 +198,7 @@ def _start_service(port: int) -> subprocess.Popen:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:  # bounded wait for /health
         if proc.poll() is not None:
+            assert proc.stderr is not None  # stderr=PIPE
             raise RuntimeError(f"serve exited: {proc.stderr.read().decode()[-2000:]}")
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)

@@ -151,6 +151,7 @@ def test_the_audio_reward_scores_what_the_rollout_decoded(tmp_path, monkeypatch)
     prompts = ['a sign that says "HI"', "rain", "a dog barks"]
     stream = RewardStream(reward, prompts)
     traj = DiffusersEngine(model).generate(prompts, [1, 2, 3], cfg, on_images=stream.add)
+    assert traj.x0 is not None
     wave = model.decode_audio(traj.x0, 32, 32).numpy()
     np.testing.assert_allclose(
         stream.result().scores, 2.0 * np.sqrt((wave.astype(np.float64) ** 2).mean(axis=(1, 2))), rtol=1e-5

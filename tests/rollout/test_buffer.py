@@ -24,9 +24,11 @@ def test_drop_rule_exact():
     for v in range(4):
         assert buf.put(f"b{v}", v)
     e = buf.get(3)
+    assert e is not None
     assert (e.batch, e.version, e.staleness) == ("b2", 2, 1)
     assert [(d.version, d.current_version, d.staleness) for d in e.dropped] == [(0, 3, 3), (1, 3, 2)]
     e = buf.get(3)
+    assert e is not None
     assert (e.batch, e.staleness, e.dropped) == ("b3", 0, ())
     assert [d.version for d in buf.dropped] == [0, 1]
     assert buf.metrics() == {"buffer/size": 0.0, "buffer/dropped_total": 2.0}
@@ -71,7 +73,9 @@ def test_bounded_size_holds_and_put_blocks():
     for _ in range(12):
         time.sleep(0.002)  # a slower consumer keeps the producer pressed against the bound
         sizes.append(len(buf))
-        got.append(buf.get(0).batch)
+        e = buf.get(0)
+        assert e is not None
+        got.append(e.batch)
     t.join(2)
     assert got == list(range(12)) and max(sizes) == 2
 
@@ -94,7 +98,8 @@ def test_close_unblocks_waiters():
     for t in threads:
         t.join(1)
     assert results == {"put": False, "get": None, "wait": None}
-    assert full.get(0).batch == "x" and full.get(0) is None  # close drains, then ends
+    e = full.get(0)
+    assert e is not None and e.batch == "x" and full.get(0) is None  # close drains, then ends
     assert full.put("z", 0) is False
 
 
@@ -166,6 +171,7 @@ def _run_async(steps, max_staleness, *, max_size, engine_delay, train_delay, bou
     trained = []
     for v in range(steps):
         e = buf.get(v, timeout=2)
+        assert e is not None
         assert e.staleness <= max_staleness and v - e.version == e.staleness
         assert torch.equal(e.batch["weights"], history[e.version])  # the version names the sampling weights
         trained.append(e)

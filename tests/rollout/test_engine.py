@@ -12,11 +12,16 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import cast
 
 import numpy as np
 import pytest
 import torch
-from diffusers import QwenImagePipeline, StableDiffusion3Pipeline
+from diffusers.pipelines.qwenimage.pipeline_output import QwenImagePipelineOutput
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
+from diffusers.pipelines.stable_diffusion_3.pipeline_output import StableDiffusion3PipelineOutput
+from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import StableDiffusion3Pipeline
+from diffusers.schedulers.scheduling_utils import SchedulerOutput
 
 from fgrpo.core import schedule
 from fgrpo.models import tiny
@@ -80,7 +85,7 @@ def models(qwen_parts, sd3_parts):
     return {"qwen": _qwen(qwen_parts), "sd3": _sd3(sd3_parts)}
 
 
-def _initial_latents(seeds, shape, cfg):
+def _initial_latents(seeds, shape, cfg: SamplingConfig):
     """The engine's documented draw order per sample generator: window (if any), then x_1."""
     out = []
     for s in seeds:
@@ -91,12 +96,12 @@ def _initial_latents(seeds, shape, cfg):
     return torch.stack(out)
 
 
-def _assert_images_match(ours: torch.Tensor, ref: torch.Tensor):
+def _assert_images_match(ours: torch.Tensor, ref: np.ndarray):
     """ours uint8 vs the pipeline's float [0, 1] images: each pixel is the pipeline's value, rounded."""
-    ref = torch.from_numpy(ref) * 255
-    assert ours.shape == ref.shape and ours.dtype == torch.uint8
-    assert (ours.float() - ref).abs().max() <= 0.5 + 1e-3
-    assert ref.std() > 1.0  # not a saturated/constant image that any latents would give
+    ref_t = torch.from_numpy(ref) * 255
+    assert ours.shape == ref_t.shape and ours.dtype == torch.uint8
+    assert (ours.float() - ref_t).abs().max() <= 0.5 + 1e-3
+    assert ref_t.std() > 1.0  # not a saturated/constant image that any latents would give
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -111,16 +116,20 @@ def test_ode_rollout_reproduces_qwen_image_pipeline(models, qwen_parts, guidance
     latents = _initial_latents(SEEDS, model.latent_shape(64, 64), cfg)
     pipe = QwenImagePipeline(**qwen_parts)
     pipe.set_progress_bar_config(disable=True)
-    ref = pipe(
-        PROMPTS,
-        negative_prompt=" " if guidance_scale > 1 else None,
-        true_cfg_scale=guidance_scale,
-        height=64,
-        width=64,
-        num_inference_steps=5,
-        latents=pack(latents),
-        output_type="np",
+    ref = cast(  # return_dict=True (the default): the output object, not the tuple diffusers also types
+        QwenImagePipelineOutput,
+        pipe(
+            PROMPTS,
+            negative_prompt=" " if guidance_scale > 1 else None,  # pyright: ignore[reportArgumentType] - diffusers' default is None
+            true_cfg_scale=guidance_scale,
+            height=64,
+            width=64,
+            num_inference_steps=5,
+            latents=pack(latents),
+            output_type="np",
+        ),
     ).images
+    assert isinstance(ref, np.ndarray)  # output_type="np"
     _assert_images_match(traj.images, ref)
     assert traj.x_t.shape == (5, 0, 4, 8, 8) and traj.log_prob.shape == (5, 0)
 
@@ -135,17 +144,21 @@ def test_ode_rollout_reproduces_sd3_pipeline(models, sd3_parts, guidance_scale):
     latents = _initial_latents(SEEDS, model.latent_shape(64, 64), cfg)
     pipe = StableDiffusion3Pipeline(**sd3_parts)
     pipe.set_progress_bar_config(disable=True)
-    ref = pipe(
-        PROMPTS,
-        negative_prompt="",
-        guidance_scale=guidance_scale,
-        height=64,
-        width=64,
-        num_inference_steps=cfg.num_steps,
-        latents=latents,
-        output_type="np",
-        max_sequence_length=tiny.T5_MAX_LENGTH_TINY,
+    ref = cast(  # return_dict=True (the default): the output object, not the tuple diffusers also types
+        StableDiffusion3PipelineOutput,
+        pipe(
+            PROMPTS,
+            negative_prompt="",
+            guidance_scale=guidance_scale,
+            height=64,
+            width=64,
+            num_inference_steps=cfg.num_steps,
+            latents=latents,  # pyright: ignore[reportArgumentType] - diffusers types any float tensor as FloatTensor
+            output_type="np",
+            max_sequence_length=tiny.T5_MAX_LENGTH_TINY,
+        ),
     ).images
+    assert isinstance(ref, np.ndarray)  # output_type="np"
     _assert_images_match(traj.images, ref)
 
 
@@ -164,6 +177,7 @@ def test_recomputed_log_probs_equal_the_rollouts_bit_exactly(models, kind, guida
     assert torch.isfinite(traj.log_prob).all()
     log_probs, means = recompute_log_probs_and_means(model, traj, cfg)
     assert torch.equal(log_probs, traj.log_prob)
+    assert traj.mean is not None and traj.x0 is not None
     assert torch.equal(means, traj.mean)  # Flow-DPPO's old mean needs no recompute pass
     units = forward_units(traj.window, cfg.micro_batch)
     decoded = torch.cat([model.decode(traj.x0[r], cfg.height, cfg.width) for r in units])
@@ -328,7 +342,7 @@ class _NoWork:
     ],
 )
 def test_bad_requests_fail_before_model_work(models, prompts, seeds, changes, match):
-    engine = DiffusersEngine(_NoWork(models["qwen"]))
+    engine = DiffusersEngine(_NoWork(models["qwen"]))  # pyright: ignore[reportArgumentType] - a stand-in wrapping the model
     with pytest.raises(ValueError, match=match):
         engine.generate(prompts, seeds, dataclasses.replace(BASE, **changes))
 
@@ -392,6 +406,7 @@ def test_flash_tail_leaves_the_window_unchanged(models, name):
     for field in ("window", "x_t", "x_next", "log_prob", "mean", "sigmas"):
         assert torch.equal(getattr(flash, field), getattr(euler, field)), field
     assert torch.equal(recompute_log_probs(model, flash, FLASH), flash.log_prob)
+    assert flash.x0 is not None and euler.x0 is not None
     assert not torch.allclose(flash.x0, euler.x0, atol=1e-3)
 
 
@@ -402,7 +417,7 @@ def test_flash_tail_forward_count(models):
     micro_batches_ = 3  # 5 samples in micro-batches of 2
     for cfg, per_micro_batch in ((SHARED, 8), (FLASH, 4), (dataclasses.replace(FLASH, tail_compress=1.0), 8)):
         counted.calls = 0
-        DiffusersEngine(counted).generate(PROMPTS, SEEDS, cfg)
+        DiffusersEngine(counted).generate(PROMPTS, SEEDS, cfg)  # pyright: ignore[reportArgumentType] - a stand-in wrapping the model
         assert counted.calls == micro_batches_ * per_micro_batch, cfg
 
 
@@ -414,7 +429,7 @@ def test_flash_tail_matches_diffusers_dpmsolver_multistep(models, name, ratio):
     window (traj.sigmas[last:]); ratio 0.7 keeps 4 of the 6 remaining grid points (3 tail steps). Measured at
     ratio 1: max |diff| 1.2e-6 (Qwen-Image), 2.6e-6 (SD3) on latents of size ~5; without the seeded history (first
     tail step first order) the final latents are 0.48 / 0.39 off."""
-    from diffusers import DPMSolverMultistepScheduler
+    from diffusers.schedulers.scheduling_dpmsolver_multistep import DPMSolverMultistepScheduler
 
     model = models[name]
     cfg = dataclasses.replace(FLASH, tail_compress=ratio, micro_batch=len(PROMPTS))  # one forward shape
@@ -439,7 +454,11 @@ def test_flash_tail_matches_diffusers_dpmsolver_multistep(models, name, ratio):
     scheduler.model_outputs, scheduler.lower_order_nums, scheduler._step_index = [None, x0_window], 1, 1
     x = traj.x_next[:, -1]
     for i in range(1, len(sigmas) - 1):
-        x = scheduler.step(velocity(x, sigmas[i]), scheduler.timesteps[i], x).prev_sample
+        # return_dict=True (the default) returns a SchedulerOutput; diffusers types it with the tuple form too
+        x = cast(
+            SchedulerOutput, scheduler.step(velocity(x, sigmas[i]), scheduler.timesteps[i], x)
+        ).prev_sample
+    assert traj.x0 is not None
     assert traj.x0.abs().max() > 0.5
     torch.testing.assert_close(traj.x0, x, rtol=0, atol=1e-5)
 
@@ -449,6 +468,7 @@ def test_flash_tail_without_a_window_is_the_euler_rollout(models):
     ode = dataclasses.replace(SHARED, window_size=0)
     ref = DiffusersEngine(models["qwen"]).generate(PROMPTS, SEEDS, ode)
     out = DiffusersEngine(models["qwen"]).generate(PROMPTS, SEEDS, dataclasses.replace(FLASH, window_size=0))
+    assert out.x0 is not None and ref.x0 is not None
     assert torch.equal(out.x0, ref.x0)
 
 
@@ -462,7 +482,7 @@ def test_flash_tail_without_a_window_is_the_euler_rollout(models):
     ],
 )
 def test_bad_flash_requests_fail_before_model_work(models, changes, match):
-    engine = DiffusersEngine(_NoWork(models["qwen"]))
+    engine = DiffusersEngine(_NoWork(models["qwen"]))  # pyright: ignore[reportArgumentType] - a stand-in wrapping the model
     with pytest.raises(ValueError, match=match):
         engine.generate(["a"], [1], dataclasses.replace(BASE, **changes))
 
@@ -479,19 +499,19 @@ def test_images_reach_the_sink_micro_batch_by_micro_batch(models):
     real_velocity = model.velocity
 
     def counting(*a, **k):
-        counting.calls += 1
+        counting.calls += 1  # pyright: ignore[reportFunctionMemberAccess] - a call counter kept on the function
         return real_velocity(*a, **k)
 
-    counting.calls = 0
+    counting.calls = 0  # pyright: ignore[reportFunctionMemberAccess] - a call counter kept on the function
     model.velocity = counting
     try:
         traj = DiffusersEngine(model).generate(
             PROMPTS,
             SEEDS,
             cfg,
-            on_images=lambda rows, im, meta: (
+            on_images=lambda rows, im, meta: (  # pyright: ignore[reportArgumentType] - its return value is dropped
                 got.append((rows, im, meta)),
-                forwards_before.append(counting.calls),
+                forwards_before.append(counting.calls),  # pyright: ignore[reportFunctionMemberAccess] - a call counter kept on the function
             ),
         )
     finally:
@@ -503,7 +523,7 @@ def test_images_reach_the_sink_micro_batch_by_micro_batch(models):
     assert all(meta is None for _, _, meta in got)  # Qwen-Image decodes nothing besides pixels
     for rows, im, _ in got:
         np.testing.assert_array_equal(im, traj.images[torch.as_tensor(rows)].numpy())
-    per_micro_batch = counting.calls // 3
+    per_micro_batch = counting.calls // 3  # pyright: ignore[reportFunctionMemberAccess] - a call counter kept on the function
     assert forwards_before[:2] == [per_micro_batch, 2 * per_micro_batch]  # no later micro-batch sampled yet
 
     class Other:  # an engine that cannot stream (e.g. vLLM-Omni)

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import torch
+from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
 from PIL import Image
 from torch import nn
 
@@ -58,10 +59,10 @@ class FakeOmniTransformer(nn.Module):
     arguments only vllm-omni's version needs are required and checked.
     """
 
-    def __init__(self, inner: nn.Module):
+    def __init__(self, inner: QwenImageTransformer2DModel):
         super().__init__()
         self.inner = inner
-        self.in_channels = inner.config.in_channels
+        self.in_channels = inner.config.in_channels  # pyright: ignore[reportAttributeAccessIssue] - a FrozenDict: keys are attributes
 
     def forward(
         self,
@@ -76,6 +77,7 @@ class FakeOmniTransformer(nn.Module):
         return_dict=True,
     ):
         B, S, _ = hidden_states.shape
+        assert img_shapes is not None and encoder_hidden_states is not None  # required here (see above)
         # vllm-omni: per-sample lists of (frames, h, w); text RoPE sized by the padded text width
         assert len(img_shapes) == B and all(
             isinstance(s, list) and s[0][1] * s[0][2] == S for s in img_shapes
@@ -216,6 +218,7 @@ class FakeOmni:
         FakeOmni.instances.append(self)
 
     def generate(self, prompts, sampling_params_list=None, *, py_generator=False, use_tqdm=True):
+        assert sampling_params_list is not None  # fgrpo passes one
         self.log.append(("generate", sampling_params_list.lora_request))
         requests = [FakeRequest(dict(p), dataclasses.replace(sampling_params_list)) for p in prompts]
         step = self.kwargs["max_num_seqs"]
