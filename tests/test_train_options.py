@@ -22,7 +22,7 @@ from train_options_entry import report
 from fgrpo import checkpoint, parallel
 from fgrpo import train as train_mod
 from fgrpo.config import validate_config
-from fgrpo.models.loading import add_lora, configure_transformer, selective_checkpoint
+from fgrpo.models.loading import MergedLora, add_lora, configure_transformer, selective_checkpoint
 from fgrpo.models.tiny import tiny_qwen_image
 
 ENTRY = str(Path(__file__).with_name("train_options_entry.py"))
@@ -192,3 +192,19 @@ def test_refusals():
     frozen = tiny_qwen_image(seed=0).transformer
     with pytest.raises(ValueError, match="parallel.shard='adapters'.*none"):
         parallel.shard_transformer(frozen, param_dtype=None, shard="adapters")
+    # A merged rollout copies W + (alpha / r) B A of the frozen base: it needs LoRA, the base unsharded and the
+    # in-process engine, refused by name before anything is built; and by the merge itself on a sharded base.
+    lora_adapters = dataclasses.replace(c.parallel, shard="adapters")
+    merged = dataclasses.replace(c.model, merged_rollout=True)
+    validate_config(dataclasses.replace(c, model=merged, parallel=lora_adapters), 1)
+    for bad in (
+        dataclasses.replace(c, model=merged),  # shard full
+        dataclasses.replace(c, model=merged, parallel=lora_adapters, rollout_engine="vllm_omni"),
+    ):
+        with pytest.raises(ValueError, match="model.merged_rollout.*--parallel.shard adapters"):
+            validate_config(bad, 1)
+    sharded = tiny_qwen_image(seed=0).transformer
+    add_lora(sharded, rank=2, alpha=4)
+    parallel.shard_transformer(sharded, param_dtype=None, shard="full")
+    with pytest.raises(ValueError, match="model.merged_rollout: the base weight of .* is sharded"):
+        MergedLora(sharded)

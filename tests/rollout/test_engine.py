@@ -25,7 +25,7 @@ from diffusers.schedulers.scheduling_utils import SchedulerOutput
 
 from fgrpo.core import schedule
 from fgrpo.models import tiny
-from fgrpo.models.loading import QWEN_IMAGE_LORA_TARGETS, SD3_LORA_TARGETS, add_lora
+from fgrpo.models.loading import QWEN_IMAGE_LORA_TARGETS, SD3_LORA_TARGETS, MergedLora, add_lora
 from fgrpo.models.qwen_image import QwenImage, pack
 from fgrpo.models.sd3 import SD3
 from fgrpo.policy import transition
@@ -621,3 +621,74 @@ def test_exact_rollout_runs_the_training_graph_only_where_a_unit_has_a_window_ro
     rollout_rows.clear()
     assert torch.equal(recompute_log_probs(model, traj, BASE), traj.log_prob)
     assert rollout_rows == units * BASE.window_size  # the recompute: the same rows, per window position
+
+
+def _lora_qwen(seed: int) -> QwenImage:
+    """A tiny Qwen-Image with a trained-looking adapter (B != 0) on every target."""
+    model = tiny.tiny_qwen_image(seed=seed)
+    add_lora(model.transformer, rank=2, alpha=4, target_modules=QWEN_IMAGE_LORA_TARGETS)
+    with torch.no_grad():
+        for n, p in model.transformer.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.3, generator=torch.Generator().manual_seed(len(n)))
+    return model
+
+
+def test_merged_lora_layer_is_w_plus_scaled_ba_and_restores_the_module():
+    model = _lora_qwen(3)
+    tr = model.transformer
+    merged = MergedLora(tr, ("to_q",))
+    names = {n for n, m in tr.named_modules() for layer, _, _ in merged.layers if m is layer}
+    assert names and all(n.endswith(".to_q") for n in names)  # only the named targets
+    layer, original, copy = merged.layers[0]
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    assert layer.scaling["default"] == 2.0  # alpha / r
+    assert torch.equal(copy, torch.addmm(original, b, a, alpha=2.0))
+    x = torch.randn(3, original.shape[1], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        unmerged = layer(x)
+        with merged.active():
+            assert layer.disable_adapters and layer.get_base_layer().weight.data_ptr() == copy.data_ptr()
+            inside = layer(x)
+        after = layer(x)
+    assert torch.equal(inside, torch.nn.functional.linear(x, copy, layer.get_base_layer().bias))
+    torch.testing.assert_close(inside, unmerged, atol=1e-5, rtol=1e-5)  # the same function, rounded otherwise
+    assert torch.equal(after, unmerged)  # the adapter back, the original weight tensor back
+    assert not layer.disable_adapters and layer.get_base_layer().weight.data_ptr() == original.data_ptr()
+    assert all(p.requires_grad for n, p in tr.named_parameters() if "lora_" in n)
+    with pytest.raises(ValueError, match="model.merged_rollout found no LoRA layer"):
+        MergedLora(tr, ("no_such_layer",))
+
+
+def test_merged_rollout_merges_only_outside_the_window_and_keeps_the_window_exact(models):
+    """merged_lora: forwards of steps where no row of the unit is in its window run the merged image-stream
+    layers (the text stream keeps its adapter); the window's forwards run the adapters, so the recompute equals
+    the rollout's log-probs bit for bit; the states differ from the unmerged rollout's by rounding only."""
+    model = _lora_qwen(4)
+    image_q = next(m for n, m in model.transformer.named_modules() if n.endswith("0.attn.to_q"))
+    text_q = next(m for n, m in model.transformer.named_modules() if n.endswith("0.attn.add_q_proj"))
+    weights = {n: (p.data_ptr(), p.detach().clone()) for n, p in model.transformer.named_parameters()}
+    seen: list[tuple[bool, bool, bool]] = []  # per forward: image stream merged, text stream merged, grad on
+    real_velocity = model.velocity
+
+    def velocity(*a, **k):
+        seen.append((image_q.disable_adapters, text_q.disable_adapters, torch.is_grad_enabled()))
+        return real_velocity(*a, **k)
+
+    model.velocity = velocity
+    try:
+        traj = DiffusersEngine(model, train_graph=True, merged_lora=True).generate(PROMPTS, SEEDS, BASE)
+    finally:
+        del model.velocity
+    units = forward_units(traj.window, BASE.micro_batch)
+    in_window = [len({int(i) for r in u for i in traj.window[r]}) for u in units]
+    assert [g for _, _, g in seen] == [not m for m, _, _ in seen]  # merged exactly where not through autograd
+    assert sum(m for m, _, _ in seen) == sum(BASE.num_steps - w for w in in_window) > 0
+    assert not any(t for _, t, _ in seen)  # the text stream is not a merge target
+    assert torch.equal(recompute_log_probs(model, traj, BASE), traj.log_prob)
+    plain = DiffusersEngine(model, train_graph=True).generate(PROMPTS, SEEDS, BASE)
+    assert not torch.equal(traj.x0, plain.x0)  # the merged forwards did run ...
+    torch.testing.assert_close(traj.x0, plain.x0, atol=1e-4, rtol=0)  # ... and differ by rounding only
+    for n, p in model.transformer.named_parameters():  # every tensor back, bit for bit
+        assert p.data_ptr() == weights[n][0] and torch.equal(p, weights[n][1]), n
+    assert not image_q.disable_adapters
