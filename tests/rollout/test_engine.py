@@ -672,7 +672,7 @@ def test_merged_rollout_merges_only_outside_the_window_and_keeps_the_window_exac
     real_velocity = model.velocity
 
     def velocity(*a, **k):
-        seen.append((image_q.disable_adapters, text_q.disable_adapters, torch.is_grad_enabled()))
+        seen.append((bool(image_q.disable_adapters), bool(text_q.disable_adapters), torch.is_grad_enabled()))
         return real_velocity(*a, **k)
 
     model.velocity = velocity
@@ -687,6 +687,7 @@ def test_merged_rollout_merges_only_outside_the_window_and_keeps_the_window_exac
     assert not any(t for _, t, _ in seen)  # the text stream is not a merge target
     assert torch.equal(recompute_log_probs(model, traj, BASE), traj.log_prob)
     plain = DiffusersEngine(model, train_graph=True).generate(PROMPTS, SEEDS, BASE)
+    assert traj.x0 is not None and plain.x0 is not None
     assert not torch.equal(traj.x0, plain.x0)  # the merged forwards did run ...
     torch.testing.assert_close(traj.x0, plain.x0, atol=1e-4, rtol=0)  # ... and differ by rounding only
     for n, p in model.transformer.named_parameters():  # every tensor back, bit for bit
