@@ -136,6 +136,43 @@ def test_validation_scores_with_its_own_reward(tmp_path):
         assert logged("own", key) == logged("same", key) and logged("same", key)
 
 
+def test_validation_scores_in_its_own_worker_count(tmp_path, monkeypatch):
+    """reward.val_workers: the training reward scores in this process (workers 0, as a GPU reader must) while
+    the validation's reward is scored by a pool of its own size; -1 (the default) keeps reward.workers for both,
+    and a run's numbers are the same either way."""
+    from fgrpo.logging import read_metrics
+
+    pools = []
+
+    class Pool:  # ParallelReward's interface, scored here (a spawned pool would only cost time)
+        def __init__(self, spec, workers):
+            pools.append((spec, workers))
+            self.reward = train_mod.build_reward(spec)
+
+        def __call__(self, images, prompts, metadata=None):
+            return self.reward(images, prompts, metadata)
+
+    monkeypatch.setattr(train_mod, "ParallelReward", Pool)
+    c = Config()
+    rows = {}
+    for name, workers, val_workers in (("default", 0, -1), ("own", 0, 3)):
+        cfg = dataclasses.replace(
+            c,
+            num_steps=1,
+            reward=dataclasses.replace(c.reward, workers=workers, val_workers=val_workers),
+            run=dataclasses.replace(c.run, out_dir=str(tmp_path / name), val_every=1),
+        )
+        train_mod.train(cfg)
+        rows[name] = read_metrics(tmp_path / name / "e2e" / "metrics.jsonl")
+    assert pools == [(c.reward.spec, 3)]  # only the second run's validation got a pool, of its own size
+    for key in ("val/reward_mean", "reward/mean", "train/loss"):
+        got = [[r[key] for r in rows[n] if r.get(key) is not None] for n in ("default", "own")]
+        assert got[0] == got[1] and got[0]
+    bad = dataclasses.replace(c, reward=dataclasses.replace(c.reward, val_workers=-2))
+    with pytest.raises(ValueError, match="reward.val_workers"):
+        validate_config(bad, 1)
+
+
 class _CountOps(TorchDispatchMode):
     def __init__(self):
         super().__init__()

@@ -184,7 +184,11 @@ class RewardConfig:
     """Reward spec of the validation ('' = the training reward): a cheaper reward can train while validation
     keeps the reference one, so `val/` scores stay comparable across runs (e.g. OCR without the detector,
     '{"name": "ocr", "detect": false}', for training; the default OCR for validation). Scored locally, in
-    `workers` processes as the training reward is."""
+    `val_workers` processes."""
+    val_workers: int = -1
+    """Processes that score the validation (-1 = `workers`): e.g. 0 for a training reward on the GPU
+    ('{"name": "ocr", "detect": false, "device": "cuda"}' scores in this process) with 15 for the CPU
+    reader of `val_name`."""
 
     @property
     def spec(self) -> str | dict:
@@ -374,6 +378,12 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
         (m.lora_alpha > 0 or not m.lora, "model.lora_alpha", m.lora_alpha, "> 0"),
         (cfg.data.val_num_prompts >= 1, "data.val_num_prompts", cfg.data.val_num_prompts, ">= 1"),
         (cfg.reward.workers >= 0, "reward.workers", cfg.reward.workers, ">= 0 (0 = in the training process)"),
+        (
+            cfg.reward.val_workers >= -1,
+            "reward.val_workers",
+            cfg.reward.val_workers,
+            ">= 0, or -1 for reward.workers",
+        ),
         (r.keep_last >= 1, "run.keep_last", r.keep_last, ">= 1"),
         (r.val_every >= 0, "run.val_every", r.val_every, ">= 0 (0 = never)"),
         (r.val_num_steps >= 1, "run.val_num_steps", r.val_num_steps, ">= 1"),

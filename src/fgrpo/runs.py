@@ -28,7 +28,15 @@ from fgrpo import logging as flog
 
 # Fields that may differ between a run and its resume: they change what is logged or saved, or how fast the
 # reward is computed, not what is trained. Prefix matches ("run." covers every RunConfig field).
-RESUMABLE_FIELDS = ("run.", "num_steps", "device", "reward.workers", "reward.url", "data.val_num_prompts")
+RESUMABLE_FIELDS = (
+    "run.",
+    "num_steps",
+    "device",
+    "reward.workers",
+    "reward.val_workers",
+    "reward.url",
+    "data.val_num_prompts",
+)
 
 
 _HELD: dict[str, int] = {}  # resolved run dir -> this process's lock fd

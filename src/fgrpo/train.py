@@ -104,12 +104,14 @@ def _train(
     run = RunDir(Path(cfg.run.out_dir) / cfg.exp_name)
     resume_from = run.start(cfg, is_main=d.is_main, say=flog.print0)
 
-    def scorer(spec: str | dict):
-        return build_reward(spec) if cfg.reward.workers == 0 else ParallelReward(spec, cfg.reward.workers)
+    def scorer(spec: str | dict, workers: int):
+        return build_reward(spec) if workers == 0 else ParallelReward(spec, workers)
 
-    reward = scorer(cfg.reward.spec)
+    reward = scorer(cfg.reward.spec, cfg.reward.workers)
     # The validation's own reward, where one is set, on the ranks that validate (the trainer ranks).
-    val_reward = scorer(cfg.reward.val_spec) if cfg.reward.val_name and split.trains else reward
+    val_workers = cfg.reward.workers if cfg.reward.val_workers < 0 else cfg.reward.val_workers
+    val_own = cfg.reward.val_name or val_workers != cfg.reward.workers
+    val_reward = scorer(cfg.reward.val_spec, val_workers) if val_own and split.trains else reward
     val_reward_name = cfg.reward.val_name or cfg.reward.url or cfg.reward.name
     # A reward service: a wrong URL fails now, not after the first rollout.
     if isinstance(reward, ServedReward):

@@ -283,3 +283,97 @@ def test_rapidocr_detect_option_from_a_spec():
         build_reward('{"name": "ocr", "detect": "false"}')
     with pytest.raises(ValueError, match="detect=False skips"):
         RapidOcrEngine(detect=False, det_limit_side_len=64)
+
+
+@pytest.fixture(scope="module")
+def torch_rec_engine():
+    """The recognizer alone as a torch module on the CPU (the GPU path's code, CPU arithmetic)."""
+    from fgrpo.rewards.ocr import RapidOcrEngine
+
+    return RapidOcrEngine(detect=False, device="cpu", batch_size=5)
+
+
+def _renderer_like_words(font_path) -> np.ndarray:
+    """The renderer's held-out words at 32x128, then the same words under heavy pixel noise (reads with lower
+    confidence, some below text_score), then pure noise (nothing to read): [20, 32, 128, 3]."""
+    clean = np.stack(
+        [
+            render_text(w, font_path, size=128, font_size=18 if len(w) > 6 else 22)[48:80]
+            for w in RENDERER_WORDS
+        ]
+    )
+    rng = np.random.default_rng(0)
+    noisy = np.clip(clean.astype(np.int64) + rng.integers(-120, 120, clean.shape), 0, 255).astype(np.uint8)
+    return np.concatenate([clean, noisy, rng.integers(0, 256, (4, 32, 128, 3), dtype=np.uint8)])
+
+
+def test_torch_recognizer_module_matches_onnxruntime():
+    """The converted graph computes what onnxruntime computes from the same ONNX file: the [B, T, classes]
+    probabilities agree within fp32 rounding at two input widths (the padded widths of 32x128 and 32x400 lines)."""
+    import onnxruntime as ort
+    import torch
+
+    from fgrpo.rewards.ocr import _RAPIDOCR_MODELS, TorchRecognizer
+
+    path = _rapidocr_model_dir() / _RAPIDOCR_MODELS["Rec"]
+    module = TorchRecognizer(path, "cpu").module
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(1)
+    for width in (320, 600):
+        x = rng.uniform(-1, 1, (3, 3, 48, width)).astype(np.float32)
+        ref = session.run(None, {"x": x})[0]
+        with torch.no_grad():
+            got = module(torch.from_numpy(x)).numpy()
+        assert got.shape == ref.shape and ref.shape[2] > 18000  # [3, T, ~18.7k classes]
+        np.testing.assert_allclose(got, ref, atol=1e-4)
+        assert (got.argmax(-1) == ref.argmax(-1)).all()
+
+
+def _rapidocr_model_dir():
+    from pathlib import Path
+
+    import rapidocr
+
+    return Path(rapidocr.__file__).parent / "models"
+
+
+def test_torch_recognizer_reads_as_rapidocr_reads_each_image_alone(
+    font_path, rec_only_engine, torch_rec_engine
+):
+    """Batched (5 a forward) on the torch module, every image reads the text onnxruntime reads when rapidocr
+    is called on that image alone, with the confidence within 1e-4: clean words, noisy words, noise; a word
+    drawn 32x400 (a wider padded input) in the same call reads as alone; text_score filters as before."""
+    images = _renderer_like_words(font_path)
+    assert torch_rec_engine.recognize(images) == rec_only_engine.recognize(images)
+    assert torch_rec_engine.recognize(images)[: len(RENDERER_WORDS)] == RENDERER_WORDS
+
+    def raw(engine, ims):  # (text, confidence) before the text_score filter
+        e = engine._engine
+        lines = [e.preprocess_img(e.load_img(np.ascontiguousarray(im[..., ::-1])))[0] for im in ims]
+        if engine._torch_rec is not None:
+            return engine._torch_rec(lines, e)
+        return [(r.txts[0], r.scores[0]) for r in (e(line) for line in lines)]
+
+    wide = render_text("DELIVERY TRUCKS", font_path, size=400, font_size=40)[180:212]  # [32, 400, 3]
+    mixed = [images[0], wide, images[9], images[-1]]
+    ort_lines, torch_lines = raw(rec_only_engine, mixed), raw(torch_rec_engine, mixed)
+    assert [t for t, _ in torch_lines] == [t for t, _ in ort_lines]
+    np.testing.assert_allclose([s for _, s in torch_lines], [s for _, s in ort_lines], atol=1e-4)
+    assert torch_lines[1][0].replace(" ", "") == "DELIVERYTRUCKS"
+    low = [s for _, s in raw(rec_only_engine, images[8:])]
+    assert min(low) < 0.5 < max(low)  # the noisy words straddle text_score, so the filter is exercised
+
+
+def test_torch_recognizer_options_are_checked_and_reach_it_from_a_spec():
+    from fgrpo.rewards import build_reward
+    from fgrpo.rewards.ocr import RapidOcrEngine, TorchRecognizer
+
+    reward = build_reward('{"name": "ocr", "detect": false, "device": "cpu", "batch_size": 64}')
+    assert isinstance(reward, OcrReward) and isinstance(reward.engine, RapidOcrEngine)
+    rec = reward.engine._torch_rec
+    assert isinstance(rec, TorchRecognizer) and rec.batch_size == 64 and rec.device.type == "cpu"
+    assert RapidOcrEngine(detect=False)._torch_rec is None
+    with pytest.raises(ValueError, match="runs the recognizer alone; set detect false"):
+        RapidOcrEngine(device="cpu")
+    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+        RapidOcrEngine(detect=False, device="cpu", batch_size=0)
