@@ -1,0 +1,106 @@
+"""benchmarks/peer_sampler.py runs end to end on the CPU (tiny random SD3) against a stand-in flow_grpo checkout:
+a sampler of our own with flow_grpo's module path, function name and call, so no flow_grpo code is needed."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+ENV = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
+
+# Plain CFG and Euler steps on the pipeline's own scheduler grid, then the VAE; log-probs of zero (a stand-in:
+# the benchmark only times it and checks what it returns).
+STAND_IN = """
+import torch
+
+
+@torch.no_grad()
+def pipeline_with_logprob(
+    self, prompt_embeds, pooled_prompt_embeds, negative_prompt_embeds, negative_pooled_prompt_embeds,
+    num_inference_steps, guidance_scale, output_type, height, width, noise_level, generator=None,
+):
+    device = prompt_embeds.device
+    self.scheduler.set_timesteps(num_inference_steps, device=device)
+    sigmas = self.scheduler.sigmas
+    embeds = torch.cat([negative_prompt_embeds, prompt_embeds])
+    pooled = torch.cat([negative_pooled_prompt_embeds, pooled_prompt_embeds])
+    n, scale = prompt_embeds.shape[0], self.vae_scale_factor
+    shape = (n, self.transformer.config.in_channels, height // scale, width // scale)
+    x = torch.randn(shape, generator=generator, device=device)
+    latents, log_probs = [x], []
+    for i, t in enumerate(self.scheduler.timesteps):
+        out = self.transformer(
+            hidden_states=torch.cat([x, x]).to(prompt_embeds.dtype),
+            timestep=t.expand(2 * n),
+            encoder_hidden_states=embeds,
+            pooled_projections=pooled,
+            return_dict=False,
+        )[0].float()
+        v_uncond, v_cond = out.chunk(2)
+        x = x + (sigmas[i + 1] - sigmas[i]) * (v_uncond + guidance_scale * (v_cond - v_uncond))
+        latents.append(x)
+        log_probs.append(torch.zeros(n, device=device))
+    z = x / self.vae.config.scaling_factor + self.vae.config.shift_factor
+    images = self.vae.decode(z.to(self.vae.dtype), return_dict=False)[0]
+    return (images / 2 + 0.5).clamp(0, 1), latents, log_probs
+"""
+
+
+def stand_in_checkout(root: Path) -> Path:
+    """A folder laid out like a flow_grpo checkout (no __init__.py, as flow_grpo has none) holding STAND_IN."""
+    patch = root / "flow_grpo" / "diffusers_patch"
+    patch.mkdir(parents=True)
+    (patch / "sd3_pipeline_with_logprob.py").write_text(STAND_IN)
+    return root
+
+
+def test_peer_sampler_tiny(tmp_path):
+    checkout = stand_in_checkout(tmp_path / "flow_grpo_checkout")
+    profile = tmp_path / "profile"
+    res = subprocess.run(
+        [sys.executable, str(BENCH / "peer_sampler.py"), "--tiny", "--flow-grpo", str(checkout)]
+        + ["--repeats", "2", "--profile", str(profile)],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = res.stdout
+    assert "64x64, 10 steps, CFG 4.5, noise level 0.7, B=2" in out and "sigma grids agree" in out
+    table = out[out.index("| mode | sampler |") :]
+    rows = [line.split("|")[1:-1] for line in table.splitlines()[2:] if line.startswith("| eager")]
+    names = [r[1].strip() for r in rows]
+    assert names == ["flow_grpo", "fgrpo, same work", "fgrpo, recipe SDE (cps 0.8, window 3 of [0, 5))"]
+    for r in rows:
+        total, fastest, transformer, outside, vae, rest, per_s, ratio = map(float, r[3:11])
+        assert 0 < fastest <= total and 0 < transformer < total and 0 < vae < outside
+        assert outside == pytest.approx(total - transformer, abs=2e-3)
+        assert rest == pytest.approx(outside - vae, abs=2e-3)
+        assert 2 / (total + 5e-4) <= per_s <= 2 / (total - 5e-4) and ratio > 0  # total rounded to 1 ms
+        assert int(r[11]) == 10  # one batched CFG forward per step
+    assert float(rows[0][10]) == 1.0
+    # log-probs per image: every step for flow_grpo and the same-work row, the recipe's window of 3
+    assert [int(r[12]) for r in rows] == [10, 10, 3]
+    # the CPU has no host syncs to count and no peak memory
+    assert all(r[13].strip() == "-" == r[14].strip() for r in rows)
+    traces = sorted(p.name for p in profile.glob("*.json"))
+    assert len(traces) == 3 and all(t.startswith("eager_") for t in traces)
+    assert "Self CPU" in (profile / "eager_flow_grpo.txt").read_text()
+    assert "## profile, eager, flow_grpo: " in out
+
+
+def test_peer_sampler_needs_a_checkout(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    spec = importlib.util.spec_from_file_location("peer_sampler", BENCH / "peer_sampler.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit, match="pass the root of a flow_grpo checkout"):
+        module.load_flow_grpo_sampler(tmp_path)
