@@ -6,7 +6,9 @@ the HTTP reward service on loopback (PNG and JPEG on the wire). Prints one table
 
 Images are 512² renderings of short text (DejaVu Sans) so OCR does its real work (detect + recognize); two
 more rows read the same texts as one line filling 32x128 (the text renderer's images) with and without the
-detector (`RapidOcrEngine(detect=False)`).
+detector (`RapidOcrEngine(detect=False)`); with --rec-device, one more reads them with the recognizer as a torch
+module on that device (`RapidOcrEngine(detect=False, device=...)`, every image in one batch) and counts the texts
+that differ from onnxruntime's, on the clean lines and on the same lines under pixel noise.
 HTTP overhead = (HttpReward time - local time of the same reward) / images, the service running
 `jpeg_compressibility` in a separate process, so it includes encode, transfer, decode and JSON both ways.
 """
@@ -93,6 +95,7 @@ def main() -> None:
     p.add_argument("--n", type=int, default=8, help="images per batch")
     p.add_argument("--repeats", type=int, default=3, help="best of this many runs")
     p.add_argument("--threads", type=int, default=None, help="onnxruntime threads (default: all cores)")
+    p.add_argument("--rec-device", default="", help="also time the recognizer as a torch module here (cuda)")
     args = p.parse_args()
 
     texts = [WORDS[i % len(WORDS)] for i in range(args.n)]
@@ -118,6 +121,22 @@ def main() -> None:
         what = f"OCR 32x128 line, {'detect+recognize' if detect else 'recognize only'}"
         note = f"per image; {cl / args.n * 1e3:.0f} ms CPU; mean score {line_out.scores.mean():.3f}"
         rows.append((what, tl / args.n * 1e3, note))
+    if args.rec_device:
+        rng = np.random.default_rng(0)
+        noisy = np.clip(lines.astype(np.int64) + rng.integers(-120, 120, lines.shape), 0, 255).astype(
+            np.uint8
+        )
+        both = np.concatenate([lines, noisy])
+        ref = RapidOcrEngine(num_threads=args.threads, detect=False).recognize(both)
+        dev = RapidOcrEngine(detect=False, device=args.rec_device, batch_size=256)
+        got = dev.recognize(both)  # loads and warms the module outside the timing
+        td, cd = best_of(lambda: dev.recognize(lines), args.repeats)
+        differ = sum(a != b for a, b in zip(ref, got))
+        note = (
+            f"per image; {cd / args.n * 1e3:.2f} ms CPU; texts unlike onnxruntime's: {differ} of {len(both)} "
+            f"(half under pixel noise)"
+        )
+        rows.append((f"OCR 32x128 line, recognize, {args.rec_device}", td / args.n * 1e3, note))
 
     jpeg = build_reward("jpeg_compressibility")
     tj, _ = best_of(lambda: jpeg(images, prompts), args.repeats)

@@ -321,7 +321,7 @@ def test_torch_recognizer_module_matches_onnxruntime():
     rng = np.random.default_rng(1)
     for width in (320, 600):
         x = rng.uniform(-1, 1, (3, 3, 48, width)).astype(np.float32)
-        ref = session.run(None, {"x": x})[0]
+        ref = np.asarray(session.run(None, {"x": x})[0])
         with torch.no_grad():
             got = module(torch.from_numpy(x)).numpy()
         assert got.shape == ref.shape and ref.shape[2] > 18000  # [3, T, ~18.7k classes]

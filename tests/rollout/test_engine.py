@@ -693,3 +693,34 @@ def test_merged_rollout_merges_only_outside_the_window_and_keeps_the_window_exac
     for n, p in model.transformer.named_parameters():  # every tensor back, bit for bit
         assert p.data_ptr() == weights[n][0] and torch.equal(p, weights[n][1]), n
     assert not image_q.disable_adapters
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: counts host-device synchronisations")
+def test_the_step_loop_never_waits_for_the_gpu(sd3_parts):
+    """Every host-to-device copy of the rollout is queued without a stream sync (`_upload`), so the host never
+    waits for the GPU inside the step loop: a rollout with twice the SDE steps (each one draws CPU noise and
+    stores its transition) synchronises exactly as often, and no more than twice per micro-batch plus the
+    setup's few (the decoded images' copy to the CPU is the one a micro-batch needs)."""
+    import copy
+    import warnings
+
+    cuda = {
+        k: copy.deepcopy(v).to("cuda") if isinstance(v, torch.nn.Module) else v for k, v in sd3_parts.items()
+    }
+    model = _sd3(cuda)
+    counts = {}
+    for W in (2, 4):
+        cfg = dataclasses.replace(BASE, window_size=W, window_range=(0, 6))
+        DiffusersEngine(model).generate(PROMPTS, SEEDS, cfg)  # warm: the prompt cache, cuBLAS handles
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                DiffusersEngine(model).generate(PROMPTS, SEEDS, cfg)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counts[W] = sum("synchroniz" in str(w.message) for w in seen)
+    units = -(-len(PROMPTS) // BASE.micro_batch)
+    assert counts[2] == counts[4] <= 2 * units + 4, counts

@@ -153,6 +153,15 @@ def check_request(
         )
 
 
+def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on `device`. To a GPU through pinned memory without blocking: the copy is queued on the
+    stream and the host goes on (a copy from pageable memory would wait for every queued kernel first); the
+    caching host allocator keeps the pinned block until the copy has run."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class DiffusersEngine:
     """Rollouts in this process with the model's own (diffusers) modules: the trainer's exact kernels.
 
@@ -248,9 +257,14 @@ class DiffusersEngine:
 
         try:
             for rows in forward_units(window, cfg.micro_batch, cfg.unit_block):
-                x = x_init[rows].to(device)
-                c = cond_index(cond, rows)
+                # Host-to-device copies never wait for the GPU (`_upload`), so the host's work for step i (the
+                # draws from each sample's own CPU generator) overlaps step i's transformer forward.
+                rows_dev = _upload(rows, device)
+                x = _upload(x_init[rows], device)
+                c = cond_index(cond, rows_dev)
                 m = x.shape[0]
+                in_window_dev = _upload(in_window[rows], device)  # [m, T]
+                start = window[rows, 0] if W else None
                 x0_prev = None
                 for i in range(last + 1 if flash else T):
                     sigma, sigma_next = sigmas[i].expand(m), sigmas[i + 1].expand(m)
@@ -270,19 +284,21 @@ class DiffusersEngine:
                             torch.randn(shape, generator=gens[b]) if sde_rows[k] else torch.zeros(shape)
                             for k, b in enumerate(rows.tolist())
                         ]
-                    ).to(device)
+                    )
+                    noise = _upload(noise, device)
                     x_sde = sde.sample(mean, std, noise)
                     lp = sde.log_prob(x_sde, mean, std)  # [m], same call and shapes as transition_log_prob
                     if sde_rows.all():
                         x_new = x_sde
                     else:
                         x_ode, _ = transition(given, x, sigma, sigma_next, c, cfg, stochastic=False)
-                        keep = sde_rows.to(device).view(m, *([1] * len(shape)))
+                        keep = in_window_dev[:, i].view(m, *([1] * len(shape)))
                         x_new = torch.where(keep, x_sde, x_ode)
-                    for k in sde_rows.nonzero().flatten().tolist():
-                        b = int(rows[k])
-                        j = i - int(window[b, 0])  # windows are consecutive steps
-                        x_t[b, j], x_next[b, j], log_prob[b, j], means[b, j] = x[k], x_new[k], lp[k], mean[k]
+                    # the window rows' transition, at window position j = i - its first step (consecutive steps)
+                    assert start is not None
+                    k = sde_rows.nonzero().flatten()
+                    k, b, j = _upload(torch.stack([k, rows[k], i - start[k]]), device)
+                    x_t[b, j], x_next[b, j], log_prob[b, j], means[b, j] = x[k], x_new[k], lp[k], mean[k]
                     x = x_new
                 if flash:
                     # The solver's history is seeded with the window's last x0 prediction (taken before its SDE
@@ -297,7 +313,7 @@ class DiffusersEngine:
                         x = sde.dpmpp_2m_step(x, x0_pred, x0_prev, sigma_prev, sigma, sigma_next)
                         x0_prev, sigma_prev = x0_pred, sigma
                 outside_window(False)
-                x0[rows.to(device)] = x
+                x0[rows_dev] = x
                 images.append(model.decode(x, cfg.height, cfg.width))
                 image_rows.append(rows)
                 if on_images is not None:
