@@ -702,8 +702,8 @@ def test_the_step_loop_never_waits_for_the_gpu(sd3_parts):
     waits for the GPU inside the step loop: a rollout with twice the SDE steps (each one draws CPU noise and
     stores its transition) synchronises as often, within one, and no more than twice per micro-batch plus the
     setup's few (the decoded images' copy to the CPU is the one a micro-batch needs). On an H200: 7 and 6 for
-    windows of 2 and 4; a sync per SDE step, as each step's noise copy from pageable memory made, gives more
-    than 10 for the window of 2 alone."""
+    windows of 2 and 4. The windows of 2 put an SDE step in 8 (micro-batch, step) pairs, those of 4 in 12: one
+    sync per SDE step (each step's noise copied from pageable memory) would exceed the bound and differ by 4."""
     import copy
     import warnings
 
