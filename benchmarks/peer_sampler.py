@@ -83,11 +83,17 @@ def load_flow_grpo_sampler(root: Path) -> Callable[..., Any]:
 
 
 def flow_grpo_commit(root: Path) -> str:
-    """The checkout's short commit, or "?" outside git."""
-    res = subprocess.run(
-        ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    )
-    return res.stdout.strip() if res.returncode == 0 else "?"
+    """The checkout's short commit, or "?" when `root` is not the top of a git work tree (a copied folder inside
+    another repository would otherwise report that repository's commit)."""
+
+    def git(*args: str) -> str | None:
+        res = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True)
+        return res.stdout.strip() if res.returncode == 0 else None
+
+    top = git("rev-parse", "--show-toplevel")
+    if top is None or Path(top).resolve() != root.resolve():
+        return "?"
+    return git("rev-parse", "--short", "HEAD") or "?"
 
 
 def sd3_pipeline(model: sd3.SD3) -> StableDiffusion3Pipeline:
