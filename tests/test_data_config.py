@@ -77,6 +77,11 @@ def test_load_prompts_formats_and_errors(tmp_path):
             "sampling.ode_tail",
         ),
         ({"model": ModelConfig(compile=True, exact_rollout=False)}, "--grpo.old-log-prob recompute"),
+        (
+            {"model": ModelConfig(attention_backend="flash3")},
+            "model.attention_backend='flash3' is not a diffusers",
+        ),
+        ({"model": ModelConfig(attention_backend="sage")}, "model.attention_backend='sage' cannot run here"),
         ({"num_steps": 3, "optim": OptimConfig(schedule="cosine", warmup_steps=6)}, "optim.decay_steps=6"),
     ],
 )

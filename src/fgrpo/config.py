@@ -51,7 +51,9 @@ class ModelConfig:
     pointwise ops (the outputs of matmuls and attention are kept: less compute than full, more memory; the same
     numbers)."""
     attention_backend: str = ""
-    """diffusers attention backend name (e.g. 'flash', '_flash_3_hub', 'native'); '' keeps the default."""
+    """diffusers attention backend name (e.g. 'native', '_native_cudnn', '_flash_3'); '' keeps the default. It reaches
+    models whose attention goes through diffusers' dispatcher (Qwen-Image, LTX-2), not diffusers' SD3, which calls
+    torch SDPA itself (refused there). benchmarks/attention.py measures the choices."""
     init_lora: str = ""
     """Start from this LoRA instead of a fresh one: a directory (or .safetensors file) in the layout fgrpo exports
     and diffusers' `save_lora_weights` writes. Its rank, alpha and targets must match model.lora_*."""
@@ -468,6 +470,9 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
             "model.lora=True, --parallel.shard adapters and rollout_engine='diffusers'; add them or drop "
             "--model.merged-rollout"
         )
+    from fgrpo.models.loading import check_attention_backend  # imports diffusers: only when validating
+
+    check_attention_backend(m.attention_backend, "model.attention_backend")
     if cfg.parallel.shard == "adapters" and not m.lora:
         raise ValueError(
             "parallel.shard='adapters' replicates the frozen base and model.lora=False trains all of it; drop "

@@ -284,10 +284,19 @@ def test_lora_attaches_to_the_configured_targets_and_starts_as_identity(kind):
                 p.normal_(0, 0.5)
     after = model.velocity(x, torch.tensor([0.7]), cond, guidance_scale=3.0)
     assert (after - before).abs().max() > 1e-3
-    # Gradient checkpointing and the attention backend are switches that keep the numbers.
-    configure_transformer(model.transformer, gradient_checkpointing=True, attention_backend="native")
+    # Gradient checkpointing and the attention backend are switches that keep the numbers (SD3's processors call
+    # SDPA themselves: no backend reaches them, `test_an_attention_backend_that_cannot_reach_the_attention_...`).
+    backend = "native" if kind == "qwen" else ""
+    configure_transformer(model.transformer, gradient_checkpointing=True, attention_backend=backend)
     assert model.transformer.is_gradient_checkpointing
     torch.testing.assert_close(model.velocity(x, torch.tensor([0.7]), cond, guidance_scale=3.0), after)
+
+
+def test_an_attention_backend_that_cannot_reach_the_attention_is_refused():
+    """diffusers' SD3 processors call torch SDPA themselves: set_attention_backend would change nothing there."""
+    sd3 = tiny.tiny_sd3(seed=0)
+    with pytest.raises(ValueError, match="model.attention_backend='native': no attention processor of SD3"):
+        configure_transformer(sd3.transformer, attention_backend="native")
 
 
 def test_add_lora_rejects_bad_settings(qwen):

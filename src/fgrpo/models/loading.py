@@ -136,16 +136,18 @@ def configure_transformer(
     attention_backend: str = "",
     compile_blocks: bool = False,
     compile_backend: str = "inductor",
+    compile_mode: str = "default",
 ) -> None:
     """Training/inference switches on a diffusers transformer, in place.
 
     checkpoint_policy: with gradient_checkpointing, what each block's backward recomputes: "full" its whole
     forward (diffusers' default), "selective" only what `selective_checkpoint` does not keep.
     attention_backend: a name of diffusers' attention dispatcher ("native", "flash", "_flash_3_hub",
-    "sage", ...); "" keeps the default (torch SDPA). compile_blocks: regional torch.compile of the
+    "sage", ...); "" keeps the default (torch SDPA); refused where no processor dispatches (diffusers' SD3). compile_blocks: regional torch.compile of the
     repeated transformer blocks (diffusers' compile_repeated_blocks): one compiled graph reused by all
     60 blocks, so compile time is that of one block. compile_backend: torch.compile's backend ("eager"
-    traces and guards exactly like "inductor" without generating kernels: the tests use it).
+    traces and guards exactly like "inductor" without generating kernels: the tests use it). compile_mode:
+    torch.compile's mode ("reduce-overhead": each block's kernels replayed as a CUDA graph).
     """
     if checkpoint_policy not in ("full", "selective"):
         raise ValueError(f"model.checkpoint_policy={checkpoint_policy!r}: use 'full' or 'selective'")
@@ -154,6 +156,13 @@ def configure_transformer(
             selective_checkpoint if checkpoint_policy == "selective" else None
         )
     if attention_backend:
+        check_attention_backend(attention_backend, "model.attention_backend")
+        if not dispatching_processors(transformer):
+            raise ValueError(
+                f"model.attention_backend={attention_backend!r}: no attention processor of "
+                f"{type(transformer).__name__} goes through diffusers' dispatcher (diffusers' SD3 calls torch SDPA "
+                "itself), so no backend applies; drop the flag"
+            )
         transformer.set_attention_backend(attention_backend)
     if compile_blocks:
         # One block's code is traced in several variants: no-grad rollout vs training forward, the first
@@ -173,7 +182,10 @@ def configure_transformer(
         options = (
             getattr(transformer, "_fgrpo_compile_options", None) if compile_backend == "inductor" else None
         )
-        transformer.compile_repeated_blocks(fullgraph=True, backend=compile_backend, options=options)
+        mode = (
+            {} if compile_mode == "default" else {"mode": compile_mode}
+        )  # torch.compile takes mode or options
+        transformer.compile_repeated_blocks(fullgraph=True, backend=compile_backend, options=options, **mode)
         transformer._fgrpo_compiled = True  # type: ignore[attr-defined]  # for the lines below
     # Selective checkpointing of compiled blocks moves into their forward (whichever of the two switches came first).
     if getattr(transformer, "_fgrpo_compiled", False):
@@ -332,6 +344,35 @@ def adapters_disabled(transformer: Transformer) -> Iterator[None]:
         yield
     finally:
         transformer.enable_adapters()
+
+
+def dispatching_processors(transformer: nn.Module) -> list[Any]:
+    """The attention processors that call diffusers' dispatcher, reading their backend at each call
+    (`_attention_backend`, None: the dispatcher's default): those `set_attention_backend` reaches."""
+    return [
+        proc
+        for module in transformer.modules()
+        if hasattr(proc := getattr(module, "processor", None), "_attention_backend")
+    ]
+
+
+def check_attention_backend(name: str, field: str) -> None:
+    """A one-line ValueError naming `field` when `name` is not one of diffusers' attention backends or the package
+    it needs is missing ("" passes: the default backend)."""
+    if not name:
+        return
+    from diffusers.models.attention_dispatch import (
+        AttentionBackendName,
+        _check_attention_backend_requirements,
+    )
+
+    names = sorted(b.value for b in AttentionBackendName)
+    if name not in names:
+        raise ValueError(f"{field}={name!r} is not a diffusers attention backend; use one of {names}")
+    try:
+        _check_attention_backend_requirements(AttentionBackendName(name))
+    except RuntimeError as e:
+        raise ValueError(f"{field}={name!r} cannot run here ({e}); install it or drop the flag") from None
 
 
 class MergedLora:
