@@ -142,19 +142,25 @@ def tiny() -> Config:
 
 
 def tiny_gpu() -> Config:
-    """The SD3 text renderer on one GPU: 32 words x 16 images a step, OCR in 15 single-threaded processes (the
-    Qwen-Image renderer's `tiny-gpu` batch, lr schedule and validation)."""
+    """The SD3 text renderer on one GPU: 32 words x 16 images a step (the Qwen-Image renderer's `tiny-gpu` batch, lr
+    schedule, compiled blocks, GPU recognizer and validation)."""
     t = tiny()
     return dataclasses.replace(
         t,
         num_steps=150,
         device="cuda",
-        model=dataclasses.replace(t.model, dtype="bf16"),
+        model=dataclasses.replace(t.model, dtype="bf16", compile=True),
         sampling=dataclasses.replace(t.sampling, micro_batch=256),
         grpo=dataclasses.replace(t.grpo, group_size=16, prompts_per_step=32, optimizer_steps_per_step=2),
         optim=OptimConfig(lr=2.5e-4, weight_decay=1e-4, schedule="linear"),
         data=dataclasses.replace(t.data, val_num_prompts=256),
-        reward=RewardConfig(name='{"name": "ocr", "num_threads": 1}', workers=15),
+        # trained on the OCR recognizer alone on the GPU, validated by the full CPU reader (qwen_image_ocr's reasons)
+        reward=RewardConfig(
+            name='{"name": "ocr", "num_threads": 1, "detect": false, "device": "cuda"}',
+            workers=0,
+            val_name='{"name": "ocr", "num_threads": 1}',
+            val_workers=15,
+        ),
         run=RunConfig(wandb="disabled", val_every=10, val_num_steps=10, ckpt_every=40, log_images_every=20),
     )
 

@@ -424,3 +424,13 @@ def test_ltx2_recipe_matches_verl_omni():
     assert (c.run.val_num_steps, c.run.val_every, c.run.ckpt_every, c.num_steps) == (50, 20, 50, 100)
     t = m.tiny()
     assert (t.model.height, t.model.width) == (t.sampling.height, t.sampling.width)
+
+
+def test_sd3_renderer_gpu_preset_trains_and_reads_like_the_qwen_image_one():
+    q = load(ROOT / "experiments" / "qwen_image_ocr.py").tiny_gpu()
+    s = load(ROOT / "experiments" / "sd35_ocr.py").tiny_gpu()
+    from fgrpo.config import validate_config
+
+    validate_config(s, world_size=1)
+    assert (s.reward, s.optim, s.grpo, s.run, s.num_steps) == (q.reward, q.optim, q.grpo, q.run, q.num_steps)
+    assert (s.model.compile, s.model.dtype, s.model.path, s.sampling.micro_batch) == (True, "bf16", "sd3", 256)
