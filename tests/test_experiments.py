@@ -433,4 +433,5 @@ def test_sd3_renderer_gpu_preset_trains_and_reads_like_the_qwen_image_one():
 
     validate_config(s, world_size=1)
     assert (s.reward, s.optim, s.grpo, s.run, s.num_steps) == (q.reward, q.optim, q.grpo, q.run, q.num_steps)
-    assert (s.model.compile, s.model.dtype, s.model.path, s.sampling.micro_batch) == (True, "bf16", "sd3", 256)
+    assert (s.model.compile, s.model.dtype, s.model.path) == (True, "bf16", "sd3")
+    assert s.sampling.micro_batch == 256
