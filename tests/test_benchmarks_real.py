@@ -220,9 +220,16 @@ def test_rollout_tiny(model, per_s):
 
 def test_attention_tiny_switches_the_backend_of_every_processor():
     """benchmarks/attention.py on the tiny Qwen-Image: the reference row diffs 0 against itself, the math kernel
-    gives other bits (so the switch reached the processors), and the flash kernel refuses the CFG forward's mask."""
+    gives other bits (so the switch reached the processors), the flash kernel refuses the CFG forward's mask, and
+    FlexAttention reads that mask as SDPA does (the candidate RESULTS.md names for the masked forward)."""
     out = run_script(
-        "attention.py", "--backends", "native,_native_math,_native_flash", "--modes", "eager", "--iters", "1"
+        "attention.py",
+        "--backends",
+        "native,_native_math,_native_flash,flex",
+        "--modes",
+        "eager",
+        "--iters",
+        "1",
     )
     cells = {
         tuple(c.strip() for c in line.split("|")[2:5]): line.split("|")[5:]
@@ -233,3 +240,4 @@ def test_attention_tiny_switches_the_backend_of_every_processor():
     assert 0 < float(cells[("masked (CFG)", "16", "_native_math")][3]) < 1e-4
     assert "attn_mask` is not supported" in cells[("masked (CFG)", "16", "_native_flash")][0]
     assert 0 <= float(cells[("no mask", "16", "_native_flash")][3]) < 1e-4
+    assert 0 < float(cells[("masked (CFG)", "16", "flex")][3]) < 1e-4
