@@ -292,6 +292,18 @@ def test_lora_attaches_to_the_configured_targets_and_starts_as_identity(kind):
     torch.testing.assert_close(model.velocity(x, torch.tensor([0.7]), cond, guidance_scale=3.0), after)
 
 
+def test_compile_mode_reaches_the_blocks_compile(monkeypatch):
+    """configure_transformer(compile_mode=...) is torch.compile's mode for the repeated blocks (benchmarks/attention.py
+    times "reduce-overhead", CUDA graphs); the default names no mode, so a family's inductor options still apply."""
+    model = tiny.tiny_qwen_image(seed=0)
+    calls: list[dict] = []
+    monkeypatch.setattr(model.transformer, "compile_repeated_blocks", lambda **kw: calls.append(kw))
+    configure_transformer(model.transformer, compile_blocks=True, compile_mode="reduce-overhead")
+    configure_transformer(model.transformer, compile_blocks=True)
+    assert calls[0]["mode"] == "reduce-overhead" and calls[0]["fullgraph"] is True
+    assert "mode" not in calls[1]
+
+
 def test_an_attention_backend_that_cannot_reach_the_attention_is_refused():
     """diffusers' SD3 processors call torch SDPA themselves: set_attention_backend would change nothing there."""
     sd3 = tiny.tiny_sd3(seed=0)

@@ -143,8 +143,8 @@ def configure_transformer(
     checkpoint_policy: with gradient_checkpointing, what each block's backward recomputes: "full" its whole
     forward (diffusers' default), "selective" only what `selective_checkpoint` does not keep.
     attention_backend: a name of diffusers' attention dispatcher ("native", "flash", "_flash_3_hub",
-    "sage", ...); "" keeps the default (torch SDPA); refused where no processor dispatches (diffusers' SD3). compile_blocks: regional torch.compile of the
-    repeated transformer blocks (diffusers' compile_repeated_blocks): one compiled graph reused by all
+    "sage", ...); "" keeps the default (torch SDPA); refused where no processor dispatches (diffusers' SD3).
+    compile_blocks: regional torch.compile of the repeated transformer blocks (diffusers' compile_repeated_blocks): one compiled graph reused by all
     60 blocks, so compile time is that of one block. compile_backend: torch.compile's backend ("eager"
     traces and guards exactly like "inductor" without generating kernels: the tests use it). compile_mode:
     torch.compile's mode ("reduce-overhead": each block's kernels replayed as a CUDA graph).
@@ -182,9 +182,8 @@ def configure_transformer(
         options = (
             getattr(transformer, "_fgrpo_compile_options", None) if compile_backend == "inductor" else None
         )
-        mode = (
-            {} if compile_mode == "default" else {"mode": compile_mode}
-        )  # torch.compile takes mode or options
+        # torch.compile takes a mode or options, not both: the default mode is left unnamed
+        mode = {} if compile_mode == "default" else {"mode": compile_mode}
         transformer.compile_repeated_blocks(fullgraph=True, backend=compile_backend, options=options, **mode)
         transformer._fgrpo_compiled = True  # type: ignore[attr-defined]  # for the lines below
     # Selective checkpointing of compiled blocks moves into their forward (whichever of the two switches came first).
