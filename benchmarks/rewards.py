@@ -23,14 +23,14 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from fgrpo.fonts import dejavu_sans
 from fgrpo.rewards import HttpReward, OcrReward, RapidOcrEngine, build_reward
 
-FONT = Path("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")
+FONT = dejavu_sans()
 WORDS = ["HELLO WORLD", "FLOW GRPO", "OPEN 24H", "SALE", "QWEN IMAGE", "NO PARKING", "CAFE", "EXIT"]
 
 

@@ -52,14 +52,10 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from fgrpo import logging as flog
 from fgrpo import parallel
 from fgrpo.core.schedule import lr_multiplier
+from fgrpo.fonts import dejavu_sans
 from fgrpo.models import textbed as tb
 from fgrpo.rewards.ocr import is_exact
 from fgrpo.rewards.runner import ParallelReward
-
-FONT_CANDIDATES = (
-    "/usr/share/fonts/truetype/dejavu/DejaVuSans-Bold.ttf",  # Debian/Ubuntu fonts-dejavu-core
-    ".fonts/DejaVuSans-Bold.ttf",  # carried to machines without the package (ignored folder)
-)
 
 
 @dataclass(frozen=True)
@@ -71,7 +67,7 @@ class DataConfig:
     workers: int = 0
     """Render processes per rank (0 = all cores / ranks)."""
     font: str = ""
-    """TrueType font ('' = the first of FONT_CANDIDATES that exists)."""
+    """TrueType font ('' = DejaVu Sans Bold: the system's, else matplotlib's copy; fgrpo.fonts)."""
     min_size_frac: float = 0.55
     """Font size is uniform in [frac * largest size that fits, largest size that fits]."""
     max_font_size: int = 28
@@ -376,11 +372,7 @@ def train(cfg: Config) -> list[tuple[float, int, dict[str, torch.Tensor]]]:
     d = parallel.init_distributed(cfg.device)
     rank, world, device = d.rank, d.world_size, d.device
     torch.manual_seed(cfg.seed)
-    font = cfg.data.font or next((f for f in FONT_CANDIDATES if Path(f).is_file()), "")
-    if not font:
-        raise FileNotFoundError(
-            f"no DejaVu Sans Bold among {FONT_CANDIDATES}; apt-get install fonts-dejavu-core or set --data.font"
-        )
+    font = cfg.data.font or str(dejavu_sans(bold=True))
     words = tb.read_words("train", cfg.words_dir)
 
     t0 = time.perf_counter()
@@ -535,7 +527,7 @@ def evaluate(cfg: Config, snapshots) -> list[dict]:
         )
         model.float()
     # Ground-truth renders of the held-out words: the OCR ceiling a perfect generator would reach.
-    font = cfg.data.font or next((f for f in FONT_CANDIDATES if Path(f).is_file()), "")
+    font = cfg.data.font or str(dejavu_sans(bold=True))
     rng = np.random.default_rng([cfg.seed, 10**6])
     real = np.stack([render_word(w, rng, font, cfg.model.height, cfg.model.width, cfg.data) for w in heldout])
     real = tb.upscale(torch.from_numpy(real)[..., None].expand(-1, -1, -1, 3), cfg.eval.upscale)

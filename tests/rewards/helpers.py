@@ -12,7 +12,9 @@ import numpy as np
 from aiohttp import web
 from PIL import Image, ImageDraw, ImageFont
 
-FONT = Path("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")
+from fgrpo.fonts import dejavu_sans
+
+FONT = dejavu_sans()
 
 
 def render_text(text: str, font_path: Path, size: int = 512, font_size: int = 56) -> np.ndarray:
