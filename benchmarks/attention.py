@@ -7,9 +7,11 @@ first backend of the same model, mode and mask. A backend that refuses the input
 
 Models (real size, random bf16 weights, 512²: benchmarks/rollout.py's builders):
     qwen_image  its attention goes through diffusers' dispatcher, so a backend is a dispatcher name, set as
-                `model.attention_backend` sets it (`set_attention_backend`). Two inputs of equal rows: "masked" is the recipe's true-CFG forward (the 24-token prompts and the
-                6-token negative prompt padded to one length: a key-padding mask on 18 of 1,048 keys), "no mask"
-                a CFG-free forward of equal-length prompts (velocity passes no mask when nothing is padding).
+                `model.attention_backend` sets it (`set_attention_backend`). Three inputs of equal rows: "joint" is
+                true CFG as one forward (`split_cfg=False`: the 24-token prompts and the 6-token negative prompt
+                padded to one length, a key-padding mask on 18 of 1,048 keys), "split" the same CFG as two
+                forwards of half the rows each, each trimmed to its own prompts (no mask; the default), "none" a
+                CFG-free forward of equal-length prompts (velocity passes no mask when nothing is padding).
                 At 1328² (`--size 1328`, its native size) a row holds 6,889 image tokens against 1,024 at 512².
     sd3         SD3.5-Medium; diffusers 0.40's SD3 processor calls torch's SDPA itself (no dispatcher), so a
                 backend is one of torch's SDPA kernels (torch.nn.attention.sdpa_kernel); it has no mask. Compiled,
@@ -79,8 +81,8 @@ def dispatcher_backend(transformer: Any, backend: str) -> Iterator[None]:
 
 
 def inputs(model: FlowModel, rows: int, cfg: bool, size: int, device: torch.device) -> tuple[Any, ...]:
-    """(x_t, sigma, cond, guidance scale) of a forward of `rows` rows: with CFG, rows / 2 samples and the negative
-    prompt " " (Qwen-Image's recipe; SD3's ""), else rows samples of equal-length prompts."""
+    """(x_t, sigma, cond, guidance scale) of `rows` rows: with CFG, rows / 2 samples and the negative prompt " "
+    (Qwen-Image's recipe; SD3's ""), else rows samples of equal-length prompts."""
     samples = rows // 2 if cfg else rows
     prompts = prompts_for(samples, 1, 0)
     negative = (" " if isinstance(model, QwenImage) else "") if cfg else None
@@ -141,7 +143,9 @@ def main() -> None:
     ap.add_argument(
         "--modes", default="eager,compile", help="eager, compile and/or cudagraphs, in this order"
     )
-    ap.add_argument("--masks", default="masked,none", help="qwen_image inputs: masked and/or none")
+    ap.add_argument(
+        "--inputs", default="joint,split,none", help="qwen_image inputs: joint, split and/or none"
+    )
     ap.add_argument("--iters", type=int, default=5, help="timed forwards per cell")
     ap.add_argument("--size", type=int, default=512, help="pixels per side (Qwen-Image's native: 1328)")
     ap.add_argument("--device", default="", help="default: cuda (tiny: cpu)")
@@ -156,7 +160,9 @@ def main() -> None:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if unknown := set(modes) - {"eager", "compile", "cudagraphs"}:
         raise SystemExit(f"--modes: unknown {sorted(unknown)}; use eager, compile and/or cudagraphs")
-    masks = [m.strip() == "masked" for m in args.masks.split(",")] if qwen else [True]  # SD3: CFG, no mask
+    kinds = [k.strip() for k in args.inputs.split(",") if k.strip()] if qwen else ["CFG"]  # SD3: no mask
+    if unknown := set(kinds) - {"joint", "split", "none", "CFG"}:
+        raise SystemExit(f"--inputs: unknown {sorted(unknown)}; use joint, split and/or none")
     rows_list = [int(r) for r in args.rows.split(",")]
     torch.backends.cuda.matmul.allow_tf32 = True
     diffusers.utils.logging.set_verbosity_error()  # set_attention_backend warns at every call that it is new
@@ -179,12 +185,13 @@ def main() -> None:
         compile_for(model, mode)
         with torch.no_grad():
             for rows in rows_list:
-                for masked in masks:
-                    x = inputs(model, rows, masked, args.size, device)
-                    label = "masked (CFG)" if masked else "no mask"
+                for kind in kinds:
+                    x = inputs(model, rows, kind != "none", args.size, device)
+                    if isinstance(model, QwenImage):
+                        model.split_cfg = kind == "split"
                     ref: tuple[float, torch.Tensor] | None = None
                     for backend in backends:
-                        cell = f"| {mode} | {label if qwen else 'CFG'} | {rows} | {backend} |"
+                        cell = f"| {mode} | {kind} | {rows} | {backend} |"
                         if mode != "eager" and not qwen:
                             torch._dynamo.reset()  # trace again under this backend's context
                         warmup = 3 if mode == "cudagraphs" else 1

@@ -157,6 +157,12 @@ def main() -> None:
         help="off, on, or off,on (each in turn, after its own warm-up step): rollout steps with no row in its "
         "window run merged LoRA weights (model.merged_rollout); needs --shard adapters",
     )
+    ap.add_argument(
+        "--split-cfg",
+        default="on",
+        help="qwen_image(_edit): on (the default: true CFG's two halves as two forwards, each trimmed to its own "
+        "prompts, so without a padding mask), off (one forward over both halves padded and masked), or off,on",
+    )
     ap.add_argument("--iters", type=int, default=2, help="timed steps (after one warm-up step)")
     ap.add_argument(
         "--profile", action="store_true", help="profile the last timed step: time in NCCL kernels"
@@ -183,6 +189,13 @@ def main() -> None:
         ap.error(f"--merged-rollout {args.merged_rollout!r}: use off, on or off,on")
     if any(merged_settings) and (args.shard != "adapters" or args.full):
         ap.error("--merged-rollout on merges LoRA into a copy of the unsharded base: add --shard adapters")
+    split_settings = [s.strip() == "on" for s in args.split_cfg.split(",")]
+    if any(s.strip() not in ("off", "on") for s in args.split_cfg.split(",")):
+        ap.error(f"--split-cfg {args.split_cfg!r}: use on, off or off,on")
+    if args.split_cfg != "on" and args.model not in ("qwen_image", "qwen_image_edit"):
+        ap.error(
+            f"--split-cfg {args.split_cfg!r}: only Qwen-Image's CFG pads its halves; drop it for {args.model}"
+        )
     if args.shard == "adapters" and args.full:
         ap.error("--shard adapters shards the LoRA and --full trains every weight; drop one of them")
 
@@ -198,6 +211,7 @@ def main() -> None:
     from fgrpo.core import grpo
     from fgrpo.models.loading import SD3_LORA_TARGETS, configure_transformer, setup_trainable
     from fgrpo.models.ltx2 import LTX2
+    from fgrpo.models.qwen_image import QwenImage
     from fgrpo.models.qwen_image_edit import QwenImageEdit
     from fgrpo.rewards.runner import AsyncRewardRunner, RewardStream
     from fgrpo.rollout.base import SamplingConfig
@@ -357,7 +371,9 @@ def main() -> None:
         for b in sorted({micro_batch, n_local % micro_batch} - {0}):
             reward(torch.zeros(b, height, width, 3, dtype=torch.uint8).numpy(), prompts[:b])
 
-    for name, merged_rollout in itertools.product(algos, merged_settings):
+    for name, merged_rollout, split_cfg in itertools.product(algos, merged_settings, split_settings):
+        if isinstance(model, QwenImage):
+            model.split_cfg = split_cfg
         forward_process = name in FORWARD_PROCESS_ALGOS
         # NFT and AWM sample with the ODE and without CFG and train 9 / 6 grid points a sample (their recipes)
         points = args.train_points or {"nft": 9, "awm": 6}.get(name, 2)
@@ -384,6 +400,7 @@ def main() -> None:
         print0(
             f"\n## {name}: CFG {sampling.guidance_scale}"
             + (", merged LoRA outside the window (rollout)" if merged_rollout else "")
+            + (", one masked CFG forward" if isinstance(model, QwenImage) and not split_cfg else "")
             + (f", {points} points a sample" if forward_process else "")
         )
         rows = []

@@ -220,8 +220,8 @@ def test_rollout_tiny(model, per_s):
 
 def test_attention_tiny_switches_the_backend_of_every_processor():
     """benchmarks/attention.py on the tiny Qwen-Image: the reference row diffs 0 against itself, the math kernel
-    gives other bits (so the switch reached the processors), the flash kernel refuses the CFG forward's mask, and
-    FlexAttention reads that mask as SDPA does (the candidate RESULTS.md names for the masked forward)."""
+    gives other bits (so the switch reached the processors), the flash kernel refuses the joint CFG forward's mask
+    and takes the split CFG forwards (they carry none), and FlexAttention reads that mask as SDPA does."""
     out = run_script(
         "attention.py",
         "--backends",
@@ -236,8 +236,9 @@ def test_attention_tiny_switches_the_backend_of_every_processor():
         for line in out.splitlines()
         if line.startswith("| eager")
     }
-    assert float(cells[("masked (CFG)", "16", "native")][3]) == 0.0
-    assert 0 < float(cells[("masked (CFG)", "16", "_native_math")][3]) < 1e-4
-    assert "attn_mask` is not supported" in cells[("masked (CFG)", "16", "_native_flash")][0]
-    assert 0 <= float(cells[("no mask", "16", "_native_flash")][3]) < 1e-4
-    assert 0 < float(cells[("masked (CFG)", "16", "flex")][3]) < 1e-4
+    assert float(cells[("joint", "16", "native")][3]) == 0.0
+    assert 0 < float(cells[("joint", "16", "_native_math")][3]) < 1e-4
+    assert "attn_mask` is not supported" in cells[("joint", "16", "_native_flash")][0]
+    assert 0 <= float(cells[("none", "16", "_native_flash")][3]) < 1e-4
+    assert 0 < float(cells[("joint", "16", "flex")][3]) < 1e-4
+    assert 0 <= float(cells[("split", "16", "_native_flash")][3]) < 1e-4

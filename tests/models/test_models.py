@@ -163,7 +163,9 @@ def _transformer_velocity_qwen(model: QwenImage, x, sigma, embeds, mask):
     return out  # packed
 
 
-def test_qwen_batched_true_cfg_equals_two_separate_forwards(qwen):
+@pytest.mark.parametrize("split_cfg", [True, False])
+def test_qwen_true_cfg_equals_per_sample_forwards(qwen, split_cfg, monkeypatch):
+    monkeypatch.setattr(qwen, "split_cfg", split_cfg)
     cond = qwen.encode(PROMPTS, negative_prompt=" ")
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, *qwen.latent_shape(64, 64), generator=gen)
@@ -189,6 +191,42 @@ def test_qwen_batched_true_cfg_equals_two_separate_forwards(qwen):
         qwen.velocity(x, sigma, cond, guidance_scale=1.0), unpack(v_cond, 8, 8), rtol=1e-5, atol=1e-5
     )
     assert (v - unpack(v_cond, 8, 8)).abs().max() > 1e-3  # CFG did something
+
+
+def _transformer_calls(model: QwenImage, monkeypatch) -> list[tuple[int, int, bool]]:
+    """(rows, text tokens, masked) of each transformer call from here on."""
+    calls: list[tuple[int, int, bool]] = []
+    forward = model.transformer.forward
+
+    def record(*args, **kwargs):
+        embeds, mask = kwargs["encoder_hidden_states"], kwargs["encoder_hidden_states_mask"]
+        calls.append((embeds.shape[0], embeds.shape[1], mask is not None))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model.transformer, "forward", record)
+    return calls
+
+
+@pytest.mark.parametrize("split_cfg", [True, False])
+def test_qwen_split_cfg_forwards_carry_no_padding_mask(qwen, split_cfg, monkeypatch):
+    """Split, each half is trimmed to its own prompts: no mask on the negative half, nor on a positive half whose
+    prompts share a length; joint, one forward over both halves, padded to the longer half and masked."""
+    monkeypatch.setattr(qwen, "split_cfg", split_cfg)
+    calls = _transformer_calls(qwen, monkeypatch)
+    x = torch.randn(2, *qwen.latent_shape(64, 64), generator=torch.Generator().manual_seed(0))
+    sigma = torch.tensor([0.9, 0.5])
+    same = qwen.encode(["a photo of a dog", "a photo of a dog"], negative_prompt=" ")
+    mixed = qwen.encode(["a cat", "a photo of a dog on a red square"], negative_prompt=" ")
+    L, L_long, L_neg = (
+        int(c.sum()) for c in (same["prompt_mask"][0], mixed["prompt_mask"][1], same["neg_prompt_mask"][0])
+    )
+    assert L_neg < L < L_long
+    qwen.velocity(x, sigma, same, guidance_scale=4.0)
+    qwen.velocity(x, sigma, mixed, guidance_scale=4.0)
+    if split_cfg:
+        assert calls == [(2, L, False), (2, L_neg, False), (2, L_long, True), (2, L_neg, False)]
+    else:
+        assert calls == [(4, L, True), (4, L_long, True)]
 
 
 def _unpadded(cond, i, prefix):

@@ -8,8 +8,10 @@ packed 2x2 into tokens [(H/16)(W/16), 4C] for QwenImageTransformer2DModel (RoPE 
 Differs from QwenImagePipeline:
 - x_t lives unpacked, [C, H/8, W/8]: the image size is then readable from the tensor (the transformer
   needs it for RoPE) and the SDE noise is drawn in the same layout the pipeline draws its initial noise.
-- True CFG is one batched forward over [positive; negative] (prompts padded to a common length with a
-  mask), not two forwards; the pipeline's two calls give the same numbers up to float rounding.
+- True CFG runs the positive and the negative half as two forwards, as the pipeline does, each trimmed to its
+  own prompts' length: the negative half never needs a padding mask, nor the positive one when its prompts
+  share a length, and a masked SDPA call costs ~8 % of a forward (benchmarks/attention.py). `split_cfg=False`
+  runs one batched forward over [positive; negative] padded to a common length with a key-padding mask.
 - Each distinct prompt is encoded alone and cached, so an encoding never depends on its batch-mates.
 - The timestep fed to the transformer is sigma itself; the pipeline feeds (1000 sigma) / 1000.
 """
@@ -137,8 +139,10 @@ class QwenImage:
         scheduler_config: Mapping[str, Any] = SCHEDULER_CONFIG,
         max_sequence_length: int = MAX_SEQUENCE_LENGTH,
         prompt_cache_size: int = 1024,
+        split_cfg: bool = True,
     ):
         self.transformer = transformer
+        self.split_cfg = split_cfg
         self.vae = vae
         self.text_encoder = text_encoder
         self.tokenizer = tokenizer
@@ -264,23 +268,42 @@ class QwenImage:
         x = pack(x_t)
         tokens = x.shape[1]
         x, img_shapes = self._image_sequence(x, cond, h, w)
-        do_cfg = guidance_scale > 1.0
-        if do_cfg:
-            if "neg_prompt_embeds" not in cond:
-                raise ValueError(f"guidance_scale={guidance_scale} > 1 needs a negative prompt in cond")
-            neg, neg_mask = cond["neg_prompt_embeds"], cond["neg_prompt_mask"]
+        if guidance_scale <= 1.0:
+            return unpack(self._forward(x, sigma, embeds, mask, img_shapes, tokens), h, w)
+        if "neg_prompt_embeds" not in cond:
+            raise ValueError(f"guidance_scale={guidance_scale} > 1 needs a negative prompt in cond")
+        neg, neg_mask = cond["neg_prompt_embeds"], cond["neg_prompt_mask"]
+        if self.split_cfg:
+            v_cond = self._forward(x, sigma, embeds, mask, img_shapes, tokens)
+            v_uncond = self._forward(x, sigma, neg, neg_mask, img_shapes, tokens)
+        else:
             length = max(embeds.shape[1], neg.shape[1])
             embeds, mask = pad_to(embeds, mask, length)
             neg, neg_mask = pad_to(neg, neg_mask, length)
-            embeds, mask = torch.cat([embeds, neg]), torch.cat([mask, neg_mask])
-            x, sigma = torch.cat([x, x]), torch.cat([sigma, sigma])
+            both = torch.cat([embeds, neg]), torch.cat([mask, neg_mask])
+            out = self._forward(torch.cat([x, x]), torch.cat([sigma, sigma]), *both, img_shapes, tokens)
+            v_cond, v_uncond = out.chunk(2)
+        out = guidance.true_cfg(v_cond, v_uncond, guidance_scale)  # per packed token
+        return unpack(out, h, w)
+
+    def _forward(
+        self,
+        x: torch.Tensor,
+        sigma: torch.Tensor,
+        embeds: torch.Tensor,
+        mask: torch.Tensor,
+        img_shapes: Any,
+        tokens: int,
+    ) -> torch.Tensor:
+        """One transformer call: image tokens x [B, N', 4C] and text [B, L, D] with its mask [B, L] -> the
+        first `tokens` output tokens, fp32 [B, tokens, 4C]. The text is trimmed to these rows' longest prompt."""
         embeds, mask = trim_padding(embeds, mask)
         # Sequence parallelism splits the text tokens evenly over its ranks; the added tokens are masked keys, so
         # the image tokens' values do not change.
         multiple = sequence_multiple(self.transformer)
         embeds, mask = pad_to(embeds, mask, -(-embeds.shape[1] // multiple) * multiple)
         dtype = self.dtype
-        out = self.transformer(
+        return self.transformer(
             hidden_states=x.to(dtype),
             timestep=sigma.to(dtype),
             encoder_hidden_states=embeds.to(dtype),
@@ -289,10 +312,6 @@ class QwenImage:
             img_shapes=[img_shapes] * x.shape[0],
             return_dict=False,
         )[0][:, :tokens].float()
-        if do_cfg:
-            v_cond, v_uncond = out.chunk(2)
-            out = guidance.true_cfg(v_cond, v_uncond, guidance_scale)  # per token of the packed latent
-        return unpack(out, h, w)
 
     def _image_sequence(self, x: torch.Tensor, cond: Cond, h: int, w: int) -> tuple[torch.Tensor, Any]:
         """The transformer's image tokens for packed x_t [B, N, 4C] and one sample's RoPE shape(s) for
