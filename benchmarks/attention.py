@@ -8,9 +8,9 @@ first backend of the same model, mode and mask. A backend that refuses the input
 Models (real size, random bf16 weights, 512²: benchmarks/rollout.py's builders):
     qwen_image  its attention goes through diffusers' dispatcher, so a backend is a dispatcher name, set as
                 `model.attention_backend` sets it (`set_attention_backend`). Three inputs of equal rows: "joint" is
-                true CFG as one forward (`split_cfg=False`: the 24-token prompts and the 6-token negative prompt
+                true CFG as one forward (the default: the 24-token prompts and the 6-token negative prompt
                 padded to one length, a key-padding mask on 18 of 1,048 keys), "split" the same CFG as two
-                forwards of half the rows each, each trimmed to its own prompts (no mask; the default), "none" a
+                forwards of half the rows each, each trimmed to its own prompts (`split_cfg`: no mask), "none" a
                 CFG-free forward of equal-length prompts (velocity passes no mask when nothing is padding).
                 At 1328² (`--size 1328`, its native size) a row holds 6,889 image tokens against 1,024 at 512².
     sd3         SD3.5-Medium; diffusers 0.40's SD3 processor calls torch's SDPA itself (no dispatcher), so a

@@ -46,6 +46,7 @@ import argparse
 import dataclasses
 import itertools
 import time
+from pathlib import Path
 
 import torch
 from rollout import (  # benchmarks/rollout.py: the same random models
@@ -159,9 +160,15 @@ def main() -> None:
     )
     ap.add_argument(
         "--split-cfg",
-        default="on",
-        help="qwen_image(_edit): on (the default: true CFG's two halves as two forwards, each trimmed to its own "
-        "prompts, so without a padding mask), off (one forward over both halves padded and masked), or off,on",
+        default="off",
+        help="qwen_image(_edit): off (the model's default: one CFG forward over both halves, padded and masked), on "
+        "(the two halves as two forwards, each trimmed to its own prompts, so without a padding mask), or off,on",
+    )
+    ap.add_argument(
+        "--prompt-file",
+        default="",
+        help="the step's prompts from this file's lines, one per group in order (e.g. flow_grpo's OCR test prompts, "
+        "whose lengths differ); default: 'A storefront sign that says \"WORD<k>\"', all of one length",
     )
     ap.add_argument("--iters", type=int, default=2, help="timed steps (after one warm-up step)")
     ap.add_argument(
@@ -192,10 +199,19 @@ def main() -> None:
     split_settings = [s.strip() == "on" for s in args.split_cfg.split(",")]
     if any(s.strip() not in ("off", "on") for s in args.split_cfg.split(",")):
         ap.error(f"--split-cfg {args.split_cfg!r}: use on, off or off,on")
-    if args.split_cfg != "on" and args.model not in ("qwen_image", "qwen_image_edit"):
+    if args.split_cfg != "off" and args.model not in ("qwen_image", "qwen_image_edit"):
         ap.error(
             f"--split-cfg {args.split_cfg!r}: only Qwen-Image's CFG pads its halves; drop it for {args.model}"
         )
+    prompt_lines = []
+    if args.prompt_file:
+        path = Path(args.prompt_file)
+        prompt_lines = [line.strip() for line in path.read_text().splitlines()] if path.is_file() else []
+        if len([line for line in prompt_lines if line]) < args.prompts:
+            ap.error(
+                f"--prompt-file {args.prompt_file}: needs a file of at least --prompts {args.prompts} lines"
+            )
+        prompt_lines = [line for line in prompt_lines if line]
     if args.shard == "adapters" and args.full:
         ap.error("--shard adapters shards the LoRA and --full trains every weight; drop one of them")
 
@@ -346,7 +362,11 @@ def main() -> None:
     params = [p for p in model.transformer.parameters() if p.requires_grad]
     names = [k for k, p in model.transformer.named_parameters() if p.requires_grad]
     ids = range(d.rank * n_local, (d.rank + 1) * n_local)  # this rank's slice of the global batch
-    prompts = with_images([f'A storefront sign that says "WORD{i // group}"' for i in ids])
+    texts = [
+        prompt_lines[p] if prompt_lines else f'A storefront sign that says "WORD{p}"'
+        for p in range(args.prompts)
+    ]
+    prompts = with_images([texts[i // group] for i in ids])
     n_trainable = sum(p.numel() for p in params)  # a DTensor's numel() is the global size
     print0 = (lambda *a, **k: print(*a, **k, flush=True)) if d.is_main else (lambda *a, **k: None)
     train_graph = args.compile and not args.no_exact_rollout
@@ -356,6 +376,9 @@ def main() -> None:
         f"trainable, {layers} blocks, {tflop_per_forward:.2f} TFLOP per {size} forward, {args.opt_steps} optimizer steps, rollout window through the "
         f"{'training' if train_graph else 'no-grad'} graph"
     )
+    if isinstance(model, QwenImage):  # one text length compiles static blocks; several, a symbolic length
+        lengths = model.encode(list(dict.fromkeys(prompts)))["prompt_mask"].sum(1).tolist()
+        print0(f"# prompt tokens {min(lengths)}-{max(lengths)} over {len(lengths)} prompts")
 
     def sync():
         if d.device.type == "cuda":
@@ -400,7 +423,7 @@ def main() -> None:
         print0(
             f"\n## {name}: CFG {sampling.guidance_scale}"
             + (", merged LoRA outside the window (rollout)" if merged_rollout else "")
-            + (", one masked CFG forward" if isinstance(model, QwenImage) and not split_cfg else "")
+            + (", CFG as two unpadded forwards" if split_cfg else "")
             + (f", {points} points a sample" if forward_process else "")
         )
         rows = []

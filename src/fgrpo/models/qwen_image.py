@@ -8,10 +8,12 @@ packed 2x2 into tokens [(H/16)(W/16), 4C] for QwenImageTransformer2DModel (RoPE 
 Differs from QwenImagePipeline:
 - x_t lives unpacked, [C, H/8, W/8]: the image size is then readable from the tensor (the transformer
   needs it for RoPE) and the SDE noise is drawn in the same layout the pipeline draws its initial noise.
-- True CFG runs the positive and the negative half as two forwards, as the pipeline does, each trimmed to its
-  own prompts' length: the negative half never needs a padding mask, nor the positive one when its prompts
-  share a length, and a masked SDPA call costs ~8 % of a forward (benchmarks/attention.py). `split_cfg=False`
-  runs one batched forward over [positive; negative] padded to a common length with a key-padding mask.
+- True CFG is one batched forward over [positive; negative] (prompts padded to a common length with a
+  mask), not two forwards; the pipeline's two calls give the same numbers up to float rounding.
+  `split_cfg=True` makes the two calls instead, each trimmed to its own prompts' length, so the negative half
+  (and a positive half of one prompt length) needs no padding mask: a faster bare forward, but under regional
+  compile the two text lengths make dynamo retrace the blocks with a symbolic text length, and the compiled
+  training step measured slower (benchmarks/RESULTS.md, "cfg-split"). The benchmarks compare the two.
 - Each distinct prompt is encoded alone and cached, so an encoding never depends on its batch-mates.
 - The timestep fed to the transformer is sigma itself; the pipeline feeds (1000 sigma) / 1000.
 """
@@ -139,7 +141,7 @@ class QwenImage:
         scheduler_config: Mapping[str, Any] = SCHEDULER_CONFIG,
         max_sequence_length: int = MAX_SEQUENCE_LENGTH,
         prompt_cache_size: int = 1024,
-        split_cfg: bool = True,
+        split_cfg: bool = False,
     ):
         self.transformer = transformer
         self.split_cfg = split_cfg
