@@ -191,27 +191,31 @@ def main() -> None:
         ap.error("--reward-stream streams images to --reward vlm; add it (ltx2's clips are scored whole)")
     if args.reward_static_cache and args.reward != "vlm":
         ap.error("--reward-static-cache sets the VLM's cache; add --reward vlm")
-    merged_settings = [s.strip() == "on" for s in args.merged_rollout.split(",")]
-    if any(s.strip() not in ("off", "on") for s in args.merged_rollout.split(",")):
-        ap.error(f"--merged-rollout {args.merged_rollout!r}: use off, on or off,on")
+
+    def settings(flag: str, value: str) -> list[bool]:
+        """An off / on / off,on flag as the settings to run in turn."""
+        words = [w.strip() for w in value.split(",")]
+        if any(w not in ("off", "on") for w in words):
+            ap.error(f"{flag} {value!r}: use off, on or off,on")
+        return [w == "on" for w in words]
+
+    merged_settings = settings("--merged-rollout", args.merged_rollout)
     if any(merged_settings) and (args.shard != "adapters" or args.full):
         ap.error("--merged-rollout on merges LoRA into a copy of the unsharded base: add --shard adapters")
-    split_settings = [s.strip() == "on" for s in args.split_cfg.split(",")]
-    if any(s.strip() not in ("off", "on") for s in args.split_cfg.split(",")):
-        ap.error(f"--split-cfg {args.split_cfg!r}: use on, off or off,on")
-    if args.split_cfg != "off" and args.model not in ("qwen_image", "qwen_image_edit"):
+    split_settings = settings("--split-cfg", args.split_cfg)
+    if any(split_settings) and args.model not in ("qwen_image", "qwen_image_edit"):
         ap.error(
             f"--split-cfg {args.split_cfg!r}: only Qwen-Image's CFG pads its halves; drop it for {args.model}"
         )
     prompt_lines = []
     if args.prompt_file:
         path = Path(args.prompt_file)
-        prompt_lines = [line.strip() for line in path.read_text().splitlines()] if path.is_file() else []
-        if len([line for line in prompt_lines if line]) < args.prompts:
+        lines = path.read_text().splitlines() if path.is_file() else []
+        prompt_lines = [line.strip() for line in lines if line.strip()]
+        if len(prompt_lines) < args.prompts:
             ap.error(
                 f"--prompt-file {args.prompt_file}: needs a file of at least --prompts {args.prompts} lines"
             )
-        prompt_lines = [line for line in prompt_lines if line]
     if args.shard == "adapters" and args.full:
         ap.error("--shard adapters shards the LoRA and --full trains every weight; drop one of them")
 
