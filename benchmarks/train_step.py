@@ -167,8 +167,16 @@ def main() -> None:
     ap.add_argument(
         "--prompt-file",
         default="",
-        help="the step's prompts from this file's lines, one per group in order (e.g. flow_grpo's OCR test prompts, "
-        "whose lengths differ); default: 'A storefront sign that says \"WORD<k>\"', all of one length",
+        help="the steps' prompts from this file's lines, one per group, each step the next --prompts lines (e.g. "
+        "flow_grpo's OCR test prompts, whose lengths differ); default: 'A storefront sign that says \"WORD<k>\"' "
+        "every step, all of one length",
+    )
+    ap.add_argument(
+        "--text-bucket",
+        type=int,
+        default=0,
+        help="qwen_image(_edit): model.text_bucket, each forward's text padded to a multiple of this many tokens "
+        "and, with --compile, the blocks compiled for static shapes (0: the text is the rows' longest prompt)",
     )
     ap.add_argument("--iters", type=int, default=2, help="timed steps (after one warm-up step)")
     ap.add_argument(
@@ -207,6 +215,8 @@ def main() -> None:
         ap.error(
             f"--split-cfg {args.split_cfg!r}: only Qwen-Image's CFG pads its halves; drop it for {args.model}"
         )
+    if args.text_bucket < 0 or (args.text_bucket and args.model not in ("qwen_image", "qwen_image_edit")):
+        ap.error(f"--text-bucket {args.text_bucket}: a positive multiple, for qwen_image(_edit) only")
     prompt_lines = []
     if args.prompt_file:
         path = Path(args.prompt_file)
@@ -358,19 +368,31 @@ def main() -> None:
     tflop_per_forward = forward_tflop(
         model, with_images(['A storefront sign that says "WORD0"'])[0], height, width
     )
+    if isinstance(model, QwenImage):
+        model.text_bucket = args.text_bucket
     if args.compile:
-        configure_transformer(model.transformer, compile_blocks=True)
+        configure_transformer(
+            model.transformer, compile_blocks=True, compile_dynamic=False if args.text_bucket else None
+        )
     parallel.shard_transformer(
         model.transformer, param_dtype=None if args.tiny else torch.bfloat16, shard=args.shard
     )
     params = [p for p in model.transformer.parameters() if p.requires_grad]
     names = [k for k, p in model.transformer.named_parameters() if p.requires_grad]
     ids = range(d.rank * n_local, (d.rank + 1) * n_local)  # this rank's slice of the global batch
-    texts = [
-        prompt_lines[p] if prompt_lines else f'A storefront sign that says "WORD{p}"'
-        for p in range(args.prompts)
-    ]
-    prompts = with_images([texts[i // group] for i in ids])
+
+    def step_prompts(it: int) -> list[str]:
+        """This rank's prompts at step `it` (0 = the warm-up), one per sample: --prompt-file's next lines, or the
+        default prompts every step."""
+        texts = [
+            prompt_lines[(it * args.prompts + p) % len(prompt_lines)]
+            if prompt_lines
+            else f'A storefront sign that says "WORD{p}"'
+            for p in range(args.prompts)
+        ]
+        return with_images([texts[i // group] for i in ids])
+
+    prompts = step_prompts(0)
     n_trainable = sum(p.numel() for p in params)  # a DTensor's numel() is the global size
     print0 = (lambda *a, **k: print(*a, **k, flush=True)) if d.is_main else (lambda *a, **k: None)
     train_graph = args.compile and not args.no_exact_rollout
@@ -381,8 +403,12 @@ def main() -> None:
         f"{'training' if train_graph else 'no-grad'} graph"
     )
     if isinstance(model, QwenImage):  # one text length compiles static blocks; several, a symbolic length
-        lengths = model.encode(list(dict.fromkeys(prompts)))["prompt_mask"].sum(1).tolist()
-        print0(f"# prompt tokens {min(lengths)}-{max(lengths)} over {len(lengths)} prompts")
+        used = [p for it in range(args.iters + 1) for p in step_prompts(it)]
+        lengths = model.encode(list(dict.fromkeys(used)))["prompt_mask"].sum(1).tolist()
+        print0(
+            f"# prompt tokens {min(lengths)}-{max(lengths)} over {len(lengths)} prompts"
+            + (f", text padded to a multiple of {args.text_bucket}" if args.text_bucket else "")
+        )
 
     def sync():
         if d.device.type == "cuda":
@@ -443,6 +469,7 @@ def main() -> None:
                 torch.cuda.reset_peak_memory_stats()
             sync()
             t0 = time.perf_counter()
+            prompts = step_prompts(it)
             stream = RewardStream(runner, prompts) if runner is not None else None
             with torch.no_grad(), algo.sampling_weights():
                 engine_sampling = algo.sampling(it)

@@ -245,23 +245,25 @@ def test_attention_tiny_switches_the_backend_of_every_processor():
 
 
 def test_train_step_reads_prompts_of_different_lengths_and_compares_the_cfg_forwards(tmp_path):
-    """--prompt-file gives the step prompts of different lengths (the default ones share one); --split-cfg off,on
-    runs the one masked CFG forward and the two unpadded ones in turn; a file too short stops before any work."""
+    """--prompt-file gives the steps prompts of different lengths (the default ones share one), each step the file's
+    next lines (3 prompts over the 2 steps of 2); --split-cfg off,on runs the one masked CFG forward and the two
+    unpadded ones in turn; --text-bucket is named in the header; a file too short stops before any work."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text(
-        'A sign that says "HI"\n\nA poster of a quiet lake at dawn with the words "Good Morning"\n'
+        'A sign that says "HI"\n\nA poster of a quiet lake at dawn with the words "Good Morning"\nA red "STOP" sign\n'
     )
     out = run_script(
-        "train_step.py", "--iters", "0", "--prompts", "2", "--group", "2", "--opt-steps", "1",
-        "--prompt-file", str(prompts), "--split-cfg", "off,on",
+        "train_step.py", "--iters", "1", "--prompts", "2", "--group", "2", "--opt-steps", "1",
+        "--prompt-file", str(prompts), "--split-cfg", "off,on", "--text-bucket", "16",
     )  # fmt: skip
-    short, long = map(int, re.search(r"# prompt tokens (\d+)-(\d+) over 2 prompts", out).groups())  # type: ignore[union-attr]
+    header = r"# prompt tokens (\d+)-(\d+) over 3 prompts, text padded to a multiple of 16\n"
+    short, long = map(int, re.search(header, out).groups())  # type: ignore[union-attr]
     assert short < long
     assert "## grpo: CFG 4.0\n" in out and "## grpo: CFG 4.0, CFG as two unpadded forwards\n" in out
     res = subprocess.run(
-        [sys.executable, str(BENCH / "train_step.py"), "--tiny", "--prompts", "3", "--prompt-file", str(prompts)],
+        [sys.executable, str(BENCH / "train_step.py"), "--tiny", "--prompts", "4", "--prompt-file", str(prompts)],
         env=ENV, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert (
-        res.returncode == 2 and "--prompt-file" in res.stderr and "at least --prompts 3 lines" in res.stderr
+        res.returncode == 2 and "--prompt-file" in res.stderr and "at least --prompts 4 lines" in res.stderr
     )

@@ -211,3 +211,52 @@ def test_edit_model_compiles_its_blocks_without_comprehensive_padding(monkeypatc
         None,
     ]  # eager: no inductor
     assert [kw["options"] for kw in seen["t2i"]] == [None, None]
+
+
+@pytest.mark.parametrize("bucket", [0, 8])
+def test_text_bucket_keeps_compiled_blocks_static_over_prompt_lengths(bucket, monkeypatch):
+    """Prompts of three lengths in two buckets of 8 tokens. model.text_bucket=8: the blocks compile for static
+    shapes (no graph has a symbolic size) and the text lengths they see are the two buckets; without it, dynamo makes
+    the text length symbolic at the second length (the control that shows the check can see it)."""
+    from fgrpo.models import loading
+
+    torch._dynamo.reset()
+    graphs: list[bool] = []  # per compiled graph: whether an input has a symbolic size
+
+    def recording(gm, example_inputs):
+        symbolic = any(
+            isinstance(a, torch.SymInt)
+            or (isinstance(a, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in a.shape))
+            for a in example_inputs
+        )
+        graphs.append(symbolic)
+        return gm.forward
+
+    configure = loading.configure_transformer
+    monkeypatch.setattr(
+        loading, "configure_transformer", lambda t, **kw: configure(t, **kw, compile_backend=recording)
+    )
+    mcfg = ModelConfig(kind="tiny_qwen_image", dtype="fp32", compile=True, text_bucket=bucket)
+    model = loading.build_model(mcfg, torch.device("cpu"), seed=0)
+    lengths: list[int] = []
+    forward = model.transformer.forward
+
+    def record(*args, **kwargs):
+        lengths.append(kwargs["encoder_hidden_states"].shape[1])
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model.transformer, "forward", record)
+    x = torch.randn(2, *model.latent_shape(32, 32), generator=torch.Generator().manual_seed(0))
+    sigma = torch.tensor([0.7, 0.4])
+    texts = ["a cat", "a photo of a dog", "a red square on a blue mat"]  # 7, 13, 14 tokens
+    try:
+        with torch.no_grad():
+            for text in texts:
+                model.velocity(x, sigma, model.encode([text, text]), guidance_scale=1.0)
+        assert graphs
+        if bucket:
+            assert not any(graphs) and len(set(lengths)) == 2 and all(n % 8 == 0 for n in lengths)
+        else:
+            assert any(graphs) and len(set(lengths)) == 3
+    finally:
+        torch._dynamo.reset()
