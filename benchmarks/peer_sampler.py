@@ -16,23 +16,31 @@ compiles them, so both samplers run the same compiled blocks):
                         the SDE and a recorded log-prob at every step, one micro-batch of B
     fgrpo, recipe SDE   the same call with experiments/sd35_ocr.py's sampler (CPS 0.8, a 3-step window in
                         [0, 5)) at this table's resolution, steps and CFG, for reference
+With `--lora R`, the shared transformer carries the policy's LoRA as in a training run (flow_grpo's
+scripts/train_sd3.py: rank 32, alpha 64, its eight attention projections; peft's layers, B = 0 so the numbers are
+the base model's), run unmerged at every step by flow_grpo's sampler as in its training loop, and one more row:
+    fgrpo, recipe, merged   the recipe row with model.merged_rollout: its steps outside the window run one
+                            matmul per adapted layer with the merged weight (the window keeps the adapters)
 Each row: one warm-up rollout, then `--repeats` timed rollouts, the samplers' order reversed every repeat, the
 device synchronised around each. Columns per rollout (mean over the repeats): total s (and the fastest); the
 transformer's s (CUDA events recorded by forward pre/post hooks on the transformer, summed over its forwards;
 perf_counter on the CPU); outside s = total - transformer, and of that the VAE decoder's s (the same hooks on
 vae.decoder), so the rest is the sampler's own work (step math, noise, bookkeeping, host waits); images/s and
 its ratio to flow_grpo's in the same mode; transformer calls and log-probs per image; host syncs per rollout
-(GPU: the ops torch.cuda.set_sync_debug_mode reports, in one extra untimed rollout); peak memory.
+(GPU: the ops torch.cuda.set_sync_debug_mode reports, in one extra untimed rollout); peak memory. Under the table,
+per mode, the bound that a sampler's own work sets: flow_grpo's total over its transformer + VAE time, the most
+any sampler of the same work on the same modules could gain by having no work of its own.
 `--profile DIR` adds, per mode and sampler, one rollout under torch.profiler: a Chrome trace and the
 key_averages table (ops by self CPU time; the top 25 printed), where the host work outside the transformer
 can be read.
 
 Differs from flow_grpo's training run: its scripts/train_sd3.py encodes prompts with max_sequence_length=128
-(77 + 128 tokens) and keeps its VAE in fp32; here both samplers get fgrpo's 77 + 256 tokens and its bf16 VAE;
-the pipeline's progress bar is off.
+(77 + 128 tokens), keeps its VAE in fp32 and its LoRA in fp32 (peft's upcast of adapters on a bf16 base); here
+both samplers get fgrpo's 77 + 256 tokens, its bf16 VAE and bf16 adapters; the pipeline's progress bar is off.
 
 GPU:  PYTHONPATH=src python3 benchmarks/peer_sampler.py --flow-grpo /path/to/flow_grpo     (B=16, 512²)
 GPU:  PYTHONPATH=src python3 benchmarks/peer_sampler.py --flow-grpo DIR --modes eager --profile /tmp/prof
+GPU:  PYTHONPATH=src python3 benchmarks/peer_sampler.py --flow-grpo DIR --lora 32     (as each trains a LoRA)
 CPU:  uv run python benchmarks/peer_sampler.py --tiny --flow-grpo DIR     (tiny random SD3, 64², B=2)
 """
 
@@ -60,7 +68,7 @@ from rollout import build_real_sd3, build_tiny, prompts_for, sync  # benchmarks/
 
 from fgrpo.models import sd3
 from fgrpo.models.base import Cond
-from fgrpo.models.loading import configure_transformer
+from fgrpo.models.loading import SD3_LORA_TARGETS, add_lora, configure_transformer
 from fgrpo.rollout.base import SamplingConfig
 from fgrpo.rollout.engine import DiffusersEngine
 from fgrpo.rollout.seeds import sample_seed
@@ -205,9 +213,11 @@ def flow_grpo_sampler(
     return Sampler("flow_grpo", run)
 
 
-def fgrpo_sampler(name: str, model: sd3.SD3, prompts: list[str], cfg: SamplingConfig) -> Sampler:
+def fgrpo_sampler(
+    name: str, model: sd3.SD3, prompts: list[str], cfg: SamplingConfig, *, merged_lora: bool = False
+) -> Sampler:
     """DiffusersEngine.generate on the prompts (their encodings cached: the embeddings flow_grpo is given)."""
-    engine = DiffusersEngine(model)
+    engine = DiffusersEngine(model, merged_lora=merged_lora)
 
     def run(repeat: int) -> tuple[torch.Tensor, int]:
         seeds = [sample_seed(repeat, i) for i in range(len(prompts))]
@@ -324,6 +334,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed rollouts per sampler and mode")
     ap.add_argument("--profile", type=Path, default=None, help="folder for one profiled rollout per sampler")
     ap.add_argument("--layers", type=int, default=24, help="transformer blocks of the real-size model")
+    ap.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        help="LoRA rank on the shared transformer (flow_grpo's SD3 recipe: 32; alpha 2x), and a merged-rollout row; "
+        "0: none",
+    )
     ap.add_argument("--device", default="", help="default: cuda (tiny: cpu)")
     args = ap.parse_args()
 
@@ -338,10 +355,18 @@ def main() -> None:
         modes = ["eager"]  # inductor on a CPU takes minutes per shape; ask for it explicitly
     if unknown := set(modes) - {"eager", "compile"}:
         raise SystemExit(f"--modes: unknown {sorted(unknown)}; use eager and/or compile")
+    if args.lora < 0:
+        raise SystemExit(f"--lora {args.lora}: a rank >= 1, or 0 for no LoRA")
     modes = [m for m in ("eager", "compile") if m in modes]  # compiling is for the rest of the process
     torch.backends.cuda.matmul.allow_tf32 = True  # flow_grpo's configs set allow_tf32 too
 
     model = build_tiny("sd3") if args.tiny else build_real_sd3(device, args.layers)
+    if args.lora:
+        adapters = add_lora(
+            model.transformer, rank=args.lora, alpha=2 * args.lora, target_modules=SD3_LORA_TARGETS
+        )
+        for p in adapters:  # the base's dtype, as fgrpo's trainer computes them (FSDP2's param_dtype)
+            p.data = p.data.to(model.dtype)
     pipe = sd3_pipeline(model)
     sigma_diff = check_schedules(model, pipe, steps, res)
     prompts = prompts_for(batch, 1, 0)
@@ -383,19 +408,24 @@ def main() -> None:
             recipe_cfg,
         ),
     ]
+    if args.lora:
+        samplers.append(fgrpo_sampler("fgrpo, recipe, merged", model, prompts, recipe_cfg, merged_lora=True))
 
     n_params = sum(p.numel() for p in model.transformer.parameters())
     size = f"{n_params / 1e9:.2f}B" if n_params >= 1e8 else f"{n_params / 1e6:.2f}M"
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
         f"# SD3 samplers side by side: transformer {size} {model.dtype}, {res}x{res}, {steps} steps, "
-        f"CFG {guidance:g}, noise level {args.noise_level:g}, B={batch}, prompt tokens {tokens}, device={device_name}, "
+        f"CFG {guidance:g}, noise level {args.noise_level:g}, B={batch}, prompt tokens {tokens}, "
+        + (f"LoRA r{args.lora} on {len(SD3_LORA_TARGETS)} projections, " if args.lora else "")
+        + f"device={device_name}, "
         f"torch {torch.__version__}, diffusers {diffusers.__version__}, flow_grpo {flow_grpo_commit(args.flow_grpo)} "
         f"at {args.flow_grpo}; sigma grids agree within {sigma_diff:.1e}; built in {time.perf_counter() - start:.0f}s",
         flush=True,
     )
 
     rows = []
+    bounds = []
     with clocks_on(model, device) as clocks:
         for mode in modes:
             if mode == "compile":
@@ -422,7 +452,12 @@ def main() -> None:
                 transformer = sum(t.transformer for t in ts) / len(ts)
                 vae = sum(t.vae for t in ts) / len(ts)
                 per_s = batch / total
-                base = per_s if base is None else base
+                if base is None:
+                    base = per_s
+                    bounds.append(
+                        f"# {mode}: flow_grpo's transformer + VAE take {transformer + vae:.3f} of its {total:.3f} s, so "
+                        f"a sampler of its work with no work of its own runs at most {total / (transformer + vae):.4f}x it"
+                    )
                 n_syncs = syncs[sampler.name]
                 peak = f"{max(t.peak_gib for t in ts):.1f}" if device.type == "cuda" else "-"
                 rows.append(
@@ -440,6 +475,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(row)
+    for line in bounds:
+        print(line)
     print(
         f"# {args.repeats} timed rollouts per row (means; min s: the fastest); wall {time.perf_counter() - start:.0f}s"
     )

@@ -171,14 +171,14 @@ def main() -> None:
         "flow_grpo's OCR test prompts, whose lengths differ); default: 'A storefront sign that says \"WORD<k>\"' "
         "every step, all of one length",
     )
+    ap.add_argument("--iters", type=int, default=2, help="timed steps (after the warm-up steps)")
     ap.add_argument(
-        "--text-bucket",
+        "--warmup",
         type=int,
-        default=0,
-        help="qwen_image(_edit): model.text_bucket, each forward's text padded to a multiple of this many tokens "
-        "and, with --compile, the blocks compiled for static shapes (0: the text is the rows' longest prompt)",
+        default=1,
+        help="untimed steps first (the first compiles; with --prompt-file a second one recompiles the blocks once "
+        "for a symbolic text length)",
     )
-    ap.add_argument("--iters", type=int, default=2, help="timed steps (after one warm-up step)")
     ap.add_argument(
         "--profile", action="store_true", help="profile the last timed step: time in NCCL kernels"
     )
@@ -197,6 +197,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.reward_stream and (args.reward != "vlm" or args.model == "ltx2"):
         ap.error("--reward-stream streams images to --reward vlm; add it (ltx2's clips are scored whole)")
+    if args.warmup < 1:
+        ap.error(f"--warmup {args.warmup}: at least 1 (the first step compiles and warms up)")
     if args.reward_static_cache and args.reward != "vlm":
         ap.error("--reward-static-cache sets the VLM's cache; add --reward vlm")
 
@@ -215,8 +217,6 @@ def main() -> None:
         ap.error(
             f"--split-cfg {args.split_cfg!r}: only Qwen-Image's CFG pads its halves; drop it for {args.model}"
         )
-    if args.text_bucket < 0 or (args.text_bucket and args.model not in ("qwen_image", "qwen_image_edit")):
-        ap.error(f"--text-bucket {args.text_bucket}: a positive multiple, for qwen_image(_edit) only")
     prompt_lines = []
     if args.prompt_file:
         path = Path(args.prompt_file)
@@ -364,21 +364,6 @@ def main() -> None:
         """An edit model's prompts each get a synthesised condition image at the sampling size."""
         return texts if condition_dir is None else edit_prompts(texts, condition_dir, height)
 
-    # one sequence of the benchmark's prompts (~14 text tokens), LoRA included, before any compile
-    tflop_per_forward = forward_tflop(
-        model, with_images(['A storefront sign that says "WORD0"'])[0], height, width
-    )
-    if isinstance(model, QwenImage):
-        model.text_bucket = args.text_bucket
-    if args.compile:
-        configure_transformer(
-            model.transformer, compile_blocks=True, compile_dynamic=False if args.text_bucket else None
-        )
-    parallel.shard_transformer(
-        model.transformer, param_dtype=None if args.tiny else torch.bfloat16, shard=args.shard
-    )
-    params = [p for p in model.transformer.parameters() if p.requires_grad]
-    names = [k for k, p in model.transformer.named_parameters() if p.requires_grad]
     ids = range(d.rank * n_local, (d.rank + 1) * n_local)  # this rank's slice of the global batch
 
     def step_prompts(it: int) -> list[str]:
@@ -392,6 +377,22 @@ def main() -> None:
         ]
         return with_images([texts[i // group] for i in ids])
 
+    # the mean over the timed steps' distinct prompts (the default: one of ~14 text tokens), LoRA included, before
+    # any compile
+    timed_prompts = list(
+        dict.fromkeys(p for it in range(args.warmup, args.warmup + args.iters) for p in step_prompts(it))
+    )
+    timed_prompts = timed_prompts or step_prompts(0)[:1]
+    tflop_per_forward = sum(forward_tflop(model, p, height, width) for p in timed_prompts) / len(
+        timed_prompts
+    )
+    if args.compile:
+        configure_transformer(model.transformer, compile_blocks=True)
+    parallel.shard_transformer(
+        model.transformer, param_dtype=None if args.tiny else torch.bfloat16, shard=args.shard
+    )
+    params = [p for p in model.transformer.parameters() if p.requires_grad]
+    names = [k for k, p in model.transformer.named_parameters() if p.requires_grad]
     prompts = step_prompts(0)
     n_trainable = sum(p.numel() for p in params)  # a DTensor's numel() is the global size
     print0 = (lambda *a, **k: print(*a, **k, flush=True)) if d.is_main else (lambda *a, **k: None)
@@ -403,12 +404,9 @@ def main() -> None:
         f"{'training' if train_graph else 'no-grad'} graph"
     )
     if isinstance(model, QwenImage):  # one text length compiles static blocks; several, a symbolic length
-        used = [p for it in range(args.iters + 1) for p in step_prompts(it)]
+        used = [p for it in range(args.warmup + args.iters) for p in step_prompts(it)]
         lengths = model.encode(list(dict.fromkeys(used)))["prompt_mask"].sum(1).tolist()
-        print0(
-            f"# prompt tokens {min(lengths)}-{max(lengths)} over {len(lengths)} prompts"
-            + (f", text padded to a multiple of {args.text_bucket}" if args.text_bucket else "")
-        )
+        print0(f"# prompt tokens {min(lengths)}-{max(lengths)} over {len(lengths)} prompts")
 
     def sync():
         if d.device.type == "cuda":
@@ -458,8 +456,8 @@ def main() -> None:
         )
         rows = []
         nccl_s = float("nan")
-        for it in range(args.iters + 1):
-            profile = args.profile and it == args.iters and d.device.type == "cuda"
+        for it in range(args.warmup + args.iters):
+            profile = args.profile and it == args.warmup + args.iters - 1 and d.device.type == "cuda"
             prof = (
                 torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if profile else None
             )
@@ -512,7 +510,7 @@ def main() -> None:
                 for e in sorted(events, key=lambda e: -e.device_time_total)[:4]:
                     print0(f"#   {e.key[:70]}: {e.device_time_total / 1e6:.2f}s x{e.count}")
             peak = torch.cuda.max_memory_allocated() / 2**30 if d.device.type == "cuda" else 0.0
-            if it > 0 or args.iters == 0:  # the first step warms up kernels (and compiles)
+            if it >= args.warmup or args.iters == 0:  # warm-up steps compile and warm kernels
                 rows.append((t1 - t0, t_reward - t1, t2 - t_reward, t3 - t2, peak, m["logprob_gap/max"]))
             print0(
                 f"step {it}: rollout {t1 - t0:.2f}s "

@@ -246,19 +246,23 @@ def test_attention_tiny_switches_the_backend_of_every_processor():
 
 def test_train_step_reads_prompts_of_different_lengths_and_compares_the_cfg_forwards(tmp_path):
     """--prompt-file gives the steps prompts of different lengths (the default ones share one), each step the file's
-    next lines (3 prompts over the 2 steps of 2); --split-cfg off,on runs the one masked CFG forward and the two
-    unpadded ones in turn; --text-bucket is named in the header; a file too short stops before any work."""
+    next lines (3 prompts over the 3 steps of 2); --warmup 2 leaves the third step alone in the table; --split-cfg off,on runs the one masked CFG forward and the two
+    unpadded ones in turn; a file too short stops before any work."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text(
         'A sign that says "HI"\n\nA poster of a quiet lake at dawn with the words "Good Morning"\nA red "STOP" sign\n'
     )
     out = run_script(
-        "train_step.py", "--iters", "1", "--prompts", "2", "--group", "2", "--opt-steps", "1",
-        "--prompt-file", str(prompts), "--split-cfg", "off,on", "--text-bucket", "16",
+        "train_step.py", "--warmup", "2", "--iters", "1", "--prompts", "2", "--group", "2", "--opt-steps", "1",
+        "--prompt-file", str(prompts), "--split-cfg", "off,on",
     )  # fmt: skip
-    header = r"# prompt tokens (\d+)-(\d+) over 3 prompts, text padded to a multiple of 16\n"
+    header = r"# prompt tokens (\d+)-(\d+) over 3 prompts\n"
     short, long = map(int, re.search(header, out).groups())  # type: ignore[union-attr]
     assert short < long
+    # two warm-up steps, then the one timed step is the table's (of each CFG setting: the last table is split's)
+    assert out.count("step 2: rollout") == 2 and "step 3:" not in out
+    last = re.findall(r"step 2: rollout ([\d.]+)s", out)[-1]
+    assert re.findall(r"\| rollout \| ([\d.]+) \|", out)[-1] == last
     assert "## grpo: CFG 4.0\n" in out and "## grpo: CFG 4.0, CFG as two unpadded forwards\n" in out
     res = subprocess.run(
         [sys.executable, str(BENCH / "train_step.py"), "--tiny", "--prompts", "4", "--prompt-file", str(prompts)],

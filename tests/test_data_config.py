@@ -151,7 +151,6 @@ def test_group_init_seeds_one_per_group():
         ("sampling", "width", 8),
         ("optim", "betas", (0.9, 1.0)),
         ("run", "val_num_steps", 0),
-        ("model", "text_bucket", -1),
     ],
 )
 def test_nonsense_values_are_refused_naming_the_field(section, field, value):
@@ -162,16 +161,6 @@ def test_nonsense_values_are_refused_naming_the_field(section, field, value):
     )
     with pytest.raises(ValueError, match=rf"^{section}\.{field}=.*--{section}\.{field.replace('_', '-')}"):
         validate_config(cfg, world_size=1)
-
-
-def test_text_bucket_is_refused_for_models_without_padded_text():
-    """model.text_bucket pads Qwen-Image's text; SD3's text has a fixed length and no mask to pad under."""
-    validate_config(TrainConfig(model=ModelConfig(text_bucket=32)), world_size=1)
-    sd3 = dataclasses.replace(TrainConfig(), model=ModelConfig(kind="tiny_sd3", text_bucket=32))
-    with pytest.raises(
-        ValueError, match=r"^model\.text_bucket=32 with model\.kind='tiny_sd3'.*--model\.text-bucket 0"
-    ):
-        validate_config(sd3, world_size=1)
 
 
 def test_resolution_multiple_follows_the_model_kind():

@@ -3,6 +3,7 @@ a sampler of our own with flow_grpo's module path, function name and call, so no
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -85,6 +86,12 @@ def test_peer_sampler_tiny(tmp_path):
         assert 2 / (total + 5e-4) <= per_s <= 2 / (total - 5e-4) and ratio > 0  # total rounded to 1 ms
         assert int(r[11]) == 10  # one batched CFG forward per step
     assert float(rows[0][10]) == 1.0
+    # the bound of a sampler's own work: flow_grpo's total over its transformer + VAE seconds
+    inside, total, bound = map(float, re.search(r"# eager: flow_grpo's transformer \+ VAE take ([\d.]+) of its ([\d.]+) s, so a sampler of its work with no work of its own runs at most ([\d.]+)x it", out).groups())  # type: ignore[union-attr]  # fmt: skip
+    assert total == float(rows[0][3]) and inside == pytest.approx(
+        float(rows[0][5]) + float(rows[0][7]), abs=2e-3
+    )
+    assert bound == pytest.approx(total / inside, rel=1e-2) and bound > 1  # the seconds are printed to 1 ms
     # log-probs per image: every step for flow_grpo and the same-work row, the recipe's window of 3
     assert [int(r[12]) for r in rows] == [10, 10, 3]
     # the CPU has no host syncs to count and no peak memory
@@ -104,3 +111,39 @@ def test_peer_sampler_needs_a_checkout(tmp_path, monkeypatch):
     spec.loader.exec_module(module)
     with pytest.raises(SystemExit, match="pass the root of a flow_grpo checkout"):
         module.load_flow_grpo_sampler(tmp_path)
+
+
+def test_peer_sampler_with_the_policys_lora(tmp_path):
+    """--lora R: the shared transformer carries a LoRA (both samplers run it) and a merged-rollout row is added."""
+    checkout = stand_in_checkout(tmp_path / "flow_grpo_checkout")
+    res = subprocess.run(
+        [sys.executable, str(BENCH / "peer_sampler.py"), "--tiny", "--flow-grpo", str(checkout)]
+        + ["--repeats", "1", "--lora", "4"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = res.stdout
+    assert "LoRA r4 on 8 projections" in out
+    table = out[out.index("| mode | sampler |") :]
+    rows = [line.split("|")[1:-1] for line in table.splitlines()[2:] if line.startswith("| eager")]
+    assert [r[1].strip() for r in rows][-1] == "fgrpo, recipe, merged" and len(rows) == 4
+    assert int(rows[-1][12]) == 3  # the recipe's window keeps its log-probs
+    bad = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "peer_sampler.py"),
+            "--tiny",
+            "--flow-grpo",
+            str(checkout),
+            "--lora",
+            "-1",
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert bad.returncode != 0 and "--lora -1" in bad.stderr

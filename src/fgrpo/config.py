@@ -63,11 +63,6 @@ class ModelConfig:
     """With compile: run the rollout's SDE-window forwards through the training graph (autograd on, dropped at
     once), so the first update reproduces the rollout's log-probs exactly. Off, the compiled no-grad rollout and
     the training forward differ by ~1e-4 in log-prob and small clip ranges need grpo.old_log_prob='recompute'."""
-    text_bucket: int = 0
-    """Qwen-Image families: pad each forward's text to a multiple of this many tokens (masked keys, so the image
-    tokens' values are kept up to rounding), and with compile, compile the blocks for static shapes. Prompts of many
-    lengths then run a few static graphs instead of one whose text length dynamo made symbolic at the second
-    length. 0: each forward's text is its longest prompt."""
     merged_rollout: bool = False
     """Rollout steps at which no sample of a micro-batch is inside its SDE window (their forwards make states, not
     trained log-probs) run each LoRA layer as one matmul with a merged bf16 copy of W + (alpha / r) B A, instead of
@@ -325,8 +320,6 @@ class TrainConfig:
 # Max per-step |rollout - trainer| log-prob gap with regional compile and model.exact_rollout=False on an H200
 # (RESULTS.md, "Compiled Flow-GRPO step"): the no-grad and the grad forward compile to different kernels.
 COMPILED_LOGPROB_GAP = 1e-4
-# The kinds built as fgrpo.models.qwen_image.QwenImage, whose forwards model.text_bucket pads.
-TEXT_BUCKET_KINDS = ("qwen_image", "qwen_image_edit", "tiny_qwen_image", "tiny_qwen_image_edit")
 
 # Models whose transformer declares diffusers' context-parallel plan and whose prompts are padded for it.
 SEQUENCE_PARALLEL_KINDS = ("qwen_image", "tiny_qwen_image")
@@ -476,12 +469,6 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
             "model.merged_rollout merges the LoRA into a copy of the frozen base in this process: it needs "
             "model.lora=True, --parallel.shard adapters and rollout_engine='diffusers'; add them or drop "
             "--model.merged-rollout"
-        )
-    if m.text_bucket < 0 or (m.text_bucket and m.kind not in TEXT_BUCKET_KINDS):
-        raise ValueError(
-            f"model.text_bucket={m.text_bucket} with model.kind={m.kind!r}: it pads the text of "
-            f"{', '.join(TEXT_BUCKET_KINDS)} to a multiple of that many tokens; pass --model.text-bucket 0, or a "
-            "positive number with one of those kinds"
         )
     from fgrpo.models.loading import check_attention_backend  # imports diffusers: only when validating
 

@@ -229,28 +229,6 @@ def test_qwen_split_cfg_forwards_carry_no_padding_mask(qwen, split_cfg, monkeypa
         assert calls == [(4, L, True), (4, L_long, True)]
 
 
-def test_qwen_text_bucket_pads_each_forward_and_keeps_the_velocity(qwen, monkeypatch):
-    """text_bucket=K rounds each forward's text up to a multiple of K with masked tokens (none when the text already
-    is one); the velocity is the unpadded one up to the rounding of longer reductions."""
-    x = torch.randn(2, *qwen.latent_shape(64, 64), generator=torch.Generator().manual_seed(0))
-    sigma = torch.tensor([0.9, 0.5])
-    cond = qwen.encode(["a cat", "a photo of a dog on a red square"], negative_prompt=" ")
-    L = int(cond["prompt_mask"].sum(1).max())
-    ref = {g: qwen.velocity(x, sigma, cond, guidance_scale=g) for g in (1.0, 4.0)}
-    calls = _transformer_calls(qwen, monkeypatch)
-    monkeypatch.setattr(qwen, "text_bucket", 8)
-    for g in (1.0, 4.0):
-        torch.testing.assert_close(
-            qwen.velocity(x, sigma, cond, guidance_scale=g), ref[g], rtol=1e-5, atol=1e-5
-        )
-    padded = -(-L // 8) * 8
-    assert padded > L and calls == [(2, padded, True), (4, padded, True)]
-    monkeypatch.setattr(qwen, "text_bucket", L)  # already a multiple: nothing added, no mask without CFG
-    same = qwen.encode(["a photo of a dog on a red square"] * 2)
-    qwen.velocity(x, sigma, same, guidance_scale=1.0)
-    assert calls[-1] == (2, L, False)
-
-
 def _unpadded(cond, i, prefix):
     m = cond[f"{prefix}prompt_mask"][i]
     return cond[f"{prefix}prompt_embeds"][i : i + 1, m], None

@@ -135,9 +135,8 @@ def configure_transformer(
     checkpoint_policy: Literal["full", "selective"] = "full",
     attention_backend: str = "",
     compile_blocks: bool = False,
-    compile_backend: str | Callable[..., Any] = "inductor",
+    compile_backend: str = "inductor",
     compile_mode: str = "default",
-    compile_dynamic: bool | None = None,
 ) -> None:
     """Training/inference switches on a diffusers transformer, in place.
 
@@ -147,10 +146,8 @@ def configure_transformer(
     "sage", ...); "" keeps the default (torch SDPA); refused where no processor dispatches (diffusers' SD3).
     compile_blocks: regional torch.compile of the repeated transformer blocks (diffusers' compile_repeated_blocks): one compiled graph reused by all
     60 blocks, so compile time is that of one block. compile_backend: torch.compile's backend ("eager"
-    traces and guards exactly like "inductor" without generating kernels: the tests use it; or a backend function). compile_mode:
-    torch.compile's mode ("reduce-overhead": each block's kernels replayed as a CUDA graph). compile_dynamic:
-    torch.compile's `dynamic` (None: static until a size changes, then symbolic; False: one static graph per
-    shape, for model.text_bucket's few text lengths).
+    traces and guards exactly like "inductor" without generating kernels: the tests use it). compile_mode:
+    torch.compile's mode ("reduce-overhead": each block's kernels replayed as a CUDA graph).
     """
     if checkpoint_policy not in ("full", "selective"):
         raise ValueError(f"model.checkpoint_policy={checkpoint_policy!r}: use 'full' or 'selective'")
@@ -187,9 +184,7 @@ def configure_transformer(
         )
         # torch.compile takes a mode or options, not both: the default mode is left unnamed
         mode = {} if compile_mode == "default" else {"mode": compile_mode}
-        transformer.compile_repeated_blocks(
-            fullgraph=True, backend=compile_backend, options=options, dynamic=compile_dynamic, **mode
-        )
+        transformer.compile_repeated_blocks(fullgraph=True, backend=compile_backend, options=options, **mode)
         transformer._fgrpo_compiled = True  # type: ignore[attr-defined]  # for the lines below
     # Selective checkpointing of compiled blocks moves into their forward (whichever of the two switches came first).
     if getattr(transformer, "_fgrpo_compiled", False):
@@ -230,26 +225,12 @@ def load_model(mcfg: ModelConfig, *, device: torch.device | str, dtype: torch.dt
             f"model.kind={mcfg.kind!r} is not loadable from a path; use 'qwen_image', 'qwen_image_edit', 'sd3' or "
             "'ltx2'"
         )
-    bucket_text(model, mcfg)
     configure_transformer(
         model.transformer,
         attention_backend=mcfg.attention_backend,
         compile_blocks=getattr(mcfg, "compile", False),
-        compile_dynamic=False if mcfg.text_bucket else None,
     )
     return model
-
-
-def bucket_text(model: FlowModel, mcfg: ModelConfig) -> None:
-    """model.text_bucket onto a Qwen-Image model (validate_config has refused it for the other kinds)."""
-    if mcfg.text_bucket:
-        from fgrpo.models.qwen_image import QwenImage
-
-        if not isinstance(model, QwenImage):
-            raise ValueError(
-                f"model.text_bucket={mcfg.text_bucket}: {type(model).__name__} has no padded text; use 0"
-            )
-        model.text_bucket = mcfg.text_bucket
 
 
 def build_model(mcfg: ModelConfig, device: torch.device, seed: int) -> FlowModel:
@@ -276,12 +257,8 @@ def build_model(mcfg: ModelConfig, device: torch.device, seed: int) -> FlowModel
         model = build(seed=seed, device=device, dtype=dtype, **extra)
     else:
         return load_model(mcfg, device=device, dtype=dtype)  # configured as it loads
-    bucket_text(model, mcfg)
     configure_transformer(
-        model.transformer,
-        attention_backend=mcfg.attention_backend,
-        compile_blocks=mcfg.compile,
-        compile_dynamic=False if mcfg.text_bucket else None,
+        model.transformer, attention_backend=mcfg.attention_backend, compile_blocks=mcfg.compile
     )
     return model
 

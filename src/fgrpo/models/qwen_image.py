@@ -14,15 +14,12 @@ Differs from QwenImagePipeline:
   (and a positive half of one prompt length) needs no padding mask: a faster bare forward, but a slower
   compiled training step (benchmarks/RESULTS.md, "cfg-split"; the cause is not isolated: one candidate is that
   the two text lengths make dynamo retrace the blocks with a symbolic text length). The benchmarks compare both.
-- `text_bucket=K` pads each forward's text to a multiple of K tokens (model.text_bucket): with compiled blocks
-  compiled for static shapes, prompts of many lengths then share a few graphs.
 - Each distinct prompt is encoded alone and cached, so an encoding never depends on its batch-mates.
 - The timestep fed to the transformer is sigma itself; the pipeline feeds (1000 sigma) / 1000.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
@@ -145,11 +142,9 @@ class QwenImage:
         max_sequence_length: int = MAX_SEQUENCE_LENGTH,
         prompt_cache_size: int = 1024,
         split_cfg: bool = False,
-        text_bucket: int = 0,
     ):
         self.transformer = transformer
         self.split_cfg = split_cfg
-        self.text_bucket = text_bucket
         self.vae = vae
         self.text_encoder = text_encoder
         self.tokenizer = tokenizer
@@ -305,10 +300,9 @@ class QwenImage:
         """One transformer call: image tokens x [B, N', 4C] and text [B, L, D] with its mask [B, L] -> the
         first `tokens` output tokens, fp32 [B, tokens, 4C]. The text is trimmed to these rows' longest prompt."""
         embeds, mask = trim_padding(embeds, mask)
-        # Sequence parallelism splits the text tokens evenly over its ranks, and `text_bucket` rounds the length up
-        # so that compiled blocks see a few lengths, not one per prompt. The added tokens are masked keys: the image
-        # tokens' values do not change (up to the rounding of a longer reduction).
-        multiple = math.lcm(sequence_multiple(self.transformer), max(self.text_bucket, 1))
+        # Sequence parallelism splits the text tokens evenly over its ranks; the added tokens are masked keys, so
+        # the image tokens' values do not change.
+        multiple = sequence_multiple(self.transformer)
         embeds, mask = pad_to(embeds, mask, -(-embeds.shape[1] // multiple) * multiple)
         dtype = self.dtype
         return self.transformer(
