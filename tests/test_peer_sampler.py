@@ -60,22 +60,27 @@ def stand_in_checkout(root: Path) -> Path:
     return root
 
 
-def test_peer_sampler_tiny(tmp_path):
-    checkout = stand_in_checkout(tmp_path / "flow_grpo_checkout")
-    profile = tmp_path / "profile"
+def run_peer_sampler(checkout: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], list[list[str]]]:
+    """peer_sampler.py --tiny on the stand-in checkout: the process, and the cells of the final table's eager rows."""
     res = subprocess.run(
-        [sys.executable, str(BENCH / "peer_sampler.py"), "--tiny", "--flow-grpo", str(checkout)]
-        + ["--repeats", "2", "--profile", str(profile)],
+        [sys.executable, str(BENCH / "peer_sampler.py"), "--tiny", "--flow-grpo", str(checkout), *args],
         env=ENV,
         capture_output=True,
         text=True,
         timeout=300,
     )
+    out = res.stdout
+    table = out[out.index("| mode | sampler |") :] if "| mode | sampler |" in out else ""
+    return res, [line.split("|")[1:-1] for line in table.splitlines()[2:] if line.startswith("| eager")]
+
+
+def test_peer_sampler_tiny(tmp_path):
+    checkout = stand_in_checkout(tmp_path / "flow_grpo_checkout")
+    profile = tmp_path / "profile"
+    res, rows = run_peer_sampler(checkout, "--repeats", "2", "--profile", str(profile))
     assert res.returncode == 0, res.stderr[-3000:]
     out = res.stdout
     assert "64x64, 10 steps, CFG 4.5, noise level 0.7, B=2" in out and "sigma grids agree" in out
-    table = out[out.index("| mode | sampler |") :]
-    rows = [line.split("|")[1:-1] for line in table.splitlines()[2:] if line.startswith("| eager")]
     names = [r[1].strip() for r in rows]
     assert names == ["flow_grpo", "fgrpo, same work", "fgrpo, recipe SDE (cps 0.8, window 3 of [0, 5))"]
     for r in rows:
@@ -116,34 +121,10 @@ def test_peer_sampler_needs_a_checkout(tmp_path, monkeypatch):
 def test_peer_sampler_with_the_policys_lora(tmp_path):
     """--lora R: the shared transformer carries a LoRA (both samplers run it) and a merged-rollout row is added."""
     checkout = stand_in_checkout(tmp_path / "flow_grpo_checkout")
-    res = subprocess.run(
-        [sys.executable, str(BENCH / "peer_sampler.py"), "--tiny", "--flow-grpo", str(checkout)]
-        + ["--repeats", "1", "--lora", "4"],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    res, rows = run_peer_sampler(checkout, "--repeats", "1", "--lora", "4")
     assert res.returncode == 0, res.stderr[-3000:]
-    out = res.stdout
-    assert "LoRA r4 on 8 projections" in out
-    table = out[out.index("| mode | sampler |") :]
-    rows = [line.split("|")[1:-1] for line in table.splitlines()[2:] if line.startswith("| eager")]
+    assert "LoRA r4 on 8 projections" in res.stdout
     assert [r[1].strip() for r in rows][-1] == "fgrpo, recipe, merged" and len(rows) == 4
     assert int(rows[-1][12]) == 3  # the recipe's window keeps its log-probs
-    bad = subprocess.run(
-        [
-            sys.executable,
-            str(BENCH / "peer_sampler.py"),
-            "--tiny",
-            "--flow-grpo",
-            str(checkout),
-            "--lora",
-            "-1",
-        ],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    bad, _ = run_peer_sampler(checkout, "--lora", "-1")
     assert bad.returncode != 0 and "--lora -1" in bad.stderr
