@@ -377,12 +377,11 @@ def main() -> None:
         ]
         return with_images([texts[i // group] for i in ids])
 
+    prompts_at = [step_prompts(it) for it in range(args.warmup + args.iters)]  # per step, warm-up ones first
     # the mean over the timed steps' distinct prompts (the default: one of ~14 text tokens), LoRA included, before
     # any compile
-    timed_prompts = list(
-        dict.fromkeys(p for it in range(args.warmup, args.warmup + args.iters) for p in step_prompts(it))
-    )
-    timed_prompts = timed_prompts or step_prompts(0)[:1]
+    timed_prompts = list(dict.fromkeys(p for step in prompts_at[args.warmup :] for p in step))
+    timed_prompts = timed_prompts or prompts_at[0][:1]
     tflop_per_forward = sum(forward_tflop(model, p, height, width) for p in timed_prompts) / len(
         timed_prompts
     )
@@ -393,7 +392,7 @@ def main() -> None:
     )
     params = [p for p in model.transformer.parameters() if p.requires_grad]
     names = [k for k, p in model.transformer.named_parameters() if p.requires_grad]
-    prompts = step_prompts(0)
+    prompts = prompts_at[0]
     n_trainable = sum(p.numel() for p in params)  # a DTensor's numel() is the global size
     print0 = (lambda *a, **k: print(*a, **k, flush=True)) if d.is_main else (lambda *a, **k: None)
     train_graph = args.compile and not args.no_exact_rollout
@@ -404,8 +403,8 @@ def main() -> None:
         f"{'training' if train_graph else 'no-grad'} graph"
     )
     if isinstance(model, QwenImage):  # one text length compiles static blocks; several, a symbolic length
-        used = [p for it in range(args.warmup + args.iters) for p in step_prompts(it)]
-        lengths = model.encode(list(dict.fromkeys(used)))["prompt_mask"].sum(1).tolist()
+        used = list(dict.fromkeys(p for step in prompts_at for p in step))
+        lengths = model.encode(used)["prompt_mask"].sum(1).tolist()
         print0(f"# prompt tokens {min(lengths)}-{max(lengths)} over {len(lengths)} prompts")
 
     def sync():
@@ -467,7 +466,7 @@ def main() -> None:
                 torch.cuda.reset_peak_memory_stats()
             sync()
             t0 = time.perf_counter()
-            prompts = step_prompts(it)
+            prompts = prompts_at[it]
             stream = RewardStream(runner, prompts) if runner is not None else None
             with torch.no_grad(), algo.sampling_weights():
                 engine_sampling = algo.sampling(it)
