@@ -52,7 +52,7 @@ from fgrpo import parallel
 from fgrpo.config import DataConfig, ModelConfig, ParallelConfig, RewardConfig, TrainConfig, validate_config
 from fgrpo.logging import read_metrics
 from fgrpo.models.base import FlowModel
-from fgrpo.models.loading import configure_transformer
+from fgrpo.models.loading import compile_decoder, configure_transformer
 
 # The loop's flags that this benchmark sets through its own (the loop's refusals name the loop's flags).
 OWN_FLAGS = {
@@ -129,6 +129,8 @@ def build(mcfg: ModelConfig, device: torch.device, seed: int, *, tiny: bool, lay
     configure_transformer(
         model.transformer, attention_backend=mcfg.attention_backend, compile_blocks=mcfg.compile
     )
+    if mcfg.compile:
+        compile_decoder(model)
     # Ranks that started from different weights would still run (the asynchronous mode pushes only the LoRA),
     # and time a run no recipe makes: refuse it.
     sums = torch.stack([p.detach().sum(dtype=torch.float64) for p in model.transformer.parameters()])

@@ -21,15 +21,21 @@ scripts/train_sd3.py: rank 32, alpha 64, its eight attention projections; peft's
 the base model's), run unmerged at every step by flow_grpo's sampler as in its training loop, and one more row:
     fgrpo, recipe, merged   the recipe row with model.merged_rollout: its steps outside the window run one
                             matmul per adapted layer with the merged weight (the window keeps the adapters)
+In the compile mode, model.compile's other half: rows that decode with fgrpo's own copy of the VAE, its decoder
+compiled (`compile_decoder`; flow_grpo's sampler keeps the eager one, as it ships):
+    fgrpo, same work, compiled VAE              the same-work row
+    fgrpo, recipe, merged, compiled VAE         the merged row (with `--lora`)
 Each row: one warm-up rollout, then `--repeats` timed rollouts, the samplers' order reversed every repeat, the
 device synchronised around each. Columns per rollout (mean over the repeats): total s (and the fastest); the
 transformer's s (CUDA events recorded by forward pre/post hooks on the transformer, summed over its forwards;
-perf_counter on the CPU); outside s = total - transformer, and of that the VAE decoder's s (the same hooks on
-vae.decoder), so the rest is the sampler's own work (step math, noise, bookkeeping, host waits); images/s and
-its ratio to flow_grpo's in the same mode; transformer calls and log-probs per image; host syncs per rollout
-(GPU: the ops torch.cuda.set_sync_debug_mode reports, in one extra untimed rollout); peak memory. Under the table,
+perf_counter on the CPU); outside s = total - transformer, and of that the VAE's s (the same events around
+vae.decode, which both samplers call), so the rest is the sampler's own work (step math, noise, bookkeeping,
+host waits); images/s and its ratio to flow_grpo's in the same mode; transformer calls and log-probs per image;
+host syncs per rollout (GPU: the ops torch.cuda.set_sync_debug_mode reports, in one extra untimed rollout); peak
+memory. Under the table,
 per mode, the bound that a sampler's own work sets: flow_grpo's total over its transformer + VAE time, the most
-any sampler of the same work on the same modules could gain by having no work of its own.
+any sampler of the same work on the same modules could gain by having no work of its own (the compiled-VAE rows
+run another decoder, so it does not bound them).
 `--profile DIR` adds, per mode and sampler, one rollout under torch.profiler: a Chrome trace and the
 key_averages table (ops by self CPU time; the top 25 printed), where the host work outside the transformer
 can be read.
@@ -42,12 +48,14 @@ GPU:  PYTHONPATH=src python3 benchmarks/peer_sampler.py --flow-grpo /path/to/flo
 GPU:  PYTHONPATH=src python3 benchmarks/peer_sampler.py --flow-grpo DIR --modes eager --profile /tmp/prof
 GPU:  PYTHONPATH=src python3 benchmarks/peer_sampler.py --flow-grpo DIR --lora 32     (as each trains a LoRA)
 CPU:  uv run python benchmarks/peer_sampler.py --tiny --flow-grpo DIR     (tiny random SD3, 64², B=2)
+CPU:  uv run python benchmarks/peer_sampler.py --tiny --flow-grpo DIR --modes compile --compile-backend eager
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import importlib
 import importlib.util
@@ -68,7 +76,7 @@ from rollout import build_real_sd3, build_tiny, prompts_for, sync  # benchmarks/
 
 from fgrpo.models import sd3
 from fgrpo.models.base import Cond
-from fgrpo.models.loading import SD3_LORA_TARGETS, add_lora, configure_transformer
+from fgrpo.models.loading import SD3_LORA_TARGETS, add_lora, compile_decoder, configure_transformer
 from fgrpo.rollout.base import SamplingConfig
 from fgrpo.rollout.engine import DiffusersEngine
 from fgrpo.rollout.seeds import sample_seed
@@ -132,18 +140,34 @@ def check_schedules(model: sd3.SD3, pipe: StableDiffusion3Pipeline, steps: int, 
     return diff
 
 
-class ModuleClock:
-    """Seconds inside a module's forwards: CUDA events recorded by forward pre/post hooks (the stream's time
-    between them, read after a synchronize), perf_counter on the CPU."""
+class Clock:
+    """Seconds inside calls: CUDA events recorded around each (the stream's time between them, read after a
+    synchronize), perf_counter on the CPU. `forwards` clocks a module's forwards by pre/post hooks; `method` an
+    object's method by a wrapper around it (a compiled module's own hooks would run inside its graph)."""
 
-    def __init__(self, module: torch.nn.Module, device: torch.device):
+    def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.spans: list[tuple[Any, Any]] = []
         self._start: Any = None
-        self._handles = [
-            module.register_forward_pre_hook(self._pre),
-            module.register_forward_hook(self._post),
-        ]
+        self._undo: list[Callable[[], None]] = []
+
+    def forwards(self, module: torch.nn.Module) -> Clock:
+        handles = [module.register_forward_pre_hook(self._pre), module.register_forward_hook(self._post)]
+        self._undo += [h.remove for h in handles]
+        return self
+
+    def method(self, obj: Any, name: str) -> Clock:
+        original = getattr(obj, name)
+
+        def clocked(*args: Any, **kwargs: Any) -> Any:
+            self._start = self._now()
+            out = original(*args, **kwargs)
+            self.spans.append((self._start, self._now()))
+            return out
+
+        setattr(obj, name, clocked)  # an instance attribute, over the class's method
+        self._undo.append(lambda: delattr(obj, name))
+        return self
 
     def _now(self) -> Any:
         if not self.cuda:
@@ -168,8 +192,9 @@ class ModuleClock:
         return sum(b - a for a, b in self.spans)
 
     def close(self) -> None:
-        for handle in self._handles:
-            handle.remove()
+        for undo in self._undo:
+            undo()
+        self._undo = []
 
 
 @dataclasses.dataclass
@@ -240,7 +265,7 @@ class Timing:
 
 
 def timed(
-    sampler: Sampler, repeat: int, clocks: tuple[ModuleClock, ModuleClock], device: torch.device, batch: int
+    sampler: Sampler, repeat: int, clocks: tuple[Clock, Clock], device: torch.device, batch: int
 ) -> Timing:
     transformer, vae = clocks
     transformer.reset()
@@ -305,8 +330,12 @@ def sd3_recipe_sampling() -> SamplingConfig:
 
 
 @contextlib.contextmanager
-def clocks_on(model: sd3.SD3, device: torch.device) -> Iterator[tuple[ModuleClock, ModuleClock]]:
-    clocks = (ModuleClock(model.transformer, device), ModuleClock(model.vae.decoder, device))
+def clocks_on(model: sd3.SD3, vaes: list[Any], device: torch.device) -> Iterator[tuple[Clock, Clock]]:
+    """The transformer's clock and one clock over every VAE's decode calls."""
+    vae_clock = Clock(device)
+    for vae in vaes:
+        vae_clock.method(vae, "decode")
+    clocks = (Clock(device).forwards(model.transformer), vae_clock)
     try:
         yield clocks
     finally:
@@ -342,6 +371,11 @@ def main() -> None:
         "0: none",
     )
     ap.add_argument("--device", default="", help="default: cuda (tiny: cpu)")
+    ap.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile's backend in the compile mode ('eager' traces without making kernels: a CPU check)",
+    )
     args = ap.parse_args()
 
     start = time.perf_counter()
@@ -410,6 +444,16 @@ def main() -> None:
     ]
     if args.lora:
         samplers.append(fgrpo_sampler("fgrpo, recipe, merged", model, prompts, recipe_cfg, merged_lora=True))
+    # model.compile's other half: fgrpo's own copy of the VAE, its decoder compiled in the compile mode
+    own_vae = copy.copy(model)
+    own_vae.vae = copy.deepcopy(model.vae)
+    compiled_vae = [fgrpo_sampler("fgrpo, same work, compiled VAE", own_vae, prompts, same_work)]
+    if args.lora:
+        compiled_vae.append(
+            fgrpo_sampler(
+                "fgrpo, recipe, merged, compiled VAE", own_vae, prompts, recipe_cfg, merged_lora=True
+            )
+        )
 
     n_params = sum(p.numel() for p in model.transformer.parameters())
     size = f"{n_params / 1e9:.2f}B" if n_params >= 1e8 else f"{n_params / 1e6:.2f}M"
@@ -426,10 +470,14 @@ def main() -> None:
 
     rows = []
     bounds = []
-    with clocks_on(model, device) as clocks:
+    with clocks_on(model, [model.vae, own_vae.vae], device) as clocks:
         for mode in modes:
             if mode == "compile":
-                configure_transformer(model.transformer, compile_blocks=True)
+                configure_transformer(
+                    model.transformer, compile_blocks=True, compile_backend=args.compile_backend
+                )
+                compile_decoder(own_vae, backend=args.compile_backend)
+                samplers = samplers + compiled_vae
             warm = []
             for sampler in samplers:
                 t0 = time.perf_counter()

@@ -10,7 +10,8 @@ prompt and cached (`--text-encoder` builds a random real-size Qwen2.5-VL instead
 Columns: images/s; ms per sample-step (whole rollout / (B x steps)); ms per forward (transformer time,
 rollout minus VAE decode, per sample per single non-CFG forward: compare with the measured ceilings
 39.2 ms eager / 30.8 ms compiled); effective TFLOP/s (16.65 TFLOP per 512^2 forward per sample, over the
-whole rollout time); peak memory. Modes: eager, then regional torch.compile of the transformer blocks.
+whole rollout time); peak memory. Modes: eager, then model.compile's: regional torch.compile of the transformer
+blocks and the compiled VAE decoder.
 
 `--model qwen_image_edit` / `--model ltx2`: the same rows for real-size random Qwen-Image-Edit
 (`build_real_qwen_image_edit`) and LTX-2.3 (`build_real_ltx2`) at their experiment recipes' sampling
@@ -43,7 +44,7 @@ import torch
 
 from fgrpo.data import ImagePrompt
 from fgrpo.models.common import module_device, module_dtype
-from fgrpo.models.loading import configure_transformer
+from fgrpo.models.loading import compile_decoder, configure_transformer
 from fgrpo.models.ltx2 import LTX2, clip_kwargs
 from fgrpo.models.qwen_image import QwenImage
 from fgrpo.models.qwen_image_edit import QwenImageEdit
@@ -464,7 +465,11 @@ def main() -> None:
     ap.add_argument(
         "--resolution", type=int, default=0, help="pixels (default 512; tiny: 64); LTX-2: the model's clip"
     )
-    ap.add_argument("--modes", default="eager,compile", help="eager and/or compile (regional, blocks only)")
+    ap.add_argument(
+        "--modes",
+        default="eager,compile",
+        help="eager and/or compile (regional: the blocks; and the VAE decoder)",
+    )
     ap.add_argument("--attention-backend", default="", help="diffusers attention backend name; '' = SDPA")
     ap.add_argument("--text-encoder", action="store_true", help="random real-size Qwen2.5-VL instead of stub")
     ap.add_argument(
@@ -550,6 +555,7 @@ def main() -> None:
         if mode == "compile":
             try:
                 configure_transformer(model.transformer, compile_blocks=True)
+                compile_decoder(model)  # as model.compile
             except Exception as e:  # keep the eager rows even if this torch cannot compile the blocks
                 rows.append(f"compile  failed: {type(e).__name__}: {e}"[:200])
                 continue

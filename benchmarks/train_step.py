@@ -239,7 +239,12 @@ def main() -> None:
         TrainConfig,
     )
     from fgrpo.core import grpo
-    from fgrpo.models.loading import SD3_LORA_TARGETS, configure_transformer, setup_trainable
+    from fgrpo.models.loading import (
+        SD3_LORA_TARGETS,
+        compile_decoder,
+        configure_transformer,
+        setup_trainable,
+    )
     from fgrpo.models.ltx2 import LTX2
     from fgrpo.models.qwen_image import QwenImage
     from fgrpo.models.qwen_image_edit import QwenImageEdit
@@ -385,8 +390,9 @@ def main() -> None:
     tflop_per_forward = sum(forward_tflop(model, p, height, width) for p in timed_prompts) / len(
         timed_prompts
     )
-    if args.compile:
+    if args.compile:  # what model.compile does
         configure_transformer(model.transformer, compile_blocks=True)
+        compile_decoder(model)
     parallel.shard_transformer(
         model.transformer, param_dtype=None if args.tiny else torch.bfloat16, shard=args.shard
     )

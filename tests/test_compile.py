@@ -211,3 +211,39 @@ def test_edit_model_compiles_its_blocks_without_comprehensive_padding(monkeypatc
         None,
     ]  # eager: no inductor
     assert [kw["options"] for kw in seen["t2i"]] == [None, None]
+
+
+@pytest.mark.parametrize("kind", ["tiny_sd3", "tiny_qwen_image"])
+def test_model_compile_compiles_the_vae_decoder(kind, monkeypatch):
+    """model.compile compiles the VAE decoder too (build_model -> compile_decoder), in place: the VAE's parameter
+    names stay, and with the "eager" backend the decoded pixels are the eager decoder's bit for bit."""
+    from fgrpo.models import loading
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    configure, compile_vae = loading.configure_transformer, loading.compile_decoder
+    monkeypatch.setattr(
+        loading, "configure_transformer", lambda t, **kw: configure(t, **kw, compile_backend="eager")
+    )
+    monkeypatch.setattr(loading, "compile_decoder", lambda m: compile_vae(m, backend="eager"))
+    mcfg = ModelConfig(kind=kind, dtype="fp32", compile=True)
+    reference = loading.build_model(dataclasses.replace(mcfg, compile=False), torch.device("cpu"), seed=0)
+    model = loading.build_model(mcfg, torch.device("cpu"), seed=0)
+    x0 = torch.randn(2, *model.latent_shape(64, 64), generator=torch.Generator().manual_seed(0))
+    expected = reference.decode(x0, 64, 64)
+    try:
+        assert list(model.vae.state_dict()) == list(reference.vae.state_dict())
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0  # nothing traced yet
+        assert torch.equal(model.decode(x0, 64, 64), expected)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # the decoder ran compiled
+    finally:
+        torch._dynamo.reset()
+
+
+def test_compile_decoder_skips_a_model_without_a_vae():
+    """The text renderer paints pixels itself: nothing to compile."""
+    from fgrpo.models.loading import compile_decoder
+    from fgrpo.models.textbed import load_textbed
+
+    assert compile_decoder(load_textbed("")) is False
+    assert compile_decoder(tiny_sd3(seed=0), backend="eager") is True

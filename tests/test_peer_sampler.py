@@ -60,8 +60,11 @@ def stand_in_checkout(root: Path) -> Path:
     return root
 
 
-def run_peer_sampler(checkout: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], list[list[str]]]:
-    """peer_sampler.py --tiny on the stand-in checkout: the process, and the cells of the final table's eager rows."""
+def run_peer_sampler(
+    checkout: Path, *args: str, mode: str = "eager"
+) -> tuple[subprocess.CompletedProcess[str], list[list[str]]]:
+    """peer_sampler.py --tiny on the stand-in checkout: the process, and the cells of the final table's rows of
+    `mode`."""
     res = subprocess.run(
         [sys.executable, str(BENCH / "peer_sampler.py"), "--tiny", "--flow-grpo", str(checkout), *args],
         env=ENV,
@@ -71,7 +74,7 @@ def run_peer_sampler(checkout: Path, *args: str) -> tuple[subprocess.CompletedPr
     )
     out = res.stdout
     table = out[out.index("| mode | sampler |") :] if "| mode | sampler |" in out else ""
-    return res, [line.split("|")[1:-1] for line in table.splitlines()[2:] if line.startswith("| eager")]
+    return res, [line.split("|")[1:-1] for line in table.splitlines()[2:] if line.startswith(f"| {mode} ")]
 
 
 def test_peer_sampler_tiny(tmp_path):
@@ -128,3 +131,22 @@ def test_peer_sampler_with_the_policys_lora(tmp_path):
     assert int(rows[-1][12]) == 3  # the recipe's window keeps its log-probs
     bad, _ = run_peer_sampler(checkout, "--lora", "-1")
     assert bad.returncode != 0 and "--lora -1" in bad.stderr
+
+
+def test_peer_sampler_compiled_rows_decode_with_their_own_compiled_vae(tmp_path):
+    """The compile mode adds rows that decode with fgrpo's own copy of the VAE, its decoder compiled as model.compile
+    compiles it; the VAE clock times every VAE's decode (the compiled decoder's own hooks would run inside its
+    graph). The "eager" backend traces as inductor does without making kernels."""
+    checkout = stand_in_checkout(tmp_path / "flow_grpo_checkout")
+    args = ("--repeats", "1", "--lora", "4", "--modes", "compile", "--compile-backend", "eager")
+    res, rows = run_peer_sampler(checkout, *args, mode="compile")
+    assert res.returncode == 0, res.stderr[-3000:]
+    names = [r[1].strip() for r in rows]
+    assert names[0] == "flow_grpo" and names[-2:] == [
+        "fgrpo, same work, compiled VAE",
+        "fgrpo, recipe, merged, compiled VAE",
+    ]
+    assert len(rows) == 6
+    for r in rows:
+        assert 0 < float(r[7]) < float(r[6])  # the VAE's seconds, within the seconds outside the transformer
+    assert [int(r[12]) for r in rows[-2:]] == [10, 3]

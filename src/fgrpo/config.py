@@ -58,7 +58,8 @@ class ModelConfig:
     """Start from this LoRA instead of a fresh one: a directory (or .safetensors file) in the layout fgrpo exports
     and diffusers' `save_lora_weights` writes. Its rank, alpha and targets must match model.lora_*."""
     compile: bool = False
-    """Regional torch.compile of the transformer blocks (1.32x the eager step on an H200)."""
+    """Regional torch.compile of the transformer blocks (1.32x the eager step on an H200) and torch.compile of the VAE
+    decoder (fewer seconds per rollout; benchmarks/RESULTS.md measures both)."""
     exact_rollout: bool = True
     """With compile: run the rollout's SDE-window forwards through the training graph (autograd on, dropped at
     once), so the first update reproduces the rollout's log-probs exactly. Off, the compiled no-grad rollout and

@@ -1,5 +1,6 @@
 """Building the configured generator (real, tiny random, or the text renderer), and the transformer options the
-trainer toggles (LoRA, a LoRA to start from, checkpointing, attention backend, regional compile)."""
+trainer toggles (LoRA, a LoRA to start from, checkpointing, attention backend, regional compile, the compiled VAE
+decoder)."""
 
 from __future__ import annotations
 
@@ -198,6 +199,19 @@ def configure_transformer(
                     block.forward = partial(_selective_forward, block.forward)
 
 
+def compile_decoder(model: object, *, backend: str = "inductor") -> bool:
+    """torch.compile of the model's VAE decoder, in place (`nn.Module.compile`: the module and its parameter names
+    stay), for model.compile. The decoder runs once per rollout micro-batch without grad, so one graph per batch
+    shape (benchmarks/RESULTS.md times the decode per family). The decoded pixels differ from the eager decoder's
+    by rounding, so rewards may by a little; no log-prob depends on them. Returns False for a model without one
+    (the text renderer paints pixels directly)."""
+    decoder = getattr(getattr(model, "vae", None), "decoder", None)
+    if not isinstance(decoder, nn.Module):
+        return False
+    decoder.compile(backend=backend)
+    return True
+
+
 def load_model(mcfg: ModelConfig, *, device: torch.device | str, dtype: torch.dtype) -> FlowModel:
     """The real model named by `mcfg.kind` from `mcfg.path` (local diffusers directory or hub id), frozen.
 
@@ -230,6 +244,8 @@ def load_model(mcfg: ModelConfig, *, device: torch.device | str, dtype: torch.dt
         attention_backend=mcfg.attention_backend,
         compile_blocks=getattr(mcfg, "compile", False),
     )
+    if getattr(mcfg, "compile", False):
+        compile_decoder(model)
     return model
 
 
@@ -260,6 +276,8 @@ def build_model(mcfg: ModelConfig, device: torch.device, seed: int) -> FlowModel
     configure_transformer(
         model.transformer, attention_backend=mcfg.attention_backend, compile_blocks=mcfg.compile
     )
+    if mcfg.compile:
+        compile_decoder(model)
     return model
 
 
