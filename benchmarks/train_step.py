@@ -113,7 +113,14 @@ def main() -> None:
         default=0,
         help="transformer blocks of the real-size model (0 = all: 60 / 24 / 60 / 48)",
     )
-    ap.add_argument("--compile", action="store_true", help="regional torch.compile of the transformer blocks")
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="model.compile: regional torch.compile of the transformer blocks, and the VAE decoder compiled",
+    )
+    ap.add_argument(
+        "--eager-vae", action="store_true", help="with --compile, keep the VAE decoder eager (to measure it)"
+    )
     ap.add_argument(
         "--shard",
         choices=("full", "adapters"),
@@ -197,6 +204,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.reward_stream and (args.reward != "vlm" or args.model == "ltx2"):
         ap.error("--reward-stream streams images to --reward vlm; add it (ltx2's clips are scored whole)")
+    if args.eager_vae and not args.compile:
+        ap.error("--eager-vae keeps the decoder eager under --compile; add --compile or drop it")
     if args.warmup < 1:
         ap.error(f"--warmup {args.warmup}: at least 1 (the first step compiles and warms up)")
     if args.reward_static_cache and args.reward != "vlm":
@@ -392,7 +401,8 @@ def main() -> None:
     )
     if args.compile:  # what model.compile does
         configure_transformer(model.transformer, compile_blocks=True)
-        compile_decoder(model)
+        if not args.eager_vae:
+            compile_decoder(model)
     parallel.shard_transformer(
         model.transformer, param_dtype=None if args.tiny else torch.bfloat16, shard=args.shard
     )
@@ -556,10 +566,11 @@ def main() -> None:
         # NFT/AWM: K points x (the old policy's no-grad forward + the same 3), one sequence (no CFG in training)
         fwd_train = n_local * points * 4 if forward_process else n_local * W * forwards * 3
         floor_s = (fwd_roll + fwd_train) * tflop_per_forward / MATMUL_TFLOPS_H200
+        compiled = ("compiled, VAE eager" if args.eager_vae else "compiled") if args.compile else "eager"
         total = roll + rew + train  # rew is 0 for the stub
         print0()
         print0(
-            f"| phase | s | {unit}/GPU/s | effective TFLOP/s per GPU | ({'compiled' if args.compile else 'eager'}, "
+            f"| phase | s | {unit}/GPU/s | effective TFLOP/s per GPU | ({compiled}, "
             f"{d.world_size} GPU(s), shard {args.shard}, {args.checkpointing} checkpointing, attention "
             f"{mcfg.attention_backend or 'default'}, {n_local} {unit} per GPU, "
             f"micro-batch {micro_batch}, peak {peak:.1f} GiB, "

@@ -271,3 +271,12 @@ def test_train_step_reads_prompts_of_different_lengths_and_compares_the_cfg_forw
     assert (
         res.returncode == 2 and "--prompt-file" in res.stderr and "at least --prompts 4 lines" in res.stderr
     )
+
+
+def test_train_step_eager_vae_needs_compile():
+    """--eager-vae only changes what --compile compiles: alone it is refused before any work."""
+    res = subprocess.run(
+        [sys.executable, str(BENCH / "train_step.py"), "--tiny", "--eager-vae"],
+        env=ENV, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert res.returncode == 2 and "--eager-vae" in res.stderr and "add --compile" in res.stderr

@@ -240,10 +240,16 @@ def test_model_compile_compiles_the_vae_decoder(kind, monkeypatch):
         torch._dynamo.reset()
 
 
-def test_compile_decoder_skips_a_model_without_a_vae():
-    """The text renderer paints pixels itself: nothing to compile."""
+def test_compile_decoder_skips_a_model_without_a_vae_or_a_gain():
+    """The text renderer paints pixels itself, LTX-2's video VAE decodes no faster compiled: nothing compiled."""
     from fgrpo.models.loading import compile_decoder
     from fgrpo.models.textbed import load_textbed
+    from fgrpo.models.tiny import tiny_ltx2
 
     assert compile_decoder(load_textbed("")) is False
-    assert compile_decoder(tiny_sd3(seed=0), backend="eager") is True
+    ltx2 = tiny_ltx2(seed=0)
+    assert compile_decoder(ltx2, backend="eager") is False
+    assert getattr(ltx2.vae.decoder, "_compiled_call_impl", None) is None
+    sd3 = tiny_sd3(seed=0)
+    assert compile_decoder(sd3, backend="eager") is True
+    assert sd3.vae.decoder._compiled_call_impl is not None

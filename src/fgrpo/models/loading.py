@@ -204,9 +204,10 @@ def compile_decoder(model: object, *, backend: str = "inductor") -> bool:
     stay), for model.compile. The decoder runs once per rollout micro-batch without grad, so one graph per batch
     shape (benchmarks/RESULTS.md times the decode per family). The decoded pixels differ from the eager decoder's
     by rounding, so rewards may by a little; no log-prob depends on them. Returns False for a model without one
-    (the text renderer paints pixels directly)."""
+    (the text renderer paints pixels directly) or whose class sets `compile_vae_decoder = False` (LTX-2: no
+    faster compiled)."""
     decoder = getattr(getattr(model, "vae", None), "decoder", None)
-    if not isinstance(decoder, nn.Module):
+    if not isinstance(decoder, nn.Module) or not getattr(model, "compile_vae_decoder", True):
         return False
     decoder.compile(backend=backend)
     return True

@@ -88,6 +88,10 @@ class LTX2:
     every sample is.
     """
 
+    # model.compile leaves the video VAE's decoder eager: compiled, it decodes no faster and costs a compile per
+    # batch shape (benchmarks/RESULTS.md)
+    compile_vae_decoder = False
+
     def __init__(
         self,
         transformer: LTX2VideoTransformer3DModel,
