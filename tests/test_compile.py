@@ -7,7 +7,7 @@ inductor does without generating kernels, so this runs in seconds.
 """
 
 import dataclasses
-from typing import Literal
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -232,7 +232,8 @@ def test_model_compile_compiles_the_vae_decoder(kind, monkeypatch):
     x0 = torch.randn(2, *model.latent_shape(64, 64), generator=torch.Generator().manual_seed(0))
     expected = reference.decode(x0, 64, 64)
     try:
-        assert list(model.vae.state_dict()) == list(reference.vae.state_dict())
+        vae: Any = getattr(model, "vae")  # noqa: B009  # the families with a VAE; FlowModel declares none
+        assert list(vae.state_dict()) == list(getattr(reference, "vae").state_dict())  # noqa: B009
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0  # nothing traced yet
         assert torch.equal(model.decode(x0, 64, 64), expected)
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # the decoder ran compiled
