@@ -91,7 +91,8 @@ def test_peer_sampler_tiny(tmp_path):
         assert 0 < fastest <= total and 0 < transformer < total and 0 < vae < outside
         assert outside == pytest.approx(total - transformer, abs=2e-3)
         assert rest == pytest.approx(outside - vae, abs=2e-3)
-        assert 2 / (total + 5e-4) <= per_s <= 2 / (total - 5e-4) and ratio > 0  # total rounded to 1 ms
+        # total and images/s are both printed to 3 decimals, so each is within 5e-4 of the value the other came from
+        assert 2 / (total + 5e-4) - 5e-4 <= per_s <= 2 / (total - 5e-4) + 5e-4 and ratio > 0
         assert int(r[11]) == 10  # one batched CFG forward per step
     assert float(rows[0][10]) == 1.0
     # the bound of a sampler's own work: flow_grpo's total over its transformer + VAE seconds
