@@ -21,7 +21,7 @@ from fgrpo.config import AlgoConfig, GRPOConfig, ParallelConfig, RunConfig, Trai
 from fgrpo.rollout.buffer import RolloutBuffer
 
 ENTRY = str(Path(__file__).with_name("train_entry.py"))
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 STEPS = 3
 VAL = ("--run.val-every", "2", "--run.val-num-steps", "3")  # validation rows at steps 0, 2 and the final 3
 
@@ -79,28 +79,23 @@ def _validate_checkpoints(out_dir, steps: list[int]) -> list[float]:
     setup_trainable(model.transformer, cfg.model)
     prompts = load_prompts(cfg.data.val_prompts)[: cfg.data.val_num_prompts]
     engine = build_engine(model, cfg.rollout_engine, cfg.model.path)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the runs' OMP_NUM_THREADS
-    out = []
-    try:
-        for step in steps:
-            missing, unexpected = model.transformer.load_state_dict(_weights(out_dir, step), strict=False)
-            assert unexpected == [] and not any("lora" in k for k in missing)
-            val = validate(
-                engine,
-                build_reward(cfg.reward.spec),
-                cfg.reward.name,
-                prompts,
-                cfg,
-                flog.NullLogger(),
-                step,
-                torch.device("cpu"),
-                parallel.Split((0,), (0,)),
-            )
-            out.append(val["val/reward_mean"])
-        return out
-    finally:
-        torch.set_num_threads(threads)
+    out = []  # on one thread, as the runs (tests/conftest.py)
+    for step in steps:
+        missing, unexpected = model.transformer.load_state_dict(_weights(out_dir, step), strict=False)
+        assert unexpected == [] and not any("lora" in k for k in missing)
+        val = validate(
+            engine,
+            build_reward(cfg.reward.spec),
+            cfg.reward.name,
+            prompts,
+            cfg,
+            flog.NullLogger(),
+            step,
+            torch.device("cpu"),
+            parallel.Split((0,), (0,)),
+        )
+        out.append(val["val/reward_mean"])
+    return out
 
 
 @pytest.fixture(scope="module")

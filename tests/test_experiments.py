@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = sorted((ROOT / "experiments").glob("*.py"))
-ENV = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 def load(path: Path):
@@ -344,7 +344,7 @@ def test_pretrain_textbed_two_ranks_take_the_steps_of_one(tmp_path):
     driver = tmp_path / "driver.py"
     driver.write_text(PRETRAIN_DRIVER)
     script = str(ROOT / "experiments" / "pretrain_textbed.py")
-    env = {**ENV, "OMP_NUM_THREADS": "1"}
+    env = ENV
     one = subprocess.run(
         [sys.executable, str(driver), script, str(tmp_path / "one.pt")],
         env=env,

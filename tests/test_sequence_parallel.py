@@ -21,7 +21,7 @@ from train_entry import Config
 from fgrpo import parallel
 from fgrpo.config import GRPOConfig, ModelConfig, ParallelConfig, validate_config
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 PROMPTS = ["a red apple on a wooden table", "x"]
 LR = 1e-2
 

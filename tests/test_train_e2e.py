@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 ENTRY = str(Path(__file__).with_name("train_entry.py"))
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 def run(out_dir, *flags, nproc=1, timeout=600):

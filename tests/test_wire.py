@@ -15,7 +15,7 @@ import torch
 from fgrpo import parallel
 from fgrpo.async_mode import trainable_tensors
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 def _module() -> torch.nn.Module:

@@ -403,7 +403,9 @@ def _assert_same(got, want, exact: bool):
     for name in ("sigmas", "window", "x_t", "x_next", "log_prob"):
         w = getattr(want, name).cpu()
         assert check(getattr(got, name), w.float() if w.is_floating_point() else w), name
-    assert torch.equal(got.images, want.images)  # uint8 through vllm-omni's PIL post-processing
+    # uint8 through vllm-omni's PIL post-processing: a value equal up to rounding may land one level over
+    levels = (got.images.int() - want.images.int()).abs().max()
+    assert levels == 0 if exact else levels <= 1
     assert set(got.cond) == set(want.cond)
     for k in want.cond:  # same tokens; padding may differ (worker batches pad to their own longest)
         L = want.cond[k].shape[1]
