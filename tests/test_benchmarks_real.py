@@ -16,17 +16,58 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
-ENV = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONUNBUFFERED": "1"}
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 @pytest.fixture(scope="module")
-def rollout():
-    spec = importlib.util.spec_from_file_location("rollout", BENCH / "rollout.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+def bench():
+    """`bench(name)` imports benchmarks/<name>.py, once per module: the scripts run in this process, where a
+    subprocess of each would spend most of its time importing torch and diffusers again. benchmarks/ stays
+    on the path for the scripts' own imports (rollout, vlm_model)."""
+    sys.path.insert(0, str(BENCH))
+    loaded = {}
+
+    def load(name: str):
+        if name not in sys.modules:
+            spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+            assert spec is not None and spec.loader is not None
+            sys.modules[name] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(sys.modules[name])
+            loaded[name] = sys.modules[name]
+        return sys.modules[name]
+
+    try:
+        yield load
+    finally:
+        sys.path.remove(str(BENCH))
+        for name in loaded:
+            del sys.modules[name]
+
+
+@pytest.fixture(scope="module")
+def rollout(bench):
+    return bench("rollout")
+
+
+@pytest.fixture(scope="module")
+def train_step(bench):
+    return bench("train_step")
+
+
+def run_main(script, monkeypatch, capsys, *args: str) -> str:
+    """`script.main()` on the command line `args` (the tiny model): what it printed."""
+    monkeypatch.setattr(sys, "argv", [f"{script.__name__}.py", "--tiny", *args])
+    script.main()
+    return capsys.readouterr().out
+
+
+def refusal(script, monkeypatch, capsys, *args: str) -> str:
+    """The one-line error `script.main()` stops with (argparse's exit 2, before any work): its stderr."""
+    monkeypatch.setattr(sys, "argv", [f"{script.__name__}.py", *args])
+    with pytest.raises(SystemExit) as e:
+        script.main()
+    assert e.value.code == 2
+    return capsys.readouterr().err
 
 
 def test_real_qwen_image_edit_widths(rollout, tmp_path):
@@ -87,23 +128,11 @@ def test_real_ltx2_widths(rollout):
     )
 
 
-def run_script(script: str, *args: str) -> str:
-    res = subprocess.run(
-        [sys.executable, str(BENCH / script), "--tiny", *args],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    return res.stdout
-
-
 TRAIN_ARGS = ("--iters", "0", "--prompts", "1", "--group", "2", "--opt-steps", "1")
 
 
-def test_train_step_tiny_qwen_image_edit():
-    out = run_script("train_step.py", "--model", "qwen_image_edit", *TRAIN_ARGS)
+def test_train_step_tiny_qwen_image_edit(train_step, monkeypatch, capsys):
+    out = run_main(train_step, monkeypatch, capsys, "--model", "qwen_image_edit", *TRAIN_ARGS)
     # the recipe: true-CFG 4, LoRA r64, micro-batch 4; the tiny model at 64²
     assert "qwen_image_edit, LoRA r64" in out and "TFLOP per 64² forward" in out and "## grpo: CFG 4.0" in out
     assert "| phase | s | images/GPU/s |" in out and "micro-batch 4, peak" in out
@@ -112,24 +141,18 @@ def test_train_step_tiny_qwen_image_edit():
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["after-rollout", "streamed-static-cache"])
-def test_train_step_tiny_vlm_reward_scores_the_rollout(monkeypatch, capsys, stream):
+def test_train_step_tiny_vlm_reward_scores_the_rollout(train_step, monkeypatch, capsys, stream):
     """--reward vlm: the tiny random Qwen2.5-VL reads the 4 rollout images (2 prompts x 2), and its text's OCR scores
     are what the advantages are computed from. The engine's answers are replaced after it has run, so the scores are
     known: the images of prompts "WORD0" x2, "WORD1" x2 (rows 0-3, in whatever micro-batches the rollout groups
     them) read as "WORD0", "", "WORD", "WORX1" score 1 - min(d, 5) / 5 = 1, 0,
     0.8, 0.8. Group means 0.5, 0.8; the batch's population std is sqrt(((0.35)² + (0.65)² + 2 (0.15)²) / 4)
     = sqrt(0.1475); advantages (r - group mean) / (std + 1e-4) = [0.5, -0.5, 0, 0] / (sqrt(0.1475) + 1e-4)."""
+    from threading import current_thread
+
     from fgrpo.core import grpo
     from fgrpo.rewards.runner import RewardStream
     from fgrpo.rewards.vlm import TransformersOcrEngine
-
-    monkeypatch.syspath_prepend(str(BENCH))
-    spec = importlib.util.spec_from_file_location("train_step", BENCH / "train_step.py")
-    assert spec is not None and spec.loader is not None
-    train_step = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_step)
-
-    from threading import current_thread
 
     read, texts = [], ["WORD0", "", "WORD", "WORX1"]
     real_recognize = TransformersOcrEngine.recognize
@@ -168,13 +191,11 @@ def test_train_step_tiny_vlm_reward_scores_the_rollout(monkeypatch, capsys, stre
     monkeypatch.setattr(TransformersOcrEngine, "recognize", recognize)
     monkeypatch.setattr(RewardStream, "add", add)
     monkeypatch.setattr(grpo, "group_advantages", group_advantages)
-    args = ["--tiny", "--reward", "vlm", "--iters", "0", "--prompts", "2", "--group", "2", "--opt-steps", "1"]
+    args = ["--reward", "vlm", "--iters", "0", "--prompts", "2", "--group", "2", "--opt-steps", "1"]
     # streamed: the rollout's two micro-batches of 2 are read one by one, on the runner's thread (and the VLM
     # decodes with a static KV cache)
     args += ["--reward-stream", "--micro-batch", "2", "--reward-static-cache"] if stream else []
-    monkeypatch.setattr(sys, "argv", ["train_step.py", *args])
-    train_step.main()
-    out = capsys.readouterr().out
+    out = run_main(train_step, monkeypatch, capsys, *args)
 
     if stream:
         static = {"cache_implementation": "static"}
@@ -200,8 +221,8 @@ def test_train_step_tiny_vlm_reward_scores_the_rollout(monkeypatch, capsys, stre
 
 
 @pytest.mark.slow
-def test_train_step_tiny_ltx2():
-    out = run_script("train_step.py", "--model", "ltx2", *TRAIN_ARGS)
+def test_train_step_tiny_ltx2(train_step, monkeypatch, capsys):
+    out = run_main(train_step, monkeypatch, capsys, "--model", "ltx2", *TRAIN_ARGS)
     # the recipe: CFG 4, LoRA r64, micro-batch 8; the tiny model's clip (9 frames of 32x32)
     assert "2 videos per step" in out and "ltx2, LoRA r64" in out and "TFLOP per 32x32 9-frame forward" in out
     assert "| phase | s | videos/GPU/s |" in out and "micro-batch 8, peak" in out
@@ -210,8 +231,10 @@ def test_train_step_tiny_ltx2():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model,per_s", [("qwen_image_edit", "img/s"), ("ltx2", "vid/s")])
-def test_rollout_tiny(model, per_s):
-    out = run_script("rollout.py", "--model", model, "--batch-sizes", "2", "--group", "2", "--steps", "4")
+def test_rollout_tiny(rollout, monkeypatch, capsys, model, per_s):
+    out = run_main(
+        rollout, monkeypatch, capsys, "--model", model, "--batch-sizes", "2", "--group", "2", "--steps", "4"
+    )
     header = next(line for line in out.splitlines() if line.startswith("mode"))
     assert per_s in header
     assert [line.split()[:2] for line in out.splitlines() if line.startswith("eager")][-1] == ["eager", "2"]
@@ -222,15 +245,15 @@ def test_attention_tiny_switches_the_backend_of_every_processor():
     """benchmarks/attention.py on the tiny Qwen-Image: the reference row diffs 0 against itself, the math kernel
     gives other bits (so the switch reached the processors), the flash kernel refuses the joint CFG forward's mask
     and takes the split CFG forwards (they carry none), and FlexAttention reads that mask as SDPA does."""
-    out = run_script(
-        "attention.py",
-        "--backends",
-        "native,_native_math,_native_flash,flex",
-        "--modes",
-        "eager",
-        "--iters",
-        "1",
-    )
+    # in a process of its own: run in the test's process it left a FlexAttention torch-function mode active,
+    # which broke the next test's forward
+    res = subprocess.run(
+        [sys.executable, str(BENCH / "attention.py"), "--tiny", "--backends", "native,_native_math,_native_flash,flex"]
+        + ["--modes", "eager", "--iters", "1", "--size", "64"],
+        env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = res.stdout
     cells = {
         tuple(c.strip() for c in line.split("|")[2:5]): line.split("|")[5:]
         for line in out.splitlines()
@@ -244,7 +267,9 @@ def test_attention_tiny_switches_the_backend_of_every_processor():
     assert 0 <= float(cells[("split", "16", "_native_flash")][3]) < 1e-4
 
 
-def test_train_step_reads_prompts_of_different_lengths_and_compares_the_cfg_forwards(tmp_path):
+def test_train_step_reads_prompts_of_different_lengths_and_compares_the_cfg_forwards(
+    train_step, tmp_path, monkeypatch, capsys
+):
     """--prompt-file gives the steps prompts of different lengths (the default ones share one), each step the file's
     next lines (3 prompts over the 3 steps of 2); --warmup 2 leaves the third step alone in the table; --split-cfg off,on runs the one masked CFG forward and the two
     unpadded ones in turn; a file too short stops before any work."""
@@ -252,8 +277,8 @@ def test_train_step_reads_prompts_of_different_lengths_and_compares_the_cfg_forw
     prompts.write_text(
         'A sign that says "HI"\n\nA poster of a quiet lake at dawn with the words "Good Morning"\nA red "STOP" sign\n'
     )
-    out = run_script(
-        "train_step.py", "--warmup", "2", "--iters", "1", "--prompts", "2", "--group", "2", "--opt-steps", "1",
+    out = run_main(
+        train_step, monkeypatch, capsys, "--warmup", "2", "--iters", "1", "--prompts", "2", "--group", "2", "--opt-steps", "1",
         "--prompt-file", str(prompts), "--split-cfg", "off,on",
     )  # fmt: skip
     header = r"# prompt tokens (\d+)-(\d+) over 3 prompts\n"
@@ -264,19 +289,11 @@ def test_train_step_reads_prompts_of_different_lengths_and_compares_the_cfg_forw
     last = re.findall(r"step 2: rollout ([\d.]+)s", out)[-1]
     assert re.findall(r"\| rollout \| ([\d.]+) \|", out)[-1] == last
     assert "## grpo: CFG 4.0\n" in out and "## grpo: CFG 4.0, CFG as two unpadded forwards\n" in out
-    res = subprocess.run(
-        [sys.executable, str(BENCH / "train_step.py"), "--tiny", "--prompts", "4", "--prompt-file", str(prompts)],
-        env=ENV, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert (
-        res.returncode == 2 and "--prompt-file" in res.stderr and "at least --prompts 4 lines" in res.stderr
-    )
+    err = refusal(train_step, monkeypatch, capsys, "--tiny", "--prompts", "4", "--prompt-file", str(prompts))
+    assert "--prompt-file" in err and "at least --prompts 4 lines" in err
 
 
-def test_train_step_eager_vae_needs_compile():
+def test_train_step_eager_vae_needs_compile(train_step, monkeypatch, capsys):
     """--eager-vae only changes what --compile compiles: alone it is refused before any work."""
-    res = subprocess.run(
-        [sys.executable, str(BENCH / "train_step.py"), "--tiny", "--eager-vae"],
-        env=ENV, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert res.returncode == 2 and "--eager-vae" in res.stderr and "add --compile" in res.stderr
+    err = refusal(train_step, monkeypatch, capsys, "--tiny", "--eager-vae")
+    assert "--eager-vae" in err and "add --compile" in err
