@@ -40,6 +40,22 @@ def final_weights(out_dir, step):
     return load_file(str(Path(out_dir) / "e2e" / "checkpoints" / f"step_{step:06d}" / "model.safetensors"))
 
 
+def assert_same_training(one, other, start):
+    """`other` trained what `one` trained from `start` (state dicts), up to AdamW's amplification of rounding.
+
+    AdamW divides each gradient element by its own magnitude, so the few near-zero elements whose sums round
+    differently (another summation order) move by a small fraction of the step: on one 2-core AMD CPU 2 of 9,216
+    elements beyond 1e-4, the largest 1.5e-4, against a median motion of 2.2e-2. Asserted: the step moved the
+    weights (median motion > 1e-2), every element within 1 % of that motion, 99 % of them within 1e-5. Training
+    on other samples moves most elements by a good part of the step."""
+    assert one.keys() == other.keys() and len(one) > 0
+    motion = torch.cat([(one[k] - start[k]).abs().flatten() for k in one]).median().item()
+    assert motion > 1e-2
+    diff = torch.cat([(other[k] - one[k]).abs().flatten() for k in one])
+    assert diff.max().item() < 1e-2 * motion
+    assert (diff > 1e-5).float().mean().item() < 0.01
+
+
 def test_two_fsdp_ranks_match_one(tmp_path):
     """The same global batch on 1 and on 2 ranks: advantages from all-gathered rewards, gradients averaged
     by FSDP2's reduce-scatter. Only the summation order differs, so fp32 agreement is to rounding.
@@ -50,14 +66,7 @@ def test_two_fsdp_ranks_match_one(tmp_path):
     run(tmp_path / "one", *flags)
     run(tmp_path / "two", *flags, nproc=2)
     one, two = final_weights(tmp_path / "one", 2), final_weights(tmp_path / "two", 2)
-    start = final_weights(tmp_path / "one", 1)
-    assert one.keys() == two.keys() and len(one) > 0
-    moved = max((one[k] - start[k]).abs().max().item() for k in one)
-    assert moved > 1e-2  # the second step moved the weights by ~lr
-    # AdamW divides each gradient element by its own magnitude, so a near-zero element whose sum over ranks
-    # rounds differently moves by a visible fraction of lr: agreement is to 1e-4, 100x below the motion.
-    for k in one:
-        torch.testing.assert_close(one[k], two[k], rtol=1e-4, atol=1e-4)
+    assert_same_training(one, two, start=final_weights(tmp_path / "one", 1))
 
 
 def test_full_weights_two_fsdp_ranks_match_one(tmp_path):
