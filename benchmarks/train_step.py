@@ -187,7 +187,9 @@ def main() -> None:
         "for a symbolic text length)",
     )
     ap.add_argument(
-        "--profile", action="store_true", help="profile the last timed step: time in NCCL kernels"
+        "--profile",
+        action="store_true",
+        help="profile the last timed step: time in NCCL kernels, the GPU's busy share, the kernels that take most",
     )
     ap.add_argument(
         "--comm-probe", action="store_true", help="time a full-model all-gather of the blocks' weights"
@@ -524,6 +526,8 @@ def main() -> None:
                 )
                 for e in sorted(events, key=lambda e: -e.device_time_total)[:4]:
                     print0(f"#   {e.key[:70]}: {e.device_time_total / 1e6:.2f}s x{e.count}")
+                for line in kernel_profile(prof.events(), t3 - t0):
+                    print0(line)
             peak = torch.cuda.max_memory_allocated() / 2**30 if d.device.type == "cuda" else 0.0
             if it >= args.warmup or args.iters == 0:  # warm-up steps compile and warm kernels
                 rows.append((t1 - t0, t_reward - t1, t2 - t_reward, t3 - t2, peak, m["logprob_gap/max"]))
@@ -636,6 +640,35 @@ def main() -> None:
 
 
 VLM_MAX_TOKENS = 16  # an answer is one quoted word; a random model runs to the cap, so this bounds decoding
+
+
+def busy_seconds(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of (start, end) intervals in microseconds, in seconds: the time the GPU ran at
+    least one kernel (kernels of several streams overlap)."""
+    busy, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    return busy / 1e6
+
+
+def kernel_profile(events, wall_s: float, top: int = 8) -> list[str]:
+    """Lines on a profiled step's GPU kernels (`events`: the profiler's events): how many, the share of the step's
+    wall time the GPU was busy (the rest it waited for the host), and the kernels that took the most device time."""
+    kernels = [e for e in events if e.device_type == torch.profiler.DeviceType.CUDA]
+    busy = busy_seconds([(e.time_range.start, e.time_range.end) for e in kernels])
+    lines = [
+        f"# profiled step: {len(kernels)} kernels, GPU busy {busy:.2f} of {wall_s:.2f} s ({busy / wall_s:.1%})"
+    ]
+    totals: dict[str, list[float]] = {}
+    for e in kernels:
+        t = totals.setdefault(e.name, [0.0, 0])
+        t[0] += e.time_range.elapsed_us()
+        t[1] += 1
+    for name, (us, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"#   {name[:80]}: {us / 1e6:.2f}s x{count:.0f}")
+    return lines
 
 
 def vlm_reward(

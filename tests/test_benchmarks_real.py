@@ -297,3 +297,23 @@ def test_train_step_eager_vae_needs_compile(train_step, monkeypatch, capsys):
     """--eager-vae only changes what --compile compiles: alone it is refused before any work."""
     err = refusal(train_step, monkeypatch, capsys, "--tiny", "--eager-vae")
     assert "--eager-vae" in err and "add --compile" in err
+
+
+def test_kernel_profile_counts_the_union_of_overlapping_kernels(train_step):
+    """--profile's lines from hand-made profiler events: kernels on [0, 1), [0.5, 2) and [3, 4) s (two streams
+    overlap on [0.5, 1)) keep the GPU busy 2 + 1 = 3 s of a 10-s step; kernel "a" ran 1 + 1 s, "b" 1.5 s; the
+    CPU event counts for neither."""
+    from torch.autograd.profiler_util import FunctionEvent
+    from torch.profiler import DeviceType
+
+    def event(name, start_s, end_s, device_type=DeviceType.CUDA):
+        return FunctionEvent(0, name, 0, int(start_s * 1e6), int(end_s * 1e6), device_type=device_type)
+
+    events = [event("a", 0, 1), event("b", 0.5, 2), event("a", 3, 4), event("cpu op", 0, 9, DeviceType.CPU)]
+    assert train_step.busy_seconds([(0, 10), (5, 20), (30, 40)]) == pytest.approx(30e-6)
+    assert train_step.busy_seconds([(0, 10), (2, 4)]) == pytest.approx(10e-6)  # one inside another
+    assert train_step.kernel_profile(events, 10.0) == [
+        "# profiled step: 3 kernels, GPU busy 3.00 of 10.00 s (30.0%)",
+        "#   a: 2.00s x2",
+        "#   b: 1.50s x1",
+    ]
