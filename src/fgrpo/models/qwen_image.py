@@ -12,9 +12,9 @@ Differs from QwenImagePipeline:
   mask), not two forwards; the pipeline's two calls give the same numbers up to float rounding.
   `split_cfg=True` makes the two calls instead, each trimmed to its own prompts' length, so the negative half
   (and a positive half of one prompt length) needs no padding mask: a faster bare forward, but a slower
-  compiled training step (benchmarks/RESULTS.md, "cfg-split"; the cause is not isolated: the blocks' symbolic
-  text length is ruled out, since the joint step with prompts of many lengths has one too and keeps its share of
-  the FLOP ceiling; twice the calls outside the compiled blocks is not). The benchmarks compare both.
+  compiled training step (benchmarks/RESULTS.md, "cfg-split" and "cfg-split-profile"): the two calls launch
+  twice the kernels, each on half the rows, faster than the host issues them, so the GPU waits for the host a
+  quarter of the step (busy 74 %, against 95 % for the one batched forward). The benchmarks compare both.
 - Each distinct prompt is encoded alone and cached, so an encoding never depends on its batch-mates.
 - The timestep fed to the transformer is sigma itself; the pipeline feeds (1000 sigma) / 1000.
 """
