@@ -63,9 +63,8 @@ def run_main(script, monkeypatch, capsys, *args: str) -> str:
 
 def refusal(script, monkeypatch, capsys, *args: str) -> str:
     """The one-line error `script.main()` stops with (argparse's exit 2, before any work): its stderr."""
-    monkeypatch.setattr(sys, "argv", [f"{script.__name__}.py", *args])
     with pytest.raises(SystemExit) as e:
-        script.main()
+        run_main(script, monkeypatch, capsys, *args)
     assert e.value.code == 2
     return capsys.readouterr().err
 
@@ -250,7 +249,7 @@ def test_attention_tiny_switches_the_backend_of_every_processor():
     res = subprocess.run(
         [sys.executable, str(BENCH / "attention.py"), "--tiny", "--backends", "native,_native_math,_native_flash,flex"]
         + ["--modes", "eager", "--iters", "1", "--size", "64"],
-        env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True, timeout=600,
+        env=ENV, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     out = res.stdout
@@ -289,13 +288,13 @@ def test_train_step_reads_prompts_of_different_lengths_and_compares_the_cfg_forw
     last = re.findall(r"step 2: rollout ([\d.]+)s", out)[-1]
     assert re.findall(r"\| rollout \| ([\d.]+) \|", out)[-1] == last
     assert "## grpo: CFG 4.0\n" in out and "## grpo: CFG 4.0, CFG as two unpadded forwards\n" in out
-    err = refusal(train_step, monkeypatch, capsys, "--tiny", "--prompts", "4", "--prompt-file", str(prompts))
+    err = refusal(train_step, monkeypatch, capsys, "--prompts", "4", "--prompt-file", str(prompts))
     assert "--prompt-file" in err and "at least --prompts 4 lines" in err
 
 
 def test_train_step_eager_vae_needs_compile(train_step, monkeypatch, capsys):
     """--eager-vae only changes what --compile compiles: alone it is refused before any work."""
-    err = refusal(train_step, monkeypatch, capsys, "--tiny", "--eager-vae")
+    err = refusal(train_step, monkeypatch, capsys, "--eager-vae")
     assert "--eager-vae" in err and "add --compile" in err
 
 

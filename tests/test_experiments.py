@@ -344,10 +344,9 @@ def test_pretrain_textbed_two_ranks_take_the_steps_of_one(tmp_path):
     driver = tmp_path / "driver.py"
     driver.write_text(PRETRAIN_DRIVER)
     script = str(ROOT / "experiments" / "pretrain_textbed.py")
-    env = ENV
     one = subprocess.run(
         [sys.executable, str(driver), script, str(tmp_path / "one.pt")],
-        env=env,
+        env=ENV,
         capture_output=True,
         text=True,
         timeout=600,
@@ -365,7 +364,7 @@ def test_pretrain_textbed_two_ranks_take_the_steps_of_one(tmp_path):
             script,
             str(tmp_path / "two.pt"),
         ],
-        env=env,
+        env=ENV,
         capture_output=True,
         text=True,
         timeout=600,
