@@ -66,7 +66,9 @@ def test_each_algorithm_trains_end_to_end(tmp_path, name, recording):
         assert all(t.x0 is not None for _, t in recording)
     if name == "mixgrpo":  # one window for the whole batch, at sliding_window's position for each step
         for step, (_cfg, traj) in enumerate(recording):
-            want = schedule.sliding_window(step, num_steps=4, window_size=2, iters_per_window=1, lo=0)
+            want = schedule.sliding_window(
+                step, num_steps=4, window_size=2, iters_per_window=1, lo=0, hi=3, roll_back=True
+            )
             assert traj.window.tolist() == [want] * len(traj)
 
 
@@ -123,13 +125,19 @@ def test_nft_samples_with_the_ema_and_the_ema_follows_core_ema(tmp_path, monkeyp
     assert any(not torch.equal(s, t) for s, t in zip(sampled[1], calls[0][4]))  # ... which is not theta
 
 
-def test_nft_resume_is_exact_including_the_ema(tmp_path):
-    """2 steps straight = 1 step, then a resume for the second: the EMA is restored from the checkpoint."""
-    straight = cfg_for(tmp_path / "a", "nft", num_steps=2, ema_rate=0.3, ema_max_decay=0.9, ema_delay=1)
+@pytest.mark.parametrize(
+    ("name", "ema"),
+    [
+        ("nft", {"ema_rate": 0.3, "ema_max_decay": 0.9, "ema_delay": 1}),
+        ("awm", {"kl_ema_rate": 0.3, "kl_ema_max_decay": 0.9}),
+    ],
+)
+def test_ema_resume_is_exact(tmp_path, name, ema):
+    """2 steps straight = 1 step, then a resume for the second: the EMA (NFT's old policy, AWM's KL anchor) is
+    restored from the checkpoint."""
+    straight = cfg_for(tmp_path / "a", name, num_steps=2, **ema)
     train_mod.train(straight)
-    first = dataclasses.replace(
-        cfg_for(tmp_path / "b", "nft", num_steps=1, ema_rate=0.3, ema_max_decay=0.9, ema_delay=1)
-    )
+    first = dataclasses.replace(cfg_for(tmp_path / "b", name, num_steps=1, **ema))
     train_mod.train(first)
     resumed = dataclasses.replace(
         straight, run=dataclasses.replace(straight.run, out_dir=str(tmp_path / "b"), resume="auto")
@@ -141,6 +149,41 @@ def test_nft_resume_is_exact_including_the_ema(tmp_path):
     for f in ("model.safetensors", "tensors_rank0.safetensors"):
         ta, tb = checkpoint._read_tensors(a / f), checkpoint._read_tensors(b / f)
         assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta), f
+
+
+def test_awm_adds_the_kl_to_its_ema_and_the_ema_follows_core_ema(tmp_path, monkeypatch):
+    """The point loss is awm_loss + ema_kl_coef * mean((v - v_ema)^2) (hand-made tensors); in the loop the
+    EMA's decay is min(rate * optimizer steps done, max): 0.2 after step 0 (2 steps, rate 0.1), then 0.3."""
+    from fgrpo.core import awm
+
+    cfg = cfg_for(tmp_path, "awm", num_steps=2, ema_kl_coef=0.5, kl_ema_rate=0.1, kl_ema_max_decay=0.3)
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    algo = algorithms.build(cfg, params)
+    v = torch.tensor([[1.0, 2.0], [0.0, 1.0]])
+    x0, noise, sigma = torch.zeros(2, 2), torch.ones(2, 2), torch.tensor([0.5, 0.5])
+    old = {"log_weight": torch.tensor([-1.0, -0.5]), "v_ema": torch.tensor([[1.0, 0.0], [0.0, 1.0]])}
+    adv = torch.tensor([1.0, -1.0])
+    loss, metrics = algo.point_loss(v, None, x0, noise, sigma, old, adv)
+    lw = awm.awm_log_weight(v, x0, noise, sigma, p=0.25)
+    surrogate, _ = awm.awm_loss(lw, old["log_weight"], adv, adv_clip=cfg.grpo.adv_clip_max, clip_range=1.0)
+    # (v - v_ema)^2: row 0 [0, 4] -> 2, row 1 [0, 0] -> 0; batch mean 1
+    assert metrics["ema_kl"].item() == 1.0
+    torch.testing.assert_close(loss, surrogate + 0.5 * 1.0)
+    off = algorithms.build(
+        dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, ema_kl_coef=0.0)), params
+    )
+    assert off.state() == {} and "ema_kl" not in off.point_loss(v, None, x0, noise, sigma, old, adv)[1]
+
+    calls = []
+    real_update = algorithms.EmaWeights.update
+    monkeypatch.setattr(
+        algorithms.EmaWeights,
+        "update",
+        lambda self, done: calls.append((done, real_update(self, done))) or calls[-1][1],
+    )
+    m = train_mod.train(cfg)
+    assert calls == [(2, pytest.approx(0.2)), (4, pytest.approx(0.3))]
+    assert m["train/ema_decay"] == pytest.approx(0.3) and m["train/ema_kl"] >= 0
 
 
 def test_forward_process_settings_are_checked(tmp_path):

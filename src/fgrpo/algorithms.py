@@ -21,13 +21,12 @@ Deviations from the reference code, each for a reason:
   sample and to evaluate v_old) rather than a second adapter: it works the same for LoRA and full weights and
   is saved with the checkpoint, so a resume is exact.
 - AWM's old log-weights come from a no-grad pass with the pre-update weights over the same points (the
-  reference keeps the pre-epoch model); its KL to the EMA policy is not implemented (only the KL to the
-  reference, through grpo.kl_coef).
+  reference keeps the pre-epoch model); its KL to an EMA of the policy (algo.ema_kl_coef) is the reference's,
+  with the EMA kept like NFT's old policy (a copy of the trainable tensors).
 - In the asynchronous mode (fgrpo/async_mode.py) the rollout ranks are sent `sampling_weights()`'s tensors
   (NFT: the EMA) and sample with them as they are; DPPO's loss takes the stale batches' IS weight, and NFT and
   AWM train stale batches uncorrected (their losses read no sampling likelihood).
-- MixGRPO's window slides from sampling.window_range's start to the last step that keeps it whole
-  (core.schedule.sliding_window); MixGRPO-Flash's DPM-Solver++ tail after the window is the rollout's
+- MixGRPO's window slides inside sampling.window_range and restarts at its start (core.schedule.sliding_window); MixGRPO-Flash's DPM-Solver++ tail after the window is the rollout's
   `sampling.ode_tail="dpmpp_2m"` (the `mixgrpo-flash` presets).
 """
 
@@ -162,7 +161,12 @@ class FlowDPPO(Algorithm):
 
 
 class MixGRPO(Algorithm):
-    """MixGRPO: one SDE window for the whole batch that slides along the trajectory as training proceeds."""
+    """MixGRPO: one SDE window for the whole batch that slides along sampling.window_range as training
+    proceeds, and restarts at its start after the end (algo.window_roll_back, the reference scripts' setting).
+
+    Differs from the reference: the window stays inside sampling.window_range (the recipe's early steps, where
+    the OCR task is decided), where the reference slides over every step but the last. On the text renderer,
+    windows past the range collapsed every long run (RESULTS.md, stability)."""
 
     def sampling(self, step: int) -> SamplingConfig:
         s, a = super().sampling(step), self.cfg.algo
@@ -173,6 +177,8 @@ class MixGRPO(Algorithm):
             iters_per_window=a.window_iters,
             stride=a.window_stride,
             lo=s.window_range[0],
+            hi=min(s.window_range[1], s.num_steps - 1),
+            roll_back=a.window_roll_back,
         )
         return dataclasses.replace(
             s, window_range=(w[0], w[-1] + 1)
@@ -197,11 +203,13 @@ class ForwardProcessAlgorithm(Algorithm):
             model, params, optimizer, lr_scheduler, traj, advantages, self.cfg, generator, self
         )
 
-    def old_pass(self, model: FlowModel, traj: Trajectory, points: TrainingPoints) -> torch.Tensor:
-        """The old policy's numbers at every training point ([B, K, ...]), before any update of the step."""
+    def old_pass(self, model: FlowModel, traj: Trajectory, points: TrainingPoints) -> dict[str, torch.Tensor]:
+        """The fixed numbers the loss compares against at every training point, each [B, K, ...], computed
+        before any update of the step (the old policy's; AWM's EMA anchor)."""
         raise NotImplementedError
 
     def point_loss(self, v, x_t, x0, noise, sigma, old, advantages):
+        """(loss, metrics) at one training point of `rows`; `old` holds old_pass's tensors at [rows, k]."""
         raise NotImplementedError
 
 
@@ -221,12 +229,14 @@ class DiffusionNFT(ForwardProcessAlgorithm):
     def old_pass(self, model, traj, points):
         """v_old [B, K, *latent]: the EMA policy's velocity at every training point."""
         with self.ema.swapped_in():
-            return _velocities(model, traj, points, forward_rows(len(traj), self.cfg))
+            return {"v_old": _velocities(model, traj, points, forward_rows(len(traj), self.cfg))}
 
     def point_loss(self, v, x_t, x0, noise, sigma, old, advantages):
         g = self.cfg.grpo
         r = nft.optimality_prob(advantages, adv_clip=g.adv_clip_max)
-        return nft.nft_loss(v, old, x_t, x0, sigma, r, beta=self.cfg.algo.nft_beta, scale=g.adv_clip_max)
+        return nft.nft_loss(
+            v, old["v_old"], x_t, x0, sigma, r, beta=self.cfg.algo.nft_beta, scale=g.adv_clip_max
+        )
 
     def after_update(self, step: int) -> dict[str, float]:
         g = self.cfg.grpo
@@ -238,26 +248,60 @@ class DiffusionNFT(ForwardProcessAlgorithm):
 
 class AWM(ForwardProcessAlgorithm):
     """Advantage Weighted Matching: PPO's clipped surrogate on a flow-matching log-weight of fresh
-    forward-process points, one set of grid times for the batch."""
+    forward-process points, one set of grid times for the batch, plus the KL to an EMA of the policy.
+
+    The EMA term is the reference's trust region (its ema_beta): the surrogate alone lets a sample with a
+    negative advantage raise its flow-matching error without bound (the ratio is clipped only above 1 + eps =
+    2), and on the text renderer that unlearning ended in blank images (RESULTS.md, stability)."""
 
     shared_steps = True
+
+    def __init__(self, cfg: TrainConfig, params: list[torch.nn.Parameter]):
+        super().__init__(cfg, params)
+        a = cfg.algo
+        self.ema = (
+            EmaWeights(params, rate=a.kl_ema_rate, max_decay=a.kl_ema_max_decay, delay=0)
+            if a.ema_kl_coef > 0
+            else None
+        )
 
     @torch.no_grad()
     def old_pass(self, model, traj, points):
         """Old log-weights [B, K] under the pre-update weights, in the rollout's micro-batches (the training
-        forwards' rows): the first mini-batch's ratio is exactly 1."""
+        forwards' rows): the first mini-batch's ratio is exactly 1; and the EMA policy's velocities
+        [B, K, *latent] at the same points when its KL is on."""
         out = torch.empty(len(traj), points.k, device=points.x0.device)
+        rows_per_forward = forward_rows(len(traj), self.cfg)
         for k in range(points.k):
-            for rows in micro_batches(len(traj), forward_rows(len(traj), self.cfg)):
+            for rows in micro_batches(len(traj), rows_per_forward):
                 x_t, x0, noise, sigma = points.at(rows, k)
                 v = model.velocity(x_t, sigma, cond_index(traj.cond, rows), guidance_scale=1.0)
                 out[rows, k] = awm.awm_log_weight(v, x0, noise, sigma, p=self.cfg.algo.awm_p)
-        return out
+        if self.ema is None:
+            return {"log_weight": out}
+        with self.ema.swapped_in():
+            return {"log_weight": out, "v_ema": _velocities(model, traj, points, rows_per_forward)}
 
     def point_loss(self, v, x_t, x0, noise, sigma, old, advantages):
         g = self.cfg.grpo
         log_weight = awm.awm_log_weight(v, x0, noise, sigma, p=self.cfg.algo.awm_p)
-        return awm.awm_loss(log_weight, old, advantages, adv_clip=g.adv_clip_max, clip_range=g.clip_range)
+        loss, metrics = awm.awm_loss(
+            log_weight, old["log_weight"], advantages, adv_clip=g.adv_clip_max, clip_range=g.clip_range
+        )
+        if self.ema is not None:
+            ema_kl = grpo.velocity_kl(v, old["v_ema"]).mean()
+            loss = loss + self.cfg.algo.ema_kl_coef * ema_kl
+            metrics["ema_kl"] = ema_kl.detach()
+        return loss, metrics
+
+    def after_update(self, step: int) -> dict[str, float]:
+        if self.ema is None:
+            return {}
+        g = self.cfg.grpo
+        return {"ema_decay": self.ema.update((step + 1) * g.inner_epochs * g.optimizer_steps_per_step)}
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return self.ema.state() if self.ema is not None else {}
 
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
@@ -498,7 +542,7 @@ def forward_process_update(
     points = draw_points(
         traj, K, (a.train_steps_lo, a.train_steps_hi or s.num_steps), generator, shared=algo.shared_steps
     )
-    old = algo.old_pass(model, traj, points)  # [B, K, ...]
+    old = algo.old_pass(model, traj, points)  # each [B, K, ...]
     mb = g.train_micro_batch or s.micro_batch
     stats: Stats = defaultdict(list)
     for _epoch in range(g.inner_epochs):
@@ -510,11 +554,12 @@ def forward_process_update(
                     x_t, x0, eps, sigma = points.at(rows, k)
                     cond = cond_index(traj.cond, rows)
                     v = model.velocity(x_t, sigma, cond, guidance_scale=1.0).float()
-                    loss, metrics = algo.point_loss(v, x_t, x0, eps, sigma, old[rows, k], advantages[rows])
-                    if g.kl_coef > 0:  # the references' KL to the frozen model: mean((v - v_ref)^2)
+                    at = {name: t[rows, k] for name, t in old.items()}
+                    loss, metrics = algo.point_loss(v, x_t, x0, eps, sigma, at, advantages[rows])
+                    if g.kl_coef > 0:  # the references' KL to the frozen model
                         with torch.no_grad(), adapters_disabled(model.transformer):
                             v_ref = model.velocity(x_t, sigma, cond, guidance_scale=1.0).float()
-                        kl = ((v - v_ref) ** 2).mean()
+                        kl = grpo.velocity_kl(v, v_ref).mean()
                         loss = loss + g.kl_coef * kl
                         stats["kl"].append(kl.item())
                     (loss * (len(rows) * 1.0 / n_points)).backward()

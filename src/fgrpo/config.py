@@ -120,6 +120,9 @@ class AlgoConfig:
     """mixgrpo: training steps the shared SDE window stays at one position."""
     window_stride: int = 1
     """mixgrpo: steps the window moves each time (0 keeps it at sampling.window_range's start)."""
+    window_roll_back: bool = True
+    """mixgrpo: after its last position in sampling.window_range the window restarts at the range's start (the
+    reference scripts' --roll_back); False keeps it at the end."""
     train_steps: int = 2
     """nft/awm: K forward-process points per sample and step, one per stratum of the grid steps."""
     train_steps_lo: int = 0
@@ -138,6 +141,13 @@ class AlgoConfig:
     """nft: optimizer steps during which the old policy is a plain copy (decay 0)."""
     awm_p: float = 0.25
     """awm: power of the generalised-Huber log-weight (core.awm.awm_log_weight)."""
+    ema_kl_coef: float = 1.0
+    """awm: weight of the KL to an EMA of the trained policy, mean((v - v_ema)^2) at every training point
+    (the reference's ema_beta: its trust region; 0 turns the EMA and its extra forward off)."""
+    kl_ema_rate: float = 0.001
+    """awm: ramp per optimizer step of that EMA's decay (core.ema.ema_decay, no delay; the reference's 'linear')."""
+    kl_ema_max_decay: float = 0.3
+    """awm: ceiling of that EMA's decay (the reference's kl_ema_decay)."""
 
 
 @dataclass(frozen=True)
@@ -433,6 +443,9 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
             (0 <= a.ema_max_decay <= 1, "algo.ema_max_decay", a.ema_max_decay),
             (a.ema_rate >= 0, "algo.ema_rate", a.ema_rate),
             (a.ema_delay >= 0, "algo.ema_delay", a.ema_delay),
+            (a.ema_kl_coef >= 0, "algo.ema_kl_coef", a.ema_kl_coef),
+            (0 <= a.kl_ema_max_decay <= 1, "algo.kl_ema_max_decay", a.kl_ema_max_decay),
+            (a.kl_ema_rate >= 0, "algo.kl_ema_rate", a.kl_ema_rate),
         ):
             if not ok:
                 raise ValueError(f"{name}={value} is out of range; see --help for its meaning")
@@ -534,6 +547,11 @@ def _validate_window(cfg: TrainConfig) -> None:
         raise ValueError(
             f"sampling.window_range={s.window_range} with window_size={s.window_size} must satisfy "
             f"0 <= lo, lo + window_size <= hi <= num_steps={s.num_steps}"
+        )
+    if a.name == "mixgrpo" and lo + s.window_size > min(hi, s.num_steps - 1):
+        raise ValueError(
+            f"algo.name='mixgrpo' slides its window before the last step: sampling.window_range={s.window_range} "
+            f"with window_size={s.window_size} needs lo + window_size <= num_steps - 1 = {s.num_steps - 1}"
         )
 
 

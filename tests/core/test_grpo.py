@@ -245,3 +245,19 @@ def test_flow_grpo_kl_omits_the_sqrt_dt_factor():
     torch.testing.assert_close(got, expected)
     with pytest.raises(ValueError, match="step_size"):
         grpo.gaussian_kl(mean, ref_mean, std, kind="flow_grpo")
+
+
+def test_velocity_kl_by_hand():
+    """Rows [1, 2] - [0, 0] and [1, 1] - [1, 3]: means of squares (1 + 4) / 2 = 2.5 and (0 + 4) / 2 = 2."""
+    from fgrpo.core.grpo import velocity_kl
+
+    v = torch.tensor([[1.0, 2.0], [1.0, 1.0]], requires_grad=True)
+    v_ref = torch.tensor([[0.0, 0.0], [1.0, 3.0]], requires_grad=True)
+    kl = velocity_kl(v, v_ref)
+    assert kl.tolist() == [2.5, 2.0]
+    kl.sum().backward()
+    # d/dv mean((v - r)^2) = 2 (v - r) / n, n = 2; nothing flows into the reference
+    assert v.grad is not None and v.grad.tolist() == [[1.0, 2.0], [0.0, -2.0]]
+    assert v_ref.grad is None
+    with pytest.raises(ValueError, match="one \\[B, ...\\] shape"):
+        velocity_kl(v, v_ref[:1])

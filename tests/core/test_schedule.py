@@ -272,3 +272,20 @@ def test_sigmas_at_fractional_positions_follow_the_shifted_time_in_fp64():
     sigma_min = s * 1e-3 / (1 + (s - 1) * 1e-3)
     t = 1 + u * (sigma_min - 1) / (n - 1)
     torch.testing.assert_close(_sd3_at(n)(u).double(), s * t / (1 + (s - 1) * t), rtol=0, atol=1e-6)
+
+
+def test_sliding_window_range_end_and_roll_back_by_hand():
+    """N = 10, W = 2 in [0, 5), one step per position: starts 0, 1, 2, 3 (3 = 5 - W, the last that fits), then
+    roll_back restarts at 0 where the plain window stays at 3; stride 2 from lo 1 in [1, 8): starts 1, 3, 5, 1."""
+    kw = {"num_steps": 10, "window_size": 2, "iters_per_window": 1, "hi": 5}
+    rolled = [schedule.sliding_window(k, roll_back=True, **kw)[0] for k in range(10)]
+    assert rolled == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+    assert [schedule.sliding_window(k, **kw)[0] for k in range(6)] == [0, 1, 2, 3, 3, 3]
+    kw2 = {"num_steps": 10, "window_size": 2, "iters_per_window": 3, "stride": 2, "lo": 1, "hi": 8}
+    assert [schedule.sliding_window(k, roll_back=True, **kw2)[0] for k in range(0, 12, 3)] == [1, 3, 5, 1]
+    # stride 0 never moves, rolled back or not; a range ending past N - 1 is refused
+    assert schedule.sliding_window(50, roll_back=True, **(kw | {"stride": 0})) == [0, 1]
+    with pytest.raises(ValueError, match="hi=10 must be <= num_steps - 1"):
+        schedule.sliding_window(0, num_steps=10, window_size=2, iters_per_window=1, hi=10)
+    with pytest.raises(ValueError, match="does not fit"):
+        schedule.sliding_window(0, num_steps=10, window_size=3, iters_per_window=1, lo=3, hi=5)

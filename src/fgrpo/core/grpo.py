@@ -201,3 +201,25 @@ def gaussian_kl(
             raise ValueError("kind='flow_grpo' needs step_size=sigma - sigma_next ([B])")
         kl = kl * step_size.float()
     return kl
+
+
+def velocity_kl(v: torch.Tensor, v_ref: torch.Tensor) -> torch.Tensor:
+    """The forward-process algorithms' KL surrogate between two velocity fields at the same point x_t.
+
+    kl = mean over latent elements of (v - v_ref)^2.
+    DiffusionNFT's and AWM's references use it both for the KL to the frozen model (their train.beta) and
+    AWM's KL to its EMA policy (ema_beta, 'Uniform' weighting): the one-step Euler transitions of two
+    policies from x_t differ in mean by dt (v - v_ref), so their Gaussian KL is this times a per-t factor
+    dt^2 / (2 std^2), which the 'Uniform' weighting drops.
+
+    Args:
+        v: [B, ...] velocity of the trained policy (differentiable).
+        v_ref: [B, ...] the other policy's velocity at the same x_t and t (no gradient flows into it).
+
+    Returns:
+        [B] fp32, >= 0.
+    """
+    if v.shape != v_ref.shape or v.ndim < 2:
+        raise ValueError(f"v {tuple(v.shape)} and v_ref {tuple(v_ref.shape)} must share one [B, ...] shape")
+    diff = v.float() - v_ref.float().detach()
+    return (diff**2).mean(dim=tuple(range(1, diff.ndim)))

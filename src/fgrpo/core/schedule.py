@@ -316,13 +316,18 @@ def sliding_window(
     iters_per_window: int,
     stride: int = 1,
     lo: int = 0,
+    hi: int | None = None,
+    roll_back: bool = False,
 ) -> list[int]:
     """MixGRPO's progressive SDE window at training step `step`: the same W consecutive steps for every sample.
 
-    start = min(lo + stride * (step // iters_per_window), num_steps - 1 - W),  window = [start, ..., start + W - 1],
-    so the window starts at `lo`, moves by `stride` steps every `iters_per_window` training steps and then stays
-    at the last position that still holds W steps inside [lo, num_steps - 1). The last sampling step
-    (sigma_{N-1} -> 0) is never in the window. stride = 0 keeps the window at `lo` (MixGRPO-Flash*).
+    The window holds W steps inside [lo, hi) (hi <= N - 1: the last sampling step sigma_{N-1} -> 0 is never in
+    it). It starts at `lo` and moves by `stride` steps every `iters_per_window` training steps; p = step //
+    iters_per_window is the move count and last = hi - W the last start that fits:
+        roll_back=False: start = min(lo + stride * p, last)       (then it stays at the end)
+        roll_back=True:  start = lo + stride * (p mod n),  n = (last - lo) // stride + 1 positions
+                         (it restarts at lo after its last position: the reference scripts' --roll_back)
+    window = [start, ..., start + W - 1]. stride = 0 keeps the window at `lo` (MixGRPO-Flash*).
 
     Args:
         step: training step, >= 0.
@@ -331,6 +336,8 @@ def sliding_window(
         iters_per_window: training steps spent at each window position (MixGRPO's iters_per_group), >= 1.
         stride: steps the window moves at each shift (MixGRPO's prog_overlap_step), >= 0.
         lo: first step the window may hold, >= 0.
+        hi: end (exclusive) of the steps it may hold; None = N - 1.
+        roll_back: restart at lo after the last position instead of staying there.
 
     Returns:
         list[int] of W increasing step indices (one window for the whole batch; for sample_windows' [B, W]
@@ -338,7 +345,8 @@ def sliding_window(
 
     Differs from the reference code (MixGRPO's GRPOTrainingStates with prog_overlap): there the window is
     range(start, min(start + W, N - 2)), so it shrinks near the end and is empty at start = N - 2 (roll_back
-    then restarts it at 0); here it keeps W steps, and the range ends at N - 1, not N - 2.
+    then restarts it at 0); here it keeps W steps, its range ends at hi <= N - 1, not N - 2, and rolled back it
+    takes only the starts lo + k * stride.
     """
     for name, value, least in (
         ("step", step, 0),
@@ -350,11 +358,19 @@ def sliding_window(
         if not isinstance(value, int) or value < least:
             raise ValueError(f"sliding_window: {name} must be an int >= {least}, got {value!r}")
     _check_steps(num_steps)
-    hi = num_steps - 1
-    if lo + window_size > hi:
+    top = num_steps - 1 if hi is None else hi
+    if not top <= num_steps - 1:
         raise ValueError(
-            f"sliding_window: a window of {window_size} steps from lo={lo} does not fit before the last step "
-            f"of num_steps={num_steps}; lower window_size or lo, or raise num_steps"
+            f"sliding_window: hi={hi} must be <= num_steps - 1 = {num_steps - 1} (the last step is never in the window)"
         )
-    start = min(lo + stride * (step // iters_per_window), hi - window_size)
+    if lo + window_size > top:
+        raise ValueError(
+            f"sliding_window: a window of {window_size} steps from lo={lo} does not fit in [lo, {top}) of "
+            f"num_steps={num_steps}; lower window_size or lo, or raise num_steps or the range's end"
+        )
+    last, moves = top - window_size, step // iters_per_window
+    if roll_back and stride > 0:
+        start = lo + stride * (moves % ((last - lo) // stride + 1))
+    else:
+        start = min(lo + stride * moves, last)
     return list(range(start, start + window_size))
