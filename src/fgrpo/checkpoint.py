@@ -635,7 +635,13 @@ def lora_state_dict(model: nn.Module, *, adapter_name: str = "default") -> dict[
     return out
 
 
-def export_lora(out_dir: str | os.PathLike, model: nn.Module, *, adapter_name: str = "default") -> Path:
+def export_lora(
+    out_dir: str | os.PathLike,
+    model: nn.Module,
+    *,
+    adapter_name: str = "default",
+    group: dist.ProcessGroup | None = None,
+) -> Path:
     """Write a LoRA adapter that diffusers loads: `pipe.load_lora_weights(out_dir)` (Qwen-Image, SD3)
     and `transformer.load_lora_adapter(out_dir, use_safetensors=True)` (diffusers 0.40's model-level
     loader only tries safetensors when told so, or given `weight_name="adapter_model.safetensors"`).
@@ -647,7 +653,8 @@ def export_lora(out_dir: str | os.PathLike, model: nn.Module, *, adapter_name: s
     survive exactly. `adapter_config.json` is PEFT's plain config, for people and tools (and the
     vLLM-Omni engine's `update_lora`); diffusers reads the header. Keys are not PEFT's `base_model.model.`
     layout, so `PeftModel.from_pretrained` needs `load_lora_adapter` instead.
-    Atomic like `save`; collective when torch.distributed is initialised.
+    Atomic like `save`; collective when torch.distributed is initialised: over `group` (the ranks that hold the
+    model's shards; None = all ranks), whose first rank must be rank 0.
     """
     from diffusers.loaders.lora_pipeline import QwenImageLoraLoaderMixin
 
@@ -667,7 +674,7 @@ def export_lora(out_dir: str | os.PathLike, model: nn.Module, *, adapter_name: s
             )
             _fsync_file(tmp / ADAPTER_WEIGHTS)
             _write_json(tmp / ADAPTER_CONFIG, cfg_dict)
-    barrier()
+    barrier(group)
     return out
 
 

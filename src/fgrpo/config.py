@@ -243,6 +243,11 @@ class RunConfig:
     overwrite: bool = False
     """Start a fresh run in a directory that already holds one: the old run is moved aside to
     `<exp_name>.old-<time>` (never deleted). Without it a fresh run refuses a used directory."""
+    collapse_drop: float = 0.15
+    """Stop the run (exit code 3) once `collapse_patience` validations in a row score more than this below the best
+    validation so far (absolute, in val/reward_mean's units); `lora_best/` holds the best one's adapter. 0 = off."""
+    collapse_patience: int = 2
+    """Validations in a row below the best minus collapse_drop that stop the run."""
     max_bad_steps: int = 3
     """Stop with an error after this many consecutive training steps whose every optimizer step was skipped
     (non-finite gradients): such a run trains nothing."""
@@ -403,6 +408,8 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
         (r.ckpt_every >= 0, "run.ckpt_every", r.ckpt_every, ">= 0 (0 = only at the end)"),
         (r.log_images_every >= 0, "run.log_images_every", r.log_images_every, ">= 0 (0 = never)"),
         (r.max_bad_steps >= 1, "run.max_bad_steps", r.max_bad_steps, ">= 1"),
+        (r.collapse_drop >= 0, "run.collapse_drop", r.collapse_drop, ">= 0 (0 = off)"),
+        (r.collapse_patience >= 1, "run.collapse_patience", r.collapse_patience, ">= 1"),
     ]
     for ok, name, value, want in ranges:
         if not ok:

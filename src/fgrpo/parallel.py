@@ -50,10 +50,10 @@ def world_size() -> int:
     return dist.get_world_size() if initialized() else int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def barrier() -> None:
-    """Wait for every rank (no-op without a process group)."""
+def barrier(group: dist.ProcessGroup | None = None) -> None:
+    """Wait for every rank of `group` (None = all ranks; no-op without a process group)."""
     if initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def init_distributed(device: str = "auto") -> Dist:

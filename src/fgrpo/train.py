@@ -43,13 +43,14 @@ from pathlib import Path
 
 import torch
 
-from fgrpo import algorithms, async_mode, checkpoint, parallel
+from fgrpo import algorithms, async_mode, checkpoint, guard, parallel
 from fgrpo import logging as flog
 from fgrpo.async_mode import Batch
 from fgrpo.config import ModelConfig, TrainConfig, validate_config
 from fgrpo.core import grpo
 from fgrpo.core.schedule import lr_multiplier
 from fgrpo.data import load_prompts, step_prompt_indices
+from fgrpo.errors import RunCollapsed
 from fgrpo.models.base import FlowModel
 from fgrpo.models.loading import build_model, setup_trainable
 from fgrpo.rewards import build_reward
@@ -174,6 +175,21 @@ def _train(
     if d.is_main and start_step < cfg.num_steps:
         run.drop_metrics_from(start_step)
     logger = flog.make_logger(cfg, run.path, enabled=d.is_main, experiment_source=experiment_source)
+    # The collapse guard (fgrpo.guard) resumes from the validation rows the run keeps (read on every rank, by
+    # step: rank 0 may still be dropping the redone ones).
+    kept = [
+        r
+        for r in flog.read_metrics(run.path / "metrics.jsonl")
+        if r["step"] < start_step or start_step >= cfg.num_steps
+    ]
+    tracker = guard.BestTracker.replay(kept, drop=cfg.run.collapse_drop, patience=cfg.run.collapse_patience)
+    best_record = guard.read_best_record(run.path)
+    if best_record is not None and best_record.get("step") != tracker.best_step:
+        flog.print0(
+            f"note: {guard.BEST_DIR}/ holds the adapter of step {best_record.get('step')}, a validation after the "
+            f"checkpoint; the kept best is step {tracker.best_step}, and the next better validation replaces it"
+        )
+    trainer_group = split.group if split.is_async else None  # the ranks that hold the trained weights
 
     G, P = cfg.grpo.group_size, cfg.grpo.prompts_per_step
     n_local = P * G // split.data_size()
@@ -187,9 +203,29 @@ def _train(
         if not (cfg.run.val_every and step % cfg.run.val_every == 0):
             return {}
         with timer("val"):
-            return validate(
-                engine, val_reward, val_reward_name, val_prompts, cfg, logger, step, d.device, split
+            return guarded(
+                step,
+                validate(
+                    engine, val_reward, val_reward_name, val_prompts, cfg, logger, step, d.device, split
+                ),
             )
+
+    def guarded(step: int, val: dict[str, float]) -> dict[str, float]:
+        """The collapse guard after a validation: a new best's adapter to lora_best/, and the stop (the row logged
+        first) once run.collapse_patience validations in a row fall run.collapse_drop below the best."""
+        score = val["val/reward_mean"]
+        if tracker.observe(step, score) and cfg.model.lora:
+            checkpoint.export_lora(run.path / guard.BEST_DIR, model.transformer, group=trainer_group)
+            if d.is_main:
+                guard.write_best_record(run.path, step, score)
+        val = val | tracker.metrics()
+        if tracker.collapsed():
+            logger.log(val, step=step)
+            logger.finish()
+            bar.close()
+            run.unlock()
+            raise RunCollapsed(guard.collapse_message(tracker, step, score, run.path, lora=cfg.model.lora))
+        return val
 
     def experience(step: int, timer: flog.PhaseTimer) -> Batch:
         """1.-3. of the step: prompts and seeds, rollout, rewards -> group advantages."""
@@ -309,6 +345,7 @@ def _train(
         final = validate(
             engine, val_reward, val_reward_name, val_prompts, cfg, logger, cfg.num_steps, d.device, split
         )
+        final = guarded(cfg.num_steps, final)  # a collapsed run stops here, before `lora/` is exported
         logger.log(final, step=cfg.num_steps)
         metrics.update(final)
         flog.print0(f"final validation: {final}")
@@ -344,14 +381,27 @@ def validate(
         validation_sampling(cfg.sampling, cfg.run.val_num_steps),
         device,
     )
-    out = reward(traj.images.cpu().numpy(), local_prompts)
+    images = traj.images.cpu().numpy()
+    out = reward(images, local_prompts)
     check_scores(out, local_prompts, reward_name)
-    scores = parallel.all_gather_cat(
-        torch.as_tensor(out.scores, dtype=torch.float32, device=traj.images.device), split.data_group()
+    # per image: the score, then the gold statistics (fgrpo.guard), gathered in one collective
+    no_text = guard.no_text_flags(out.components, len(local_prompts))
+    rows = torch.cat(
+        [
+            torch.as_tensor(out.scores, dtype=torch.float32)[:, None],
+            guard.image_stats(images),
+            torch.as_tensor(no_text)[:, None],
+        ],
+        dim=1,
     )
-    scores = scores[: len(prompts)]
-    logger.log_images("val", traj.images[:16].cpu().numpy(), local_prompts[:16], step=step)
+    rows = parallel.all_gather_cat(rows.to(traj.images.device), split.data_group())[: len(prompts)].cpu()
+    scores = rows[:, 0]
+    logger.log_images("val", images[:16], local_prompts[:16], step=step)
+    gold = dict(zip(guard.GOLD_KEYS, rows[:, 1:5].mean(dim=0).tolist()))
+    if not torch.isnan(rows[:, 5]).any():
+        gold["no_text_frac"] = rows[:, 5].mean().item()
     return {
         "val/reward_mean": scores.mean().item(),
         "val/reward_exact_frac": is_exact(scores).float().mean().item(),
+        **{f"val/gold/{k}": v for k, v in gold.items()},
     }

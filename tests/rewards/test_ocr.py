@@ -116,6 +116,8 @@ def test_ocr_reward_scores_each_image_against_its_prompt():
     np.testing.assert_allclose(out.scores, [1.0, 5 / 6, 0.0], rtol=1e-6)
     assert out.scores.dtype == np.float32
     assert out.metrics["ocr/exact"] == pytest.approx(1 / 3)
+    # the collapse guard's gold statistic: which images the reader found no text in
+    assert out.components["no_text"].tolist() == [0.0, 0.0, 1.0]
 
 
 def test_ocr_reward_fails_on_bad_prompt_before_running_ocr():

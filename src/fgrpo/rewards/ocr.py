@@ -335,7 +335,8 @@ class OcrReward:
     """Reward = ocr_score(engine's text, quoted target of the prompt), per image.
 
     Targets are extracted before the engine runs, so a prompt without quotes fails before any OCR work.
-    Metrics: `ocr/exact` fraction of exact reads (`is_exact`), `ocr/time_per_image_s`.
+    Metrics: `ocr/exact` fraction of exact reads (`is_exact`), `ocr/time_per_image_s`. Component `no_text`: 1.0
+    for each image in which the engine read nothing.
     """
 
     def __init__(self, engine: OcrEngine | None = None):
@@ -361,4 +362,6 @@ class OcrReward:
             "ocr/exact": float(np.mean(is_exact(scores))) if len(scores) else 0.0,
             "ocr/time_per_image_s": dt / max(len(images), 1),
         }
-        return RewardOutput(scores=scores, metrics=metrics)
+        # which images the reader found no text in at all: a gold statistic of the collapse guard (fgrpo.guard)
+        no_text = np.array([not t.strip() for t in texts], dtype=np.float32)
+        return RewardOutput(scores=scores, components={"no_text": no_text}, metrics=metrics)
