@@ -1,10 +1,13 @@
 """HTTP reward service and its client, on loopback only: a round trip equals the local reward; faults
 (service killed mid-batch, slower than the timeout, malformed reply, HTTP 500) are retried a bounded
-number of times and then raise a clear error; a restarted service is picked up again."""
+number of times and then raise a clear error; a restarted service is picked up again. Limits, /health during
+a request, the token and start-up errors: the CLI runs up to binding with web.run_app replaced, so nothing
+is ever bound beyond loopback."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -24,7 +27,7 @@ from fgrpo.rewards.base import RewardOutput
 from fgrpo.rewards.multi import Member, MultiReward
 from fgrpo.rewards.ocr import OcrReward
 from fgrpo.rewards.serve import make_app
-from fgrpo.rewards.transport import NonRetryableError, output_to_json
+from fgrpo.rewards.transport import TOKEN_ENV, NonRetryableError, output_to_json
 
 from .helpers import serve_in_thread
 from .slow_reward import SlowMeanPixel, mean_pixel
@@ -312,3 +315,213 @@ def test_limits_must_be_positive():
 
     with pytest.raises(ValueError, match="--max-images"):
         main(["--reward", "jpeg_compressibility", "--port", "9", "--max-images", "0"])
+
+
+# ------------------------------------------------------------------------------- availability
+
+
+def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict]:
+    req = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _health_wait_s(url: str) -> float:
+    t0 = time.perf_counter()
+    status, _ = _get(url + "/health")
+    assert status == 200
+    return time.perf_counter() - t0
+
+
+def _post_in_thread(url: str, body: bytes) -> tuple[threading.Thread, dict]:
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.update(reply=_post(url, body)))
+    thread.start()
+    return thread, box
+
+
+def test_health_answers_within_a_second_while_a_body_is_decoded(monkeypatch):
+    from fgrpo.rewards import transport
+
+    decoding = threading.Event()
+    real_decode = transport.decode_image
+
+    def slow_decode(data, max_pixels=None):  # 3 images: 1.8 s of decoding in all
+        decoding.set()
+        time.sleep(0.6)
+        return real_decode(data, max_pixels)
+
+    monkeypatch.setattr(transport, "decode_image", slow_decode)
+    body = json.dumps({"images": [_png_b64((8, 8), "RGB")] * 3, "prompts": ["p"] * 3}).encode()
+    with serve_in_thread(make_app(SlowMeanPixel(0.0))) as url:
+        thread, box = _post_in_thread(url, body)
+        assert decoding.wait(5)
+        waits = [_health_wait_s(url) for _ in range(3)]
+        thread.join(10)
+    assert box["reply"][0] == 200
+    assert max(waits) < 1.0, waits
+
+
+def test_a_body_of_too_many_values_is_refused_before_parsing():
+    # 0 images and 2.5 M prompts in 7.5 MB: json.loads alone would hold the GIL for a good part of a second.
+    many = b'{"images": [], "prompts": [' + b",".join([b'""'] * 2_500_000) + b"]}"
+    with serve_in_thread(make_app(SlowMeanPixel(0.0), max_images=4, max_request_bytes=8 << 20)) as url:
+        thread, box = _post_in_thread(url, many)
+        waits = [_health_wait_s(url) for _ in range(3)]
+        thread.join(10)
+        # Commas and brackets inside strings are no values: a long prompt full of them is fine.
+        prompt = '"a", [1, {"b": 2}], ' * 2_000
+        status, _ = _post(
+            url, json.dumps({"images": [_png_b64((8, 8), "RGB")], "prompts": [prompt]}).encode()
+        )
+        assert status == 200
+    status, body = box["reply"]
+    assert status == 413, body
+    assert "over 5,120 JSON values" in body["error"] and "--max-images 4" in body["error"]
+    assert max(waits) < 1.0, waits
+
+
+def test_count_json_values_skips_strings_and_stops_past_the_limit():
+    from fgrpo.rewards.transport import count_json_values
+
+    data = b'{"a": [1, 2, {"b": "x,y[{\\"]"}]}'  # values: a, 1, 2, {...}, b
+    assert count_json_values(data, 100) == 8  # under the limit: every comma and bracket, in strings too
+    assert count_json_values(data, 5) == 5  # over it: the exact count, strings skipped
+    assert count_json_values(b"[" + b",".join([b"1"] * 1000) + b"]", 10) == 11  # stops at limit + 1
+
+
+def test_the_body_cap_is_64_mib_by_default():
+    with serve_in_thread(make_app(SlowMeanPixel(0.0))) as url:
+        limits = client(url).health()
+    assert limits["max_request_bytes"] == 64 << 20
+
+
+# ------------------------------------------------------------------------------- access
+
+
+@pytest.fixture
+def no_binding(monkeypatch):
+    """web.run_app replaced by a recorder of its arguments: the CLI runs up to binding and binds nothing."""
+    calls: list[tuple[web.Application, dict]] = []
+    monkeypatch.setattr(web, "run_app", lambda app, **kw: calls.append((app, kw)))
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    return calls
+
+
+def _exit_line(argv: list[str], capsys) -> str:
+    from fgrpo.rewards.serve import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: "), err  # one line, no traceback
+    return err
+
+
+def test_serving_beyond_loopback_without_a_token_is_refused_before_binding(no_binding, capsys):
+    err = _exit_line(["--reward", "jpeg_compressibility", "--host", "0.0.0.0", "--port", "9"], capsys)
+    assert "--host 0.0.0.0" in err and "--token-file" in err and TOKEN_ENV in err
+    assert no_binding == []
+
+
+def test_the_token_from_a_file_or_the_environment_is_enforced(no_binding, capsys, tmp_path, monkeypatch):
+    from fgrpo.rewards.serve import cli
+
+    (tmp_path / "token").write_text("file-token\n")
+    argv = ["--reward", "jpeg_compressibility", "--port", "9", "--max-request-mb", "8"]
+    cli([*argv, "--host", "0.0.0.0", "--token-file", str(tmp_path / "token")])
+    monkeypatch.setenv(TOKEN_ENV, "env-token")
+    cli(argv)  # loopback, with a token in the environment: enforced too
+    (from_file, kw), (from_env, _) = no_binding
+    assert kw["host"] == "0.0.0.0"
+    for app, token in ((from_file, "file-token"), (from_env, "env-token")):
+        with serve_in_thread(app) as url:  # on loopback here: only the app's token check is under test
+            assert _get(url + "/health")[0] == 401
+            assert _get(url + "/health", {"Authorization": "Bearer env-token file-token"})[0] == 401
+            status, limits = _get(url + "/health", {"Authorization": f"Bearer {token}"})
+        assert status == 200 and limits["max_request_bytes"] == 8 << 20
+    err = _exit_line([*argv, "--token-file", str(tmp_path / "missing")], capsys)
+    assert f"--token-file {tmp_path / 'missing'}" in err
+
+
+def test_a_token_is_required_on_every_route_and_clients_send_it_from_the_environment(monkeypatch):
+    from fgrpo.errors import FgrpoError
+    from fgrpo.rewards.factory import build_reward
+    from fgrpo.rewards.transport import Unauthorized
+
+    app = make_app(SlowMeanPixel(0.0), token="s3cret")
+    attempts = {"score": 0}
+
+    @web.middleware
+    async def count_score(request, handler):
+        attempts["score"] += request.path == "/score"
+        return await handler(request)
+
+    app.middlewares.insert(0, count_score)  # outside the token check: it sees the refused requests too
+    body = json.dumps({"images": [_png_b64((8, 8), "RGB")], "prompts": ["p"]}).encode()
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    with serve_in_thread(app) as url:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            assert _get(url + "/health", headers)[0] == 401
+            req = urllib.request.Request(url + "/score", data=body, headers=headers)
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=10)
+            assert e.value.code == 401
+            assert "Authorization: Bearer" in json.loads(e.value.read())["error"]
+        attempts["score"] = 0
+        with pytest.raises(Unauthorized, match=f"/health answered HTTP 401.*{TOKEN_ENV} is not set") as e:
+            client(url).health()
+        assert isinstance(e.value, FgrpoError)  # printed as one line by an experiment's entry
+        with pytest.raises(Unauthorized, match=f"/score answered HTTP 401.*{TOKEN_ENV} is not set"):
+            client(url, batch_size=7)(IMAGES, PROMPTS)
+        assert attempts["score"] == 1  # not retried
+        monkeypatch.setenv(TOKEN_ENV, "wrong")
+        with pytest.raises(Unauthorized, match=f"refused the token in {TOKEN_ENV}"):
+            client(url)(IMAGES, PROMPTS)
+        monkeypatch.setenv(TOKEN_ENV, "s3cret")
+        out = client(url)(IMAGES, PROMPTS)
+        served = build_reward({"name": "http", "url": url})  # as the training loop builds --reward.url
+        assert isinstance(served, HttpReward) and served.health()["images"] == 7
+    np.testing.assert_allclose(out.scores, mean_pixel(IMAGES), rtol=1e-6)
+
+
+def test_loopback_is_told_from_other_hosts():
+    from fgrpo.rewards.serve import is_loopback
+
+    assert all(map(is_loopback, ["127.0.0.1", "127.0.0.2", "::1", "localhost"]))
+    assert not any(map(is_loopback, ["0.0.0.0", "::", "", "10.0.0.1", "example.org"]))
+
+
+# ------------------------------------------------------------------------------- errors in one line
+
+
+def test_a_port_in_use_is_one_line_naming_the_port_and_the_flag(capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        err = _exit_line(["--reward", "jpeg_compressibility", "--port", str(port)], capsys)
+    assert f"port {port} is already in use" in err and "--port" in err
+
+
+def test_a_client_that_disconnects_mid_upload_is_one_log_line(caplog):
+    caplog.set_level(logging.INFO)
+    with serve_in_thread(make_app(SlowMeanPixel(0.0))) as url:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(
+                b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 100000\r\n\r\n{"images": ["' + b"A" * 1000
+            )
+            time.sleep(0.2)  # the handler is reading the body when the connection closes
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not caplog.records:
+            time.sleep(0.02)
+        time.sleep(0.2)  # a traceback would be logged by now as well
+    records = [r for r in caplog.records if r.name.startswith(("aiohttp", "fgrpo"))]
+    assert len(records) == 1, [r.getMessage() for r in records]
+    assert records[0].exc_info is None and "disconnected during its /score upload" in records[0].getMessage()

@@ -3,13 +3,15 @@
 The batch is split into requests of `batch_size` images, sent with at most `max_concurrency` in flight.
 Each request has a timeout and bounded retries with exponential backoff (transport.post_json); when a
 request still fails the whole call raises RewardServiceError — a score is never made up. Every call
-opens fresh connections, so a restarted service is picked up by the next call.
+opens fresh connections, so a restarted service is picked up by the next call. When the environment variable
+FGRPO_REWARD_TOKEN is set, every request carries `Authorization: Bearer <its value>`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -19,12 +21,14 @@ import numpy as np
 
 from fgrpo.rewards.base import RewardOutput, check_inputs, concat_outputs
 from fgrpo.rewards.transport import (
+    TOKEN_ENV,
     NonRetryableError,
     RewardServiceError,
     output_from_json,
     post_json,
     request_to_json,
     run_sync,
+    unauthorized,
 )
 
 
@@ -40,6 +44,9 @@ class HttpReward:
         max_concurrency: requests in flight at once (the service scores one request at a time; 2 keeps the
             next request uploaded while the current one is scored).
         image_format: "png" (lossless, default) or "jpeg" (quality 95; smaller, but changes the pixels).
+
+    The token of a service that needs one is read from FGRPO_REWARD_TOKEN when the client is made: from the
+    environment, so that it never lands in a reward spec or a run's config.json.
     """
 
     def __init__(
@@ -64,14 +71,19 @@ class HttpReward:
         self.url = url.rstrip("/")
         self.timeout_s, self.max_retries, self.backoff_s = timeout_s, max_retries, backoff_s
         self.batch_size, self.max_concurrency, self.image_format = batch_size, max_concurrency, image_format
+        token = os.environ.get(TOKEN_ENV, "").strip()
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
 
     def health(self, timeout_s: float = 5.0) -> dict[str, Any]:
         """GET /health once; raises RewardServiceError (with how to start the service) when it is not up,
-        or when the service takes fewer images per request than this client's batch_size."""
+        or when the service takes fewer images per request than this client's batch_size; Unauthorized
+        (naming FGRPO_REWARD_TOKEN) when it needs a token this client lacks."""
 
         async def get() -> dict[str, Any]:
-            async with aiohttp.ClientSession() as s:
+            async with aiohttp.ClientSession(headers=self._headers) as s:
                 async with s.get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                    if r.status == 401:
+                        raise unauthorized(self.url + "/health", token_sent=bool(self._headers))
                     if r.status != 200:
                         raise RewardServiceError(f"{self.url}/health answered HTTP {r.status}")
                     return json.loads(await r.text())
@@ -97,7 +109,7 @@ class HttpReward:
     ) -> RewardOutput:
         sem = asyncio.Semaphore(self.max_concurrency)
         starts = range(0, len(images), self.batch_size)
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(headers=self._headers) as session:
 
             async def one(i: int) -> tuple[RewardOutput, int]:
                 j = i + self.batch_size

@@ -5,8 +5,10 @@ Wire format of the reward service (JSON, images as base64 PNG or JPEG bytes):
   POST /score   {"images": [b64, ...], "prompts": [str, ...], "metadata": [dict, ...] | null}
            ->   {"scores": [float, ...], "components": {name: [float | null, ...]}, "metrics": {name: float}}
   GET  /health  -> {"status": "ok", "reward": str, "requests": int, "images": int,
-                     "max_images": int, "max_pixels": int, "max_request_bytes": int}
-NaN (an excluded MultiReward member) travels as null, since JSON has no NaN.
+                     "max_images": int, "max_pixels": int, "max_request_bytes": int, "max_json_values": int}
+NaN (an excluded MultiReward member) travels as null, since JSON has no NaN. A service started with a token
+answers 401 to any request without the header `Authorization: Bearer <token>`; clients read the token from
+the environment variable FGRPO_REWARD_TOKEN.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import concurrent.futures
 import io
 import json
 import math
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -24,9 +27,12 @@ import aiohttp
 import numpy as np
 from PIL import Image
 
+from fgrpo.errors import FgrpoError
 from fgrpo.rewards.base import RewardOutput
 
 T = TypeVar("T")
+
+TOKEN_ENV = "FGRPO_REWARD_TOKEN"
 
 
 class RewardServiceError(RuntimeError):
@@ -37,12 +43,29 @@ class NonRetryableError(RewardServiceError):
     """The server understood the request and rejected it (4xx): retrying cannot help."""
 
 
+class Unauthorized(NonRetryableError, FgrpoError):
+    """The service answered 401: it needs a token this client did not send or sent wrong."""
+
+
+def unauthorized(url: str, token_sent: bool) -> Unauthorized:
+    """The error for a 401 from `url`, naming the environment variable that carries the token."""
+    why = f"refused the token in {TOKEN_ENV}" if token_sent else f"needs a token and {TOKEN_ENV} is not set"
+    return Unauthorized(
+        f"{url} answered HTTP 401: the reward service {why}; set {TOKEN_ENV} to the token the service was "
+        f"started with (its --token-file or its {TOKEN_ENV})"
+    )
+
+
 class TooManyImages(ValueError):
     """A request holds more images than the service takes at once (the service answers HTTP 413)."""
 
 
 class ImageTooLarge(ValueError):
     """An image's header declares more pixels than the service decodes (the service answers HTTP 422)."""
+
+
+class TooManyValues(ValueError):
+    """A request body holds more JSON values than the service parses (the service answers HTTP 413)."""
 
 
 # ---------------------------------------------------------------------------------------------- images
@@ -96,6 +119,50 @@ def request_to_json(
         "prompts": list(prompts),
         "metadata": metadata,
     }
+
+
+# A JSON string (skipped whole, so commas and brackets inside prompts do not count) or a character that
+# starts a value of an array or object: every value but the first in its container follows a comma, and each
+# container's first value follows its opening bracket.
+_VALUE_MARK = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[,\[{]')
+
+
+def count_json_values(data: bytes, limit: int) -> int:
+    """An upper bound on the number of values (array items and object members) in the JSON text `data`,
+    counted without parsing; stops counting once it passes `limit`, so its cost is bounded by `limit`.
+
+    json.loads holds the GIL for its whole run: 20 M empty strings in one array take seconds, during which
+    no other thread of the process (an event loop answering /health) runs. Counting first bounds that time.
+    """
+    # Counting every comma and bracket, in strings too, is a faster upper bound; most bodies stop there.
+    rough = data.count(b",") + data.count(b"[") + data.count(b"{")
+    if rough <= limit:
+        return rough
+    n = 0
+    for m in _VALUE_MARK.finditer(data):
+        if m.end() - m.start() == 1:  # a string match is at least its two quotes long
+            n += 1
+            if n > limit:
+                break
+    return n
+
+
+def request_from_bytes(
+    data: bytes, *, max_values: int, max_images: int | None = None, max_pixels: int | None = None
+) -> tuple[np.ndarray, list[str], list[dict[str, Any]] | None]:
+    """Parse and validate a /score request body from its bytes -> (images, prompts, metadata).
+
+    Raises TooManyValues (more than max_values JSON values, counted before parsing), then as
+    request_from_json; ValueError for a body that is not JSON.
+    """
+    n = count_json_values(data, max_values)
+    if n > max_values:
+        raise TooManyValues(f"the request holds over {max_values:,} JSON values, counted before parsing")
+    try:
+        body = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"the body is not JSON: {type(e).__name__}: {e}") from None
+    return request_from_json(body, max_images=max_images, max_pixels=max_pixels)
 
 
 def request_from_json(
@@ -191,8 +258,9 @@ async def post_json(
     """POST payload as JSON and parse the reply, retrying transient failures; -> (parsed, retries used).
 
     Retried (at most max_retries times, sleeping backoff_s * 2^k, capped): connection errors, timeouts,
-    HTTP 5xx and replies `parse` rejects. Not retried: HTTP 4xx (the request itself is wrong).
-    Raises RewardServiceError naming the URL, the attempts and the last error.
+    HTTP 5xx and replies `parse` rejects. Not retried: HTTP 4xx (the request itself is wrong; 401 raises
+    Unauthorized, naming FGRPO_REWARD_TOKEN). Raises RewardServiceError naming the URL, the attempts and
+    the last error.
     """
     if max_retries < 0 or timeout_s <= 0:
         raise ValueError(f"need max_retries >= 0 and timeout_s > 0, got {max_retries}, {timeout_s}")
@@ -207,6 +275,8 @@ async def post_json(
                 url, data=data, headers={"Content-Type": "application/json"}, timeout=timeout
             ) as resp:
                 text = await resp.text()
+                if resp.status == 401:
+                    raise unauthorized(url, token_sent="Authorization" in session.headers)
                 if 400 <= resp.status < 500:
                     raise NonRetryableError(
                         f"{url} rejected the request with HTTP {resp.status}: {text[:500]}"
