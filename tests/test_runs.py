@@ -2,7 +2,10 @@
 the metrics row before its checkpoint, a LoRA to start from. In-process tiny runs (tests/train_entry.py)."""
 
 import dataclasses
+import errno
+import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -16,6 +19,8 @@ from train_entry import Config
 
 from fgrpo import checkpoint, runs
 from fgrpo import train as train_mod
+from fgrpo.config import validate_config
+from fgrpo.errors import ConfigError
 from fgrpo.logging import read_metrics
 from fgrpo.rewards.base import RewardOutput, check_scores
 from fgrpo.runs import RunDir, RunDirError
@@ -261,3 +266,190 @@ def test_a_wrong_reward_url_fails_before_the_model_is_built(tmp_path, monkeypatc
     with pytest.raises(RewardServiceError, match="127.0.0.1:9 is not up"):
         train_mod.train(cfg)
     assert time.perf_counter() - t0 < 30
+
+
+# ---------------------------------------------------------------------------------------------------------
+# run names, nested runs, resumes from elsewhere, lost rows, unrecorded configs and data, unreadable files
+
+
+@pytest.mark.parametrize("name", [".", "..", "a/b", "/abs/e2e", "..\\x", " e2e", "e2e\n"])
+def test_exp_name_must_be_one_plain_directory_name(name):
+    with pytest.raises(ConfigError, match=r"exp_name .* --exp-name NAME"):
+        validate_config(dataclasses.replace(Config(), exp_name=name), 1)
+
+
+def test_resume_from_other_needs_a_checkpoint_path():
+    c = Config()
+    for resume in ("", "auto"):
+        cfg = dataclasses.replace(c, run=dataclasses.replace(c.run, resume=resume, resume_from_other=True))
+        with pytest.raises(ConfigError, match=r"run.resume_from_other needs --run.resume <checkpoint"):
+            validate_config(cfg, 1)
+
+
+def test_an_empty_exp_name_is_refused_before_anything_is_created(tmp_path):
+    """An empty name made out_dir itself the run directory, which `--run.overwrite` then moved whole."""
+    with pytest.raises(ConfigError, match=r"exp_name '' must be one plain directory name"):
+        train_mod.train(dataclasses.replace(cfg_for(tmp_path / "out"), exp_name=""))
+    assert not (tmp_path / "out").exists()
+
+
+def test_overwrite_refuses_to_move_a_live_run_below_it(done):
+    """A run whose directory sits inside the one to move would go on writing half into the moved tree."""
+    tmp_path = done
+    inner = RunDir(tmp_path / "e2e" / "inner")
+    inner.lock()
+    try:
+        with pytest.raises(RunDirError, match=rf"e2e/inner inside .* is a live run \(pid {os.getpid()} "):
+            RunDir(tmp_path / "e2e").start(cfg_for(tmp_path, overwrite=True), is_main=True, say=print)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["e2e"]  # nothing moved
+        assert len(checkpoint.list_checkpoints(tmp_path / "e2e" / "checkpoints")) == 2
+    finally:
+        inner.unlock()
+    d = RunDir(tmp_path / "e2e")
+    d.start(cfg_for(tmp_path, overwrite=True), is_main=True, say=print)  # the inner run ended: it may move
+    d.unlock()
+    (moved,) = [p for p in tmp_path.iterdir() if p.name.startswith("e2e.old-")]
+    assert (moved / "inner" / ".lock").is_file()
+
+
+def test_resume_from_another_runs_checkpoint_needs_the_flag(done, finished):
+    tmp_path = done
+    shutil.copytree(finished / "e2e", tmp_path / "other")
+    theirs = tmp_path / "other" / "checkpoints" / "step_000001"
+    cfg = cfg_for(tmp_path, resume=str(theirs))
+    d = RunDir(tmp_path / "e2e")
+    with pytest.raises(RunDirError, match=r"another run directory .* --run.resume-from-other"):
+        d.start(cfg, is_main=True, say=print)
+    d.unlock()
+    assert [s for s, _ in checkpoint.list_checkpoints(d.checkpoints)] == [1, 2]  # untouched
+    assert not (d.path / "stale_checkpoints").exists()
+    # Into a new directory it is a fork and needs no flag.
+    fork = RunDir(tmp_path / "fork")
+    assert fork.start(cfg, is_main=True, say=print) == theirs
+    fork.unlock()
+    # With the flag, every checkpoint of this run from that step on is set aside (auto must never pick them).
+    with pytest.warns(UserWarning, match="stale_checkpoints"):
+        got = d.start(cfg_for(tmp_path, resume=str(theirs), resume_from_other=True), is_main=True, say=print)
+    d.unlock()
+    assert got == theirs
+    assert checkpoint.list_checkpoints(d.checkpoints) == []
+    assert sorted(p.name.split(".")[0] for p in (d.path / "stale_checkpoints").iterdir()) == [
+        "step_000001",
+        "step_000002",
+    ]
+
+
+def test_a_resume_moves_the_rows_it_redoes_to_a_side_file(done):
+    """Resuming at step 1 redoes step 1: its old row was deleted for good; now it moves, tagged."""
+    tmp_path = done
+    old = rows(tmp_path)
+    ckpt = tmp_path / "e2e" / "checkpoints" / "step_000001"
+    train_mod.train(cfg_for(tmp_path, resume=str(ckpt)))
+    assert [r["step"] for r in rows(tmp_path)] == [0, 1]
+    (moved,) = read_metrics(tmp_path / "e2e" / "metrics.superseded.jsonl")
+    tag = moved.pop("superseded")
+    assert moved == old[1]
+    assert "step_000001" in tag["why"] and abs(tag["time"] - time.time()) < 600
+
+
+def test_a_metrics_line_that_is_not_an_object_is_skipped_with_a_warning(done):
+    """A valid-JSON line such as `42` stopped every resume with an AttributeError after the checkpoint load."""
+    tmp_path = done
+    path = tmp_path / "e2e" / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join([lines[0], "42", *lines[1:]]) + "\n")
+    with pytest.warns(
+        UserWarning, match=r"metrics.jsonl: skipped 1 line\(s\) that are not a JSON object \(line 2\)"
+    ):
+        train_mod.train(dataclasses.replace(cfg_for(tmp_path, resume="auto"), num_steps=3))
+    assert [r["step"] for r in rows(tmp_path)] == [0, 1, 2]
+
+
+def test_resume_without_config_json_is_refused(done):
+    """Without config.json a resume could change lr or clip range unseen, and the new file would claim them."""
+    tmp_path = done
+    (tmp_path / "e2e" / "config.json").unlink()
+    changed = dataclasses.replace(
+        cfg_for(tmp_path, resume="auto"), optim=dataclasses.replace(Config().optim, lr=1e-6)
+    )
+    d = RunDir(tmp_path / "e2e")
+    with pytest.raises(RunDirError, match=r"e2e/config.json is missing.*restore it"):
+        d.start(changed, is_main=True, say=print)
+    d.unlock()
+
+
+def test_resume_refuses_a_changed_prompt_file(tmp_path):
+    train_file, val_file = tmp_path / "train.txt", tmp_path / "val.txt"
+    train_file.write_text("a red cube\na blue ball\na green cone\na tall tree\n")
+    val_file.write_text("a cat\na dog\na bird\na fish\n")
+    c = cfg_for(tmp_path)
+    cfg = dataclasses.replace(
+        c,
+        num_steps=1,
+        data=dataclasses.replace(c.data, train_prompts=str(train_file), val_prompts=str(val_file)),
+    )
+    train_mod.train(cfg)
+    recorded = json.loads((tmp_path / "e2e" / "config.json").read_text())["data_files"]
+    sha = hashlib.sha256(train_file.read_bytes()).hexdigest()
+    assert recorded["data.train_prompts"] == {"path": str(train_file), "sha256": sha}
+    assert recorded["data.val_prompts"]["sha256"] == hashlib.sha256(val_file.read_bytes()).hexdigest()
+    resume = dataclasses.replace(cfg, num_steps=2, run=dataclasses.replace(cfg.run, resume="auto"))
+    d = RunDir(tmp_path / "e2e")
+    assert d.start(resume, is_main=True, say=print) is not None  # unchanged: fine
+    d.unlock()
+    train_file.write_text("a red cube\na blue ball\na green cone\na short tree\n")
+    with pytest.raises(
+        RunDirError, match=r"data.train_prompts file .*train.txt changed since the run recorded"
+    ):
+        d.start(resume, is_main=True, say=print)
+    d.unlock()
+
+
+def test_a_resume_runs_the_final_validation_a_kill_cut_short(tmp_path, monkeypatch):
+    """A kill during the final validation left no final row; the resume saw step == num_steps and skipped it."""
+    cfg = cfg_for(tmp_path, val_every=1, val_num_steps=2)
+    real, finals = train_mod.validate, []
+
+    def killed_at_the_final(*args, **kwargs):
+        out = real(*args, **kwargs)
+        if args[6] == cfg.num_steps:  # the step argument
+            finals.append(out)
+            raise KeyboardInterrupt("killed during the final validation")
+        return out
+
+    monkeypatch.setattr(train_mod, "validate", killed_at_the_final)
+    with pytest.raises(KeyboardInterrupt):
+        train_mod.train(cfg)
+    assert [r["step"] for r in rows(tmp_path) if "val/reward_mean" in r] == [0, 1]
+    assert not (tmp_path / "e2e" / "lora").exists()
+    monkeypatch.setattr(train_mod, "validate", real)
+    train_mod.train(cfg_for(tmp_path, val_every=1, val_num_steps=2, resume="auto"))
+    final = [r for r in rows(tmp_path) if r["step"] == 2 and "val/reward_mean" in r]
+    assert [r["val/reward_mean"] for r in final] == [finals[0]["val/reward_mean"]]  # the same weights' score
+    assert (tmp_path / "e2e" / "lora").is_dir()
+    # Resumed once more, the finished run has its final row and validates nothing again.
+    train_mod.train(cfg_for(tmp_path, val_every=1, val_num_steps=2, resume="auto"))
+    assert len([r for r in rows(tmp_path) if r["step"] == 2]) == 1
+
+
+def test_a_config_json_that_is_not_json_is_named(done):
+    tmp_path = done
+    path = tmp_path / "e2e" / "config.json"
+    path.write_text(path.read_text()[:100])  # truncated
+    d = RunDir(tmp_path / "e2e")
+    with pytest.raises(RunDirError, match=r"e2e/config.json is not valid JSON \(.*\); restore it"):
+        d.start(cfg_for(tmp_path, resume="auto"), is_main=True, say=print)
+    d.unlock()
+
+
+def test_an_unusable_out_dir_names_the_field(tmp_path, monkeypatch):
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(RunDirError, match=r"--run.out-dir '.*a_file': cannot create .*give --run.out-dir"):
+        train_mod.train(cfg_for(tmp_path / "a_file"))
+
+    def read_only(self, *a, **k):
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    with pytest.raises(RunDirError, match=r"--run.out-dir .*\(Read-only file system\)"):
+        RunDir(tmp_path / "ro" / "e2e").lock()

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from fgrpo.errors import ConfigError
 from fgrpo.models.qwen_image import QWEN_IMAGE_LORA_TARGETS
 from fgrpo.rollout.base import SamplingConfig
 
@@ -238,6 +239,9 @@ class RunConfig:
     """Checkpoints kept on disk."""
     resume: str = ""
     """'' = fresh run; 'auto' = latest checkpoint of this run if any; or a checkpoint directory."""
+    resume_from_other: bool = False
+    """Let `resume` name a checkpoint of another run directory when this one already holds a run: this run's
+    checkpoints from that step on move to stale_checkpoints/, its metrics rows to metrics.superseded.jsonl."""
     export_lora: bool = True
     """Write the LoRA as a PEFT/diffusers adapter at the end of the run."""
     overwrite: bool = False
@@ -365,6 +369,7 @@ def _flag(field_name: str) -> str:
 def validate_config(cfg: TrainConfig, world_size: int) -> None:
     """Raise ValueError naming the field and the fix for any value the run cannot use; nothing is built yet."""
     g, s, o, r, m = cfg.grpo, cfg.sampling, cfg.optim, cfg.run, cfg.model
+    _validate_exp_name(cfg.exp_name)
     # (holds, field, value, what it must be): plain range checks, each one line.
     ranges = [
         (cfg.num_steps >= 1, "num_steps", cfg.num_steps, ">= 1"),
@@ -513,6 +518,10 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
         )
     if r.resume and r.overwrite:
         raise ValueError("run.resume and run.overwrite contradict each other; pass one of them")
+    if r.resume_from_other and r.resume in ("", "auto"):
+        raise ConfigError(
+            "run.resume_from_other needs --run.resume <checkpoint of another run>; drop --run.resume-from-other"
+        )
     if cfg.rollout_engine == "vllm_omni":
         if m.kind != "qwen_image" or not m.lora:
             raise ValueError(
@@ -534,6 +543,18 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
             raise ValueError(
                 "rollout_engine='vllm_omni' is wired for one trainer process; use diffusers on N ranks"
             )
+
+
+def _validate_exp_name(name: str) -> None:
+    """exp_name is one directory below run.out_dir: an empty or path-like name would make the run directory
+    out_dir itself or a directory elsewhere, which `--run.overwrite` would then move with everything in it."""
+    plain = name not in ("", ".", "..") and name.strip() == name and name.isprintable()
+    if not plain or "/" in name or "\\" in name:
+        raise ConfigError(
+            f"exp_name {name!r} must be one plain directory name (not empty, '.' or '..', without '/', '\\', "
+            "surrounding spaces or control characters): the run is written to run.out_dir/exp_name; pass "
+            "--exp-name NAME"
+        )
 
 
 def _validate_window(cfg: TrainConfig) -> None:

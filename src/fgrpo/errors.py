@@ -14,6 +14,10 @@ class FgrpoError(Exception):
     exit_code = 2
 
 
+class ConfigError(FgrpoError, ValueError):
+    """A config value the run cannot use (the field and the fix in the message), found before anything is built."""
+
+
 class RunCollapsed(FgrpoError):
     """The validation score fell far below its best for several validations in a row (run.collapse_drop)."""
 

@@ -345,7 +345,8 @@ def plot_curves(
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     """Rows of a metrics.jsonl written by `Logger.log` (each has "step").
 
-    A line that is not JSON (a run killed mid-write leaves a partial last line) is skipped with a warning.
+    A line that is not a JSON object (a run killed mid-write leaves a partial last line; a hand edit may leave
+    a bare value such as `42`) is skipped with a warning naming it.
     """
     p = Path(path)
     if not p.is_file():
@@ -355,12 +356,16 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
+            row = None
+        if isinstance(row, dict):
+            rows.append(row)
+        else:
             bad.append(i)
     if bad:
         warnings.warn(
-            f"{p}: skipped {len(bad)} line(s) that are not JSON (line {', '.join(map(str, bad[:5]))}); "
+            f"{p}: skipped {len(bad)} line(s) that are not a JSON object (line {', '.join(map(str, bad[:5]))}); "
             "a run killed mid-write leaves such a partial row",
             stacklevel=2,
         )
@@ -403,16 +408,20 @@ def _to_plain(obj: Any) -> Any:
 
 
 def save_run_metadata(
-    run_dir: str | os.PathLike, config: Any, experiment_source: str | os.PathLike | None = None
+    run_dir: str | os.PathLike,
+    config: Any,
+    experiment_source: str | os.PathLike | None = None,
+    record: Mapping[str, Any] | None = None,
 ) -> Path:
     """config.json (+ config.yaml), the experiment file's source, and where/when/what ran, into run_dir.
 
     `experiment_source` is the source text (written as experiment.py) or a path to the file (copied under
-    its own name). Non-JSON values in the config (paths, enums) are written as strings.
+    its own name). Non-JSON values in the config (paths, enums) are written as strings. `record` adds
+    top-level keys beside the config's fields (the run directory's `data_files` hashes).
     """
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
-    cfg = json.loads(json.dumps(_to_plain(config), default=str))
+    cfg = json.loads(json.dumps(_to_plain(config), default=str)) | dict(record or {})
     (run / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     try:
         import yaml
@@ -586,12 +595,14 @@ def make_logger(
     *,
     enabled: bool = True,
     experiment_source: str | os.PathLike | None = None,
+    record: Mapping[str, Any] | None = None,
 ) -> Logger | NullLogger:
-    """The loop's logger: rank 0 saves the run metadata and gets a `Logger`; other ranks a `NullLogger`.
+    """The loop's logger: rank 0 saves the run metadata (`record`: extra keys of config.json) and gets a
+    `Logger`; other ranks a `NullLogger`.
 
     Reads `cfg.exp_name` and `cfg.run.wandb` ('online' | 'offline' | 'disabled').
     """
     if not enabled:
         return NullLogger()
-    save_run_metadata(run_dir, cfg, experiment_source)
+    save_run_metadata(run_dir, cfg, experiment_source, record)
     return Logger(run_dir, name=getattr(cfg, "exp_name", None), config=cfg, wandb_mode=cfg.run.wandb)

@@ -170,11 +170,17 @@ def _train(
             rank_tensors=algo.state() | lagging.state(),
         )
         flog.print0(f"resumed from {resume_from} at step {start_step}")
-    # Rows of the steps after the checkpoint are redone below: drop them, so the file keeps one row a step (a
-    # finished run resumed has nothing to redo and keeps its final validation's row).
+    # Rows of the steps after the checkpoint are redone below: move them aside, so the file keeps one row a step
+    # (a finished run resumed has nothing to redo and keeps its final validation's row).
     if d.is_main and start_step < cfg.num_steps:
-        run.drop_metrics_from(start_step)
-    logger = flog.make_logger(cfg, run.path, enabled=d.is_main, experiment_source=experiment_source)
+        run.supersede_metrics_from(start_step)
+    logger = flog.make_logger(
+        cfg,
+        run.path,
+        enabled=d.is_main,
+        experiment_source=experiment_source,
+        record=run.config_record(),
+    )
     # The collapse guard (fgrpo.guard) resumes from the validation rows the run keeps (read on every rank, by
     # step: rank 0 may still be dropping the redone ones).
     kept = [
@@ -340,8 +346,12 @@ def _train(
         )
 
     bar.close()
-    # The trained model, logged as step num_steps (by the trainer ranks: the rollout's copy lags).
-    if cfg.run.val_every and start_step < cfg.num_steps and split.trains:
+    # The trained model, logged as step num_steps (by the trainer ranks: the rollout's copy lags); also when a
+    # finished run is resumed whose final validation was cut short (metrics.jsonl has no row of it).
+    final_due = start_step < cfg.num_steps or (
+        start_step == cfg.num_steps and not run.final_validation_logged
+    )
+    if cfg.run.val_every and final_due and split.trains:
         final = validate(
             engine, val_reward, val_reward_name, val_prompts, cfg, logger, cfg.num_steps, d.device, split
         )
