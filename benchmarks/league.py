@@ -1,17 +1,17 @@
-"""The algorithm league on the text renderer: held-out OCR of every run under a directory, as tables and one plot.
+"""The algorithm league on the text renderer: every run's whole held-out curve, per algorithm, as tables and one plot.
 
-Runs are the experiment's presets, named `<cpu|gpu>_<algo>_s<seed>` by --exp-name, e.g.
+Runs are the experiment's presets, named `<cpu|gpu>_<label>_s<seed>` by --exp-name (label: the algorithm, or the
+algorithm and a variant, e.g. `nft-decay1`), all under one directory:
 
-    for a in grpo dppo mixgrpo nft awm; do for s in 42 43 44 45; do
-      python experiments/qwen_image_ocr.py $([ $a = grpo ] && echo tiny || echo $a-tiny) --seed $s \
-          --exp-name cpu_${a}_s$s --run.out-dir runs/league; done; done
-    python experiments/qwen_image_ocr.py nft-tiny-gpu --seed 7 --exp-name gpu_nft_s7 --run.out-dir runs/league
-    python benchmarks/league.py runs/league --plot benchmarks/figures/league.png
+    benchmarks/league_launch.sh runs/league "grpo dppo mixgrpo nft awm" "60 61 62" --num-steps 300 \\
+        --reward.val-workers 2                          # one GPU machine, all at once
+    python benchmarks/league.py runs/league --steps 300 --plot benchmarks/figures/league.png
 
-CPU table: held-out OCR at the start and the end of each algorithm's runs (mean +- std over seeds). GPU table:
-seconds of wall time (the sum of the logged step times, validation included; process start not counted) until
-the first validation at or above 0.9, the last validation at or before 300 s, and the last validation of the run;
-then per algorithm over its seeds.
+Per run: the best validation and its step, the final one, the area under the curve (the mean held-out score
+over the run's steps, trapezoids between validations), the first validation at or above the target (its step and
+the wall seconds before it: the sum of the logged step times, validations included, process start not), and
+whether it held: it ran to the end (--steps), never fell more than --held-drop below its best after reaching
+it, and ended at or above the target. Per label: the same over its seeds.
 """
 
 from __future__ import annotations
@@ -20,134 +20,160 @@ import argparse
 import re
 import statistics
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 from fgrpo.logging import read_metrics
 
-ALGOS = ("grpo", "dppo", "mixgrpo", "nft", "awm")
-NAME = re.compile(r"^(cpu|gpu)_([a-z]+)_s(\d+)$")
+NAME = re.compile(r"^(cpu|gpu)_([a-z0-9-]+)_s(\d+)$")
 
 
-def curve(rows: list[dict]) -> list[tuple[int, float, float]]:
-    """(step, wall seconds before the validation's step ends, held-out OCR) of every validation row."""
-    out, t = [], 0.0
-    for r in sorted(rows, key=lambda r: r["step"]):
-        t += r.get("time/total", 0.0)
-        if r.get("val/reward_mean") is not None:
-            out.append((r["step"], t, r["val/reward_mean"]))
-    return out
+@dataclass
+class Run:
+    """One run's validations: (step, wall seconds before its step ends, held-out score), in step order."""
+
+    points: list[tuple[int, float, float]]
+
+    @classmethod
+    def of(cls, rows: list[dict]) -> Run:
+        out, t = [], 0.0
+        for r in sorted(rows, key=lambda r: r["step"]):
+            t += r.get("time/total", 0.0)
+            if r.get("val/reward_mean") is not None:
+                out.append((r["step"], t, r["val/reward_mean"]))
+        return cls(out)
+
+    @property
+    def best(self) -> tuple[int, float]:
+        """(step, score) of the first validation with the highest score."""
+        i = max(range(len(self.points)), key=lambda i: (self.points[i][2], -i))
+        return self.points[i][0], self.points[i][2]
+
+    @property
+    def final(self) -> tuple[int, float]:
+        return self.points[-1][0], self.points[-1][2]
+
+    def auc(self) -> float:
+        """Mean score over the steps the curve spans (trapezoids between validations)."""
+        p = self.points
+        if len(p) < 2:
+            return p[0][2]
+        area = sum((b[0] - a[0]) * (a[2] + b[2]) / 2 for a, b in zip(p, p[1:]))
+        return area / (p[-1][0] - p[0][0])
+
+    def first_at(self, target: float) -> tuple[int, float] | None:
+        """(step, seconds) of the first validation at or above target, or None."""
+        return next(((s, t) for s, t, y in self.points if y >= target), None)
+
+    def worst_after_best(self) -> float:
+        """How far below its best the curve fell after reaching it (0 when it never did)."""
+        i = max(range(len(self.points)), key=lambda i: (self.points[i][2], -i))
+        return self.points[i][2] - min(y for _, _, y in self.points[i:])
+
+    def held(self, steps: int, drop: float, target: float) -> bool:
+        return self.final[0] >= steps and self.worst_after_best() <= drop and self.final[1] >= target
 
 
-def first_hit(v: list[tuple[int, float, float]], target: float) -> tuple[int, float] | None:
-    """(step, seconds) of the first validation at or above target, or None."""
-    return next(((s, t) for s, t, y in v if y >= target), None)
-
-
-def score_at(v: list[tuple[int, float, float]], seconds: float, run_seconds: float) -> float | None:
-    """The last validation at or before `seconds` of wall time; None if the run logged none by then or
-    stopped (after `run_seconds` of logged steps) before that time, where its score is unknown."""
-    before = [y for _, t, y in v if t <= seconds]
-    return before[-1] if before and run_seconds >= seconds else None
-
-
-def _fmt_hit(h: tuple[int, float] | None) -> str:
-    return "not reached" if h is None else f"{h[1]:.0f} s (step {h[0]})"
-
-
-def _fmt(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3f}"
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("root", type=Path, help="directory holding the run directories")
-    ap.add_argument("--plot", type=Path, default=None, help="write the curves to this PNG")
-    ap.add_argument("--target", type=float, default=0.9)
-    ap.add_argument("--at-seconds", type=float, default=300.0, help="GPU table: the score at this wall time")
-    args = ap.parse_args()
-
-    runs: dict[str, dict[str, dict[int, list]]] = {"cpu": defaultdict(dict), "gpu": defaultdict(dict)}
-    seconds: dict[tuple[str, int], float] = {}  # logged wall time of each GPU run
-    for d in sorted(args.root.iterdir()):
+def load(root: Path) -> dict[str, dict[str, dict[int, Run]]]:
+    """{"cpu"|"gpu": {label: {seed: Run}}} of every run directory under root."""
+    runs: dict[str, dict[str, dict[int, Run]]] = {"cpu": defaultdict(dict), "gpu": defaultdict(dict)}
+    for d in sorted(root.iterdir()):
         m = NAME.match(d.name)
         if m and (d / "metrics.jsonl").is_file():
-            rows = read_metrics(d / "metrics.jsonl")
-            runs[m.group(1)][m.group(2)][int(m.group(3))] = curve(rows)
-            seconds[m.group(2), int(m.group(3))] = sum(r.get("time/total", 0.0) for r in rows)
+            run = Run.of(read_metrics(d / "metrics.jsonl"))
+            if run.points:
+                runs[m.group(1)][m.group(2)][int(m.group(3))] = run
+    return runs
 
-    print(
-        "| algorithm | seeds | start | end (mean ± std) | per seed | gain (smallest) |\n|---|---|---|---|---|---|"
-    )
-    for algo in ALGOS:
-        c = runs["cpu"].get(algo)
-        if not c:
-            continue
-        starts = [v[0][2] for v in c.values()]
-        ends = [v[-1][2] for v in c.values()]
-        gains = [e - s for s, e in zip(starts, ends)]
-        std = statistics.stdev(ends) if len(ends) > 1 else float("nan")
-        print(
-            f"| {algo} | {len(c)} | {statistics.mean(starts):.3f} | {statistics.mean(ends):.3f} ± {std:.3f} | "
-            f"{' / '.join(f'{e:.3f}' for e in ends)} | {statistics.mean(gains):+.3f} ({min(gains):+.3f}) |"
-        )
 
-    at = args.at_seconds
-    print(
-        f"\n| algorithm | seed | first >= {args.target} | at {at:.0f} s | last validation (step, s) |"
-        "\n|---|---|---|---|---|"
-    )
-    for algo in ALGOS:
-        for seed, v in sorted(runs["gpu"].get(algo, {}).items()):
-            print(
-                f"| {algo} | {seed} | {_fmt_hit(first_hit(v, args.target))} | {_fmt(score_at(v, at, seconds[algo, seed]))} | "
-                f"{v[-1][2]:.3f} (step {v[-1][0]}, {v[-1][1]:.0f} s) |"
+def _mean_std(xs: list[float]) -> str:
+    return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
+
+
+def _hit(h: tuple[int, float] | None) -> str:
+    return "never" if h is None else f"step {h[0]}, {h[1]:.0f} s"
+
+
+def tables(runs: dict[str, dict[int, Run]], *, steps: int, drop: float, target: float) -> str:
+    """The per-run table and the per-label summary, as markdown."""
+    lines = [
+        f"| run | seed | start | best (step) | final (step) | AUC | first ≥ {target} | worst fall after the best | held |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for label, by_seed in runs.items():
+        for seed, r in sorted(by_seed.items()):
+            lines.append(
+                f"| {label} | {seed} | {r.points[0][2]:.3f} | {r.best[1]:.3f} ({r.best[0]}) | "
+                f"{r.final[1]:.3f} ({r.final[0]}) | {r.auc():.3f} | {_hit(r.first_at(target))} | "
+                f"{r.worst_after_best():.3f} | {'yes' if r.held(steps, drop, target) else '**no**'} |"
             )
-    print(
-        f"\n| algorithm | seeds | first >= {args.target}, per seed | reached | at {at:.0f} s (mean ± std) |"
-        "\n|---|---|---|---|---|"
-    )
-    for algo in ALGOS:
-        g = runs["gpu"].get(algo)
-        if not g:
-            continue
-        hits = [first_hit(v, args.target) for _, v in sorted(g.items())]  # in seed order
-        scores = [x for x in (score_at(v, at, seconds[algo, k]) for k, v in g.items()) if x is not None]
-        std = statistics.stdev(scores) if len(scores) > 1 else float("nan")
-        print(
-            f"| {algo} | {len(g)} | {' / '.join(_fmt_hit(h) for h in hits)} | "
-            f"{sum(h is not None for h in hits)} of {len(hits)} | "
-            + (f"{statistics.mean(scores):.3f} ± {std:.3f} |" if scores else "- |")
+    lines += [
+        "",
+        f"| label | seeds | best | final | AUC | first ≥ {target} (step, s; per seed) | held |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, by_seed in runs.items():
+        rs = [r for _, r in sorted(by_seed.items())]
+        held = sum(r.held(steps, drop, target) for r in rs)
+        hits = " / ".join("never" if (h := r.first_at(target)) is None else f"{h[0]}, {h[1]:.0f}" for r in rs)
+        lines.append(
+            f"| {label} | {len(rs)} | {_mean_std([r.best[1] for r in rs])} | {_mean_std([r.final[1] for r in rs])} | "
+            f"{_mean_std([r.auc() for r in rs])} | {hits} | {held} of {len(rs)} |"
         )
+    return "\n".join(lines)
 
-    if args.plot:
-        import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+def plot(runs: dict[str, dict[int, Run]], path: Path, *, target: float, title: str) -> None:
+    """All labels' curves: the mean over seeds at each validated step, a band from the lowest to the highest seed."""
+    import matplotlib
 
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-        colors = dict(zip(ALGOS, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
-        for ax, kind, x_of in ((axes[0], "cpu", 0), (axes[1], "gpu", 1)):
-            for algo in ALGOS:
-                for i, (_, v) in enumerate(sorted(runs[kind].get(algo, {}).items())):
-                    ax.plot(
-                        [p[x_of] for p in v],
-                        [p[2] for p in v],
-                        color=colors[algo],
-                        alpha=0.8,
-                        marker=".",
-                        label=algo if i == 0 else None,
-                    )
-            ax.axhline(args.target, color="grey", lw=0.8, ls="--")
-            ax.set_ylabel("held-out OCR (validation)")
-            ax.grid(alpha=0.3)
-        axes[0].set_xlabel("training step (CPU presets: 32 images a step)")
-        axes[0].set_title("CPU budget, every seed")
-        axes[1].set_xlabel("wall seconds (tiny-gpu presets: 512 images a step)")
-        axes[1].set_title("one GPU")
-        axes[1].legend(loc="center left", bbox_to_anchor=(1.02, 0.5))
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=110)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for label, by_seed in runs.items():
+        by_step: dict[int, list[float]] = defaultdict(list)
+        for r in by_seed.values():
+            for s, _, y in r.points:
+                by_step[s].append(y)
+        xs = sorted(by_step)
+        mean = [statistics.mean(by_step[s]) for s in xs]
+        (line,) = ax.plot(xs, mean, marker=".", label=f"{label} ({len(by_seed)} seeds)")
+        ax.fill_between(
+            xs,
+            [min(by_step[s]) for s in xs],
+            [max(by_step[s]) for s in xs],
+            color=line.get_color(),
+            alpha=0.2,
+        )
+    ax.axhline(target, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("held-out OCR (validation)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="center left", bbox_to_anchor=(1.02, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("root", type=Path, help="directory holding the run directories")
+    ap.add_argument("--steps", type=int, default=300, help="a run that held ran this many steps")
+    ap.add_argument("--target", type=float, default=0.9)
+    ap.add_argument(
+        "--held-drop", type=float, default=0.03, help="the largest fall below the best that holds"
+    )
+    ap.add_argument("--plot", type=Path, default=None, help="write the GPU curves to this PNG")
+    args = ap.parse_args(argv)
+    runs = load(args.root)
+    for kind in ("cpu", "gpu"):
+        if runs[kind]:
+            print(f"\n{kind.upper()} runs\n")
+            print(tables(runs[kind], steps=args.steps, drop=args.held_drop, target=args.target))
+    if args.plot and runs["gpu"]:
+        plot(runs["gpu"], args.plot, target=args.target, title="text renderer, tiny-gpu presets")
         print(f"\nplot: {args.plot}")
 
 

@@ -1,0 +1,65 @@
+"""benchmarks/league.py on hand-made metrics files: best, final, AUC, first crossing, the held rule, the figure."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _league():
+    spec = importlib.util.spec_from_file_location("league", ROOT / "benchmarks" / "league.py")
+    assert spec is not None and spec.loader is not None
+    m = importlib.util.module_from_spec(spec)
+    sys.modules["league"] = m
+    spec.loader.exec_module(m)
+    return m
+
+
+def _write(root: Path, name: str, scores: dict[int, float], step_s: float = 2.0) -> None:
+    d = root / name
+    d.mkdir(parents=True)
+    rows = []
+    for step in range(max(scores) + 1):
+        row = {"step": step, "time/total": step_s}
+        if step in scores:
+            row["val/reward_mean"] = scores[step]
+        rows.append(row)
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_curve_numbers_by_hand():
+    """0.6, 0.9, 0.95, 0.93 at steps 0, 10, 20, 30: best 0.95 (20), final 0.93, AUC = (7.5 + 9.25 + 9.4) / 30,
+    first >= 0.9 at step 10 after 11 steps of 2 s, worst fall after the best 0.02: held over 30 steps."""
+    league = _league()
+    run = league.Run.of(
+        [
+            {"step": s, "time/total": 2.0} | ({"val/reward_mean": y} if y else {})
+            for s, y in enumerate([0.6] + [None] * 9 + [0.9] + [None] * 9 + [0.95] + [None] * 9 + [0.93])
+        ]
+    )
+    assert run.best == (20, 0.95) and run.final == (30, 0.93)
+    assert run.auc() == pytest.approx((10 * 0.75 + 10 * 0.925 + 10 * 0.94) / 30)
+    assert run.first_at(0.9) == (10, 22.0)
+    assert run.worst_after_best() == pytest.approx(0.02)
+    assert run.held(30, 0.03, 0.9)
+    assert not run.held(31, 0.03, 0.9)  # stopped before the end (e.g. by the collapse guard)
+    assert not run.held(30, 0.01, 0.9)
+    assert not run.held(30, 0.03, 0.94)
+
+
+def test_tables_and_plot_over_a_directory(tmp_path, capsys):
+    """A collapsing seed does not hold; the summary counts it; labels with a variant are read; the PNG is made."""
+    league = _league()
+    _write(tmp_path, "gpu_nft_s1", {0: 0.6, 10: 0.94, 20: 0.93})
+    _write(tmp_path, "gpu_nft_s2", {0: 0.6, 10: 0.95, 20: 0.2})
+    _write(tmp_path, "gpu_nft-decay1_s1", {0: 0.6, 10: 0.91, 20: 0.92})
+    (tmp_path / "not_a_run").mkdir()
+    league.main([str(tmp_path), "--steps", "20", "--plot", str(tmp_path / "league.png")])
+    out = capsys.readouterr().out
+    assert "| nft | 2 |" in out and "1 of 2 |" in out
+    assert "| nft-decay1 | 1 |" in out and "| nft | 2 | 0.945 ± 0.007 |" in out
+    assert (tmp_path / "league.png").stat().st_size > 1000
