@@ -172,9 +172,8 @@ def with_algo(base: Config, name: str, *, size: str) -> Config:
     if name == "dppo":  # no ratio clip: the KL mask is the trust region (tau 1e-5, both references)
         return dataclasses.replace(base, algo=dataclasses.replace(a, name="dppo", dppo_tau=1e-5))
     if name in ("mixgrpo", "mixgrpo-flash"):
-        # The shared window slides one step every window_iters training steps through the base's window_range
-        # (the early steps, where OCR is decided) and then restarts (algo.window_roll_back); tiny runs are
-        # short, so the window moves sooner.
+        # The shared window starts at the first step, moves one step every window_iters training steps and
+        # restarts after the last (algo.window_roll_back); tiny runs are short, so the window moves sooner.
         iters = max(1, base.num_steps // 8) if tiny_size else 25
         out = dataclasses.replace(
             base, algo=dataclasses.replace(a, name="mixgrpo", window_iters=iters, window_stride=1)
@@ -192,25 +191,20 @@ def with_algo(base: Config, name: str, *, size: str) -> Config:
     # (AWM keeps its EMA forward: that KL is what holds it).
     sampling = dataclasses.replace(s, guidance_scale=1.0)
     if name == "nft":
-        # The OCR recipe's old policy copies theta for 75 optimizer steps, then becomes an EMA whose decay ramps
-        # to 0.999 (a memory of ~1000 optimizer steps). The renderer's LoRA moves in one step about what the
-        # recipe's moves in many, so that old policy falls far behind theta, which beta = 0.1 lets run to 10x
-        # the improvement it measures: every long tiny-gpu run collapsed once the decay passed ~0.5 (RESULTS.md,
-        # stability). The tiny presets keep the old policy a copy of theta (the reference's decay_type 0).
-        ema = dict(ema_rate=0.0, ema_max_decay=0.0, ema_delay=0) if tiny_size else {}
         algo = dataclasses.replace(
             a,
             name="nft",
             nft_beta=0.1,
             train_steps=2 if tiny_size else 9,
             sample_from_ema=True,
-            **({"ema_rate": 0.0075, "ema_max_decay": 0.999, "ema_delay": 75} | ema),
+            ema_rate=0.0075,
+            ema_max_decay=0.999,
+            ema_delay=75,
         )
         grpo = dataclasses.replace(g, kl_coef=0.0 if tiny_size else 1e-4)
     elif name == "awm":
         # The first grid step (sigma = 1: x_t is pure noise) is left out, as in the reference. The KL to the
-        # policy's EMA (weight 1, decay ramping to 0.3) is the reference's trust region, on in every preset:
-        # without it every long tiny-gpu run unlearned to blank images (RESULTS.md, stability).
+        # policy's EMA (weight 1, decay ramping to 0.3) is the reference's trust region, on in every preset.
         algo = dataclasses.replace(
             a,
             name="awm",

@@ -67,7 +67,7 @@ def test_each_algorithm_trains_end_to_end(tmp_path, name, recording):
     if name == "mixgrpo":  # one window for the whole batch, at sliding_window's position for each step
         for step, (_cfg, traj) in enumerate(recording):
             want = schedule.sliding_window(
-                step, num_steps=4, window_size=2, iters_per_window=1, lo=0, hi=3, roll_back=True
+                step, num_steps=4, window_size=2, iters_per_window=1, lo=0, roll_back=True
             )
             assert traj.window.tolist() == [want] * len(traj)
 

@@ -26,7 +26,8 @@ Deviations from the reference code, each for a reason:
 - In the asynchronous mode (fgrpo/async_mode.py) the rollout ranks are sent `sampling_weights()`'s tensors
   (NFT: the EMA) and sample with them as they are; DPPO's loss takes the stale batches' IS weight, and NFT and
   AWM train stale batches uncorrected (their losses read no sampling likelihood).
-- MixGRPO's window slides inside sampling.window_range and restarts at its start (core.schedule.sliding_window); MixGRPO-Flash's DPM-Solver++ tail after the window is the rollout's
+- MixGRPO's window slides from sampling.window_range's start to the last step that keeps it whole, then
+  restarts there (core.schedule.sliding_window); MixGRPO-Flash's DPM-Solver++ tail after the window is the rollout's
   `sampling.ode_tail="dpmpp_2m"` (the `mixgrpo-flash` presets).
 """
 
@@ -161,12 +162,9 @@ class FlowDPPO(Algorithm):
 
 
 class MixGRPO(Algorithm):
-    """MixGRPO: one SDE window for the whole batch that slides along sampling.window_range as training
-    proceeds, and restarts at its start after the end (algo.window_roll_back, the reference scripts' setting).
-
-    Differs from the reference: the window stays inside sampling.window_range (the recipe's early steps, where
-    the OCR task is decided), where the reference slides over every step but the last. On the text renderer,
-    windows past the range collapsed every long run (RESULTS.md, stability)."""
+    """MixGRPO: one SDE window for the whole batch that slides from sampling.window_range's start over every
+    step but the last as training proceeds, and restarts at that start after the end (algo.window_roll_back,
+    the reference scripts' setting)."""
 
     def sampling(self, step: int) -> SamplingConfig:
         s, a = super().sampling(step), self.cfg.algo
@@ -177,7 +175,6 @@ class MixGRPO(Algorithm):
             iters_per_window=a.window_iters,
             stride=a.window_stride,
             lo=s.window_range[0],
-            hi=min(s.window_range[1], s.num_steps - 1),
             roll_back=a.window_roll_back,
         )
         return dataclasses.replace(
@@ -252,7 +249,7 @@ class AWM(ForwardProcessAlgorithm):
 
     The EMA term is the reference's trust region (its ema_beta): the surrogate alone lets a sample with a
     negative advantage raise its flow-matching error without bound (the ratio is clipped only above 1 + eps =
-    2), and on the text renderer that unlearning ended in blank images (RESULTS.md, stability)."""
+    2). On the text renderer it delays the wash-out to white but does not prevent it (RESULTS.md, stability)."""
 
     shared_steps = True
 

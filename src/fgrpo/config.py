@@ -122,8 +122,8 @@ class AlgoConfig:
     window_stride: int = 1
     """mixgrpo: steps the window moves each time (0 keeps it at sampling.window_range's start)."""
     window_roll_back: bool = True
-    """mixgrpo: after its last position in sampling.window_range the window restarts at the range's start (the
-    reference scripts' --roll_back); False keeps it at the end."""
+    """mixgrpo: after its last position (the last step that keeps it whole) the window restarts at
+    sampling.window_range's start (the reference scripts' --roll_back); False keeps it at the end."""
     train_steps: int = 2
     """nft/awm: K forward-process points per sample and step, one per stratum of the grid steps."""
     train_steps_lo: int = 0
@@ -576,7 +576,7 @@ def _validate_window(cfg: TrainConfig) -> None:
             f"sampling.window_range={s.window_range} with window_size={s.window_size} must satisfy "
             f"0 <= lo, lo + window_size <= hi <= num_steps={s.num_steps}"
         )
-    if a.name == "mixgrpo" and lo + s.window_size > min(hi, s.num_steps - 1):
+    if a.name == "mixgrpo" and lo + s.window_size > s.num_steps - 1:
         raise ValueError(
             f"algo.name='mixgrpo' slides its window before the last step: sampling.window_range={s.window_range} "
             f"with window_size={s.window_size} needs lo + window_size <= num_steps - 1 = {s.num_steps - 1}"
