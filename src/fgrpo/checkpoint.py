@@ -49,6 +49,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from fgrpo.errors import ConfigError, FgrpoError, MissingFileError
 from fgrpo.parallel import barrier, initialized, is_dtensor, rank, world_size
 
 FORMAT_VERSION = 2  # 2 added the per-file sizes and sha256 to meta.json
@@ -58,7 +59,7 @@ _STEP_RE = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = ".tmp_"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(FgrpoError, RuntimeError):
     """A checkpoint file is missing, truncated, corrupt or unreadable; the message names the file."""
 
 
@@ -261,7 +262,7 @@ def resolve(path: str | os.PathLike) -> Path:
         return p
     found = latest_valid(p)
     if found is None:
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"checkpoint: no complete checkpoint at {p} (want a step_* dir with meta.json, or its parent)"
         )
     return found
@@ -508,7 +509,7 @@ def load(
     want = _trainable_names(model)
     if set(model_sd) != want:
         missing, extra = sorted(want - set(model_sd)), sorted(set(model_sd) - want)
-        raise ValueError(
+        raise ConfigError(
             f"checkpoint.load: trainable parameters differ from {ck}: missing {missing[:5]}, unexpected "
             f"{extra[:5]}; build the model (LoRA targets/rank, full vs LoRA) as for the saved run"
         )
@@ -550,7 +551,7 @@ def load(
     if rank_tensors:
         f = ck / f"tensors_rank{rank()}.safetensors"
         if meta.get("world_size") != world_size() or not f.is_file():
-            raise ValueError(
+            raise ConfigError(
                 f"checkpoint.load: {ck} holds no per-rank tensors for rank {rank()} of {world_size()} (saved with world "
                 f"size {meta.get('world_size')}); resume with the world size that saved it"
             )

@@ -25,6 +25,7 @@ import torch
 
 from fgrpo import checkpoint, parallel
 from fgrpo import logging as flog
+from fgrpo.errors import FgrpoError
 
 # Fields that may differ between a run and its resume: they change what is logged or saved, or how fast the
 # reward is computed, not what is trained. Prefix matches ("run." covers every RunConfig field).
@@ -42,7 +43,7 @@ RESUMABLE_FIELDS = (
 _HELD: dict[str, int] = {}  # resolved run dir -> this process's lock fd
 
 
-class RunDirError(RuntimeError):
+class RunDirError(FgrpoError, RuntimeError):
     """The run directory cannot be used as asked (in use, already holds a run, config changed on resume)."""
 
 

@@ -24,12 +24,13 @@ import aiohttp
 import numpy as np
 from PIL import Image
 
+from fgrpo.errors import FgrpoError
 from fgrpo.rewards.base import RewardOutput
 
 T = TypeVar("T")
 
 
-class RewardServiceError(RuntimeError):
+class RewardServiceError(FgrpoError, RuntimeError):
     """A remote reward (HTTP service or VLM server) could not be reached or answered badly."""
 
 
