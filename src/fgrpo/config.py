@@ -354,6 +354,8 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
     g, s, o, r, m = cfg.grpo, cfg.sampling, cfg.optim, cfg.run, cfg.model
     # (holds, field, value, what it must be): plain range checks, each one line.
     ranges = [
+        # torch.manual_seed takes [-2^63, 2^64), the seed mixer (rollout.seeds) signed 64-bit keys
+        (0 <= cfg.seed < 2**63, "seed", cfg.seed, "in [0, 2^63)"),
         (cfg.num_steps >= 1, "num_steps", cfg.num_steps, ">= 1"),
         (g.group_size >= 2, "grpo.group_size", g.group_size, ">= 2 (GRPO compares samples of one prompt)"),
         (g.prompts_per_step >= 1, "grpo.prompts_per_step", g.prompts_per_step, ">= 1"),
