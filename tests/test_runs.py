@@ -247,6 +247,40 @@ def test_init_lora_starts_from_an_exported_adapter(tmp_path):
         setup_trainable(c.transformer, dataclasses.replace(mcfg, init_lora=str(tmp_path / "nothing")))
 
 
+def test_init_lora_is_checked_before_the_model_and_a_non_finite_weight_is_refused(tmp_path):
+    """The path and the header's rank are checked before the model is built (a real model takes minutes to
+    load); a NaN in the adapter, which would skip every optimizer step, is refused at load naming the tensor."""
+    from fgrpo.models.loading import build_model, setup_trainable
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was built before model.init_lora was checked")
+
+    c = cfg_for(tmp_path)
+    for init, lora_rank, match in (
+        (tmp_path / "nothing", 4, "model.init_lora: no LoRA at"),
+        (tmp_path / "lora", 8, "--model.lora-rank 4 --model.lora-alpha 8"),
+    ):
+        mcfg = dataclasses.replace(c.model, init_lora=str(init), lora_rank=lora_rank)
+        if lora_rank == 8:  # an adapter of rank 4 on disk
+            a = build_model(c.model, torch.device("cpu"), seed=0)
+            setup_trainable(a.transformer, c.model)
+            checkpoint.export_lora(tmp_path / "lora", a.transformer)
+        with pytest.raises((FileNotFoundError, ValueError), match=match):
+            train_mod.train(dataclasses.replace(c, model=mcfg), model_builder=no_model)
+        assert not (tmp_path / "e2e").exists()  # before the run directory, too
+    a = build_model(c.model, torch.device("cpu"), seed=0)
+    setup_trainable(a.transformer, c.model)
+    name = next(n for n, _ in a.transformer.named_parameters() if "lora_B" in n)
+    with torch.no_grad():
+        a.transformer.get_parameter(name)[0, 0] = float("nan")
+    checkpoint.export_lora(tmp_path / "nan", a.transformer)
+    mcfg = dataclasses.replace(c.model, init_lora=str(tmp_path / "nan"))
+    b = build_model(mcfg, torch.device("cpu"), seed=0)
+    key = name.replace(".default.", ".")
+    with pytest.raises(ValueError, match=rf"nan/adapter_model.safetensors' tensor {key} holds 1 non-finite"):
+        setup_trainable(b.transformer, mcfg)
+
+
 def test_a_wrong_reward_url_fails_before_the_model_is_built(tmp_path, monkeypatch):
     """--reward.url is checked with the service's /health before any model work (a closed local port here)."""
     from fgrpo.rewards.client import RewardServiceError

@@ -490,6 +490,10 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
         )
     if m.init_lora and not m.lora:
         raise ConfigError("model.init_lora needs model.lora=True; drop --model.init-lora or train LoRA")
+    if m.init_lora:
+        from fgrpo.models.loading import check_lora_file  # the file and its header, not its tensors
+
+        check_lora_file(m.init_lora, rank=m.lora_rank, alpha=m.lora_alpha)
     if o.schedule != "constant" and cfg.lr_decay_steps <= o.warmup_steps:
         raise ConfigError(
             f"optim.decay_steps={cfg.lr_decay_steps} (optimizer steps) must exceed optim.warmup_steps="

@@ -315,28 +315,51 @@ def _lora_file(path: str | Path) -> Path:
     return f
 
 
-def load_lora_weights(
-    transformer: Transformer, path: str | Path, *, rank: int, alpha: int, adapter_name: str = "default"
-) -> None:
-    """Copy a diffusers-layout LoRA (keys `transformer.<module>.lora_A.weight`, the LoraConfig in the
-    `lora_adapter_metadata` header) into the transformer's existing adapter, checking rank, alpha, targets
-    and every shape first. peft's `set_peft_model_state_dict` does the key mapping."""
-    from peft import set_peft_model_state_dict
+def _lora_header(f: Path) -> dict[str, Any]:
+    """The LoraConfig that fgrpo's and diffusers' exports keep in the safetensors header ({} when absent)."""
     from safetensors import safe_open
 
-    f = _lora_file(path)
     try:
         with safe_open(str(f), framework="pt") as fh:
-            header = json.loads((fh.metadata() or {}).get("lora_adapter_metadata", "{}"))
-            sd = {k.removeprefix("transformer."): fh.get_tensor(k) for k in fh.keys()}
+            return json.loads((fh.metadata() or {}).get("lora_adapter_metadata", "{}"))
     except Exception as e:  # safetensors' own errors do not say which file
         raise ConfigError(f"model.init_lora: cannot read '{f}' as safetensors ({e})") from e
+
+
+def _check_rank(f: Path, header: dict[str, Any], rank: int, alpha: int) -> None:
     saved_r, saved_alpha = header.get("transformer.r"), header.get("transformer.lora_alpha")
     if saved_r is not None and (saved_r != rank or saved_alpha != alpha):
         raise ConfigError(
             f"model.init_lora: '{f}' has rank {saved_r} / alpha {saved_alpha}, the model lora_rank {rank} / "
             f"lora_alpha {alpha}; pass --model.lora-rank {saved_r} --model.lora-alpha {saved_alpha}"
         )
+
+
+def check_lora_file(path: str | Path, *, rank: int, alpha: int) -> Path:
+    """What `load_lora_weights` can check without a model, from the file's header alone (validation runs it
+    before the model is built): the adapter file is there, reads as safetensors, and has this rank and alpha.
+    Returns the file."""
+    f = _lora_file(path)
+    _check_rank(f, _lora_header(f), rank, alpha)
+    return f
+
+
+def load_lora_weights(
+    transformer: Transformer, path: str | Path, *, rank: int, alpha: int, adapter_name: str = "default"
+) -> None:
+    """Copy a diffusers-layout LoRA (keys `transformer.<module>.lora_A.weight`, the LoraConfig in the
+    `lora_adapter_metadata` header) into the transformer's existing adapter, checking rank, alpha, targets,
+    every shape and that every value is finite first (a NaN would make every update non-finite: each
+    optimizer step skipped, the NaN adapter exported again). peft's `set_peft_model_state_dict` does the key
+    mapping."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    f = check_lora_file(path, rank=rank, alpha=alpha)
+    try:
+        sd = {k.removeprefix("transformer."): v for k, v in load_file(str(f)).items()}
+    except Exception as e:  # safetensors' own errors do not say which file
+        raise ConfigError(f"model.init_lora: cannot read '{f}' as safetensors ({e})") from e
     own = {n: p for n, p in transformer.named_parameters() if f".{adapter_name}." in n and "lora_" in n}
     want = {n.replace(f".{adapter_name}.", "."): p for n, p in own.items()}
     missing, unexpected = sorted(set(want) - set(sd)), sorted(set(sd) - set(want))
@@ -349,6 +372,12 @@ def load_lora_weights(
         if tuple(v.shape) != tuple(want[k].shape):
             raise ConfigError(
                 f"model.init_lora: '{f}' {k} has shape {tuple(v.shape)}, the adapter {tuple(want[k].shape)}"
+            )
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            bad = int((~torch.isfinite(v)).sum())
+            raise ConfigError(
+                f"model.init_lora: '{f}' tensor {k} holds {bad} non-finite value(s) (NaN or inf) of {v.numel()}; "
+                "start from an adapter whose weights are finite (e.g. an earlier checkpoint's export)"
             )
     result = set_peft_model_state_dict(transformer, sd, adapter_name=adapter_name)
     if getattr(result, "unexpected_keys", None):
