@@ -114,6 +114,35 @@ def test_resume_refuses_a_changed_training_field_and_applies_bookkeeping_ones(do
     assert json.loads((tmp_path / "e2e" / "config.json").read_text())["num_steps"] == 3
 
 
+def test_resume_refuses_a_reward_service_that_serves_another_reward(done):
+    """reward.url may change on resume (another port or host), the reward may not: the run records the one it
+    trains on (reward.name, or what a service names in /health) and a resume compares."""
+    from rewards.helpers import serve_in_thread
+
+    from fgrpo.rewards import build_reward
+    from fgrpo.rewards.serve import make_app
+
+    tmp_path = done
+    record = tmp_path / "e2e" / "reward.json"
+    assert json.loads(record.read_text()) == {"reward": "jpeg_compressibility"}  # trained locally
+    apps = [make_app(build_reward(n), n) for n in ("jpeg_incompressibility", "jpeg_compressibility")]
+    with serve_in_thread(apps[0]) as other, serve_in_thread(apps[1]) as same:
+        c = cfg_for(tmp_path, resume="auto")
+        for url in (other, same):
+            resumed = dataclasses.replace(c, num_steps=3, reward=dataclasses.replace(c.reward, url=url))
+            if url == other:
+                with pytest.raises(RunDirError, match=r"'jpeg_compressibility'.*'jpeg_incompressibility'"):
+                    train_mod.train(resumed)
+            else:
+                train_mod.train(resumed)  # the same reward, served
+    assert [r["step"] for r in rows(tmp_path)] == [0, 1, 2]
+    # one reward in any spelling of its spec; a run without a record (an older one) records the current one
+    runs.check_reward(tmp_path / "e2e", '{ "name": "jpeg_compressibility" }', resumed=True, write=True)
+    record.unlink()
+    runs.check_reward(tmp_path / "e2e", "ocr", resumed=True, write=True)
+    assert json.loads(record.read_text()) == {"reward": "ocr"}
+
+
 def test_resume_auto_without_a_checkpoint_says_so_and_keeps_one_row_per_step(tmp_path, capsys):
     run_dir = tmp_path / "e2e"
     run_dir.mkdir()
