@@ -143,6 +143,18 @@ def test_resume_refuses_a_reward_service_that_serves_another_reward(done):
     assert json.loads(record.read_text()) == {"reward": "ocr"}
 
 
+def test_a_resumed_run_keeps_no_optimizer_state_for_parameters_without_gradients(done):
+    """The last block's text-stream LoRA (to_add_out, txt_mlp) of a Qwen-Image-like model never gets a gradient
+    (nothing reads that block's text output): no optimizer state before the resume, none after it either."""
+    from safetensors.torch import load_file
+
+    train_mod.train(dataclasses.replace(cfg_for(done, resume="auto"), num_steps=3))
+    ckpts = done / "e2e" / "checkpoints"
+    keys = [set(load_file(str(ckpts / f"step_00000{s}" / "optimizer.safetensors"))) for s in (2, 3)]
+    assert keys[0] == keys[1]
+    assert not any("transformer_blocks.1.txt_mlp" in k for k in keys[1])  # the tiny model's last block
+
+
 def test_resume_auto_without_a_checkpoint_says_so_and_keeps_one_row_per_step(tmp_path, capsys):
     run_dir = tmp_path / "e2e"
     run_dir.mkdir()

@@ -536,6 +536,7 @@ def load(
                 g.update(saved)
         else:
             set_optimizer_state_dict(model, optimizer, osd, options=opts)
+            _forget_made_up_state(model, optimizer, set(osd["state"]))
         for g, keys in zip(optimizer.param_groups, tuples):
             for k in keys:  # JSON (and DCP's own flattening) turn e.g. AdamW's betas into lists
                 if isinstance(g.get(k), list):
@@ -566,6 +567,20 @@ def load(
 
     barrier()
     return int(meta["step"]), meta["extra_state"]
+
+
+def _forget_made_up_state(model: nn.Module, optimizer: torch.optim.Optimizer, saved: set[str]) -> None:
+    """Drop the optimizer state of parameters that had none when saved (never stepped: no gradient yet).
+
+    torch's `set_optimizer_state_dict` first takes a zero-gradient step on every parameter, so those get step 1
+    and zero moments: a parameter that trains only later would then take its first update with step 2's bias
+    correction, not step 1's as in the uninterrupted run, and every later checkpoint would carry the made-up
+    entries (e.g. the LoRA of Qwen-Image's last block's text stream, whose output nothing reads)."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    for name, p in model.named_parameters():
+        if p in optimizer.state and not set(_get_fqns(model, name)) & saved:
+            del optimizer.state[p]
 
 
 # ---------------------------------------------------------------------------------------------------------
