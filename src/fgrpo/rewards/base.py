@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -30,13 +30,6 @@ class Reward(Protocol):
     def __call__(
         self, images: np.ndarray, prompts: Sequence[str], metadata: Sequence[dict[str, Any]] | None = None
     ) -> RewardOutput: ...
-
-
-@runtime_checkable
-class ServedReward(Protocol):
-    """A reward computed by a service (HttpReward): `health()` raises, naming the fix, when it is not up."""
-
-    def health(self) -> object: ...
 
 
 def check_inputs(
