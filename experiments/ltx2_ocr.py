@@ -31,9 +31,8 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-import tyro
-
 from fgrpo.config import DataConfig, GRPOConfig, OptimConfig, RewardConfig, RunConfig, TrainConfig
+from fgrpo.errors import cli
 from fgrpo.models.ltx2 import LTX2_LORA_TARGETS, LTX2Config
 from fgrpo.rollout.base import SamplingConfig
 
@@ -143,4 +142,4 @@ if __name__ == "__main__":
         "recipe": ("verl-omni's LTX-2.3 text-to-audio-video recipe (GPUs, real weights).", Config()),
         "tiny": ("Seconds on a CPU: a tiny random LTX-2.3, offline video OCR reward (wiring only).", tiny()),
     }
-    main(tyro.extras.overridable_config_cli(presets))
+    cli(main, presets)

@@ -52,6 +52,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from fgrpo import logging as flog
 from fgrpo import parallel
 from fgrpo.core.schedule import lr_multiplier
+from fgrpo.errors import ConfigError, MissingFileError, cli, one_line_errors
 from fgrpo.fonts import dejavu_sans
 from fgrpo.models import textbed as tb
 from fgrpo.rewards.ocr import is_exact
@@ -178,7 +179,7 @@ class Config:
 def write_word_lists(source: str, words_dir: str) -> tuple[int, int]:
     """Vocabulary from `source`'s unquoted text, split 7:1 by hash into train / held-out files."""
     if not source or not Path(source).is_file():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"--words-source {source!r} is not a file; pass flow_grpo's dataset/ocr/test.txt"
         )
     words = tb.extract_words(Path(source).read_text())
@@ -336,7 +337,7 @@ def check_config(cfg: Config) -> None:
     folder = init_folder(cfg)
     if folder is not None:
         if not (folder / "model.safetensors").is_file() or not (folder / "config.json").is_file():
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"init={cfg.init!r}: no model.safetensors and config.json in {folder}; pass a textbed checkpoint "
                 "folder (a snapshot of this script's out_dir) or 'bundled'"
             )
@@ -347,26 +348,26 @@ def check_config(cfg: Config) -> None:
                 for f in dataclasses.fields(saved)
                 if getattr(saved, f.name) != getattr(cfg.model, f.name)
             )
-            raise ValueError(
+            raise ConfigError(
                 f"init={cfg.init!r} is a different architecture than --model ({diff} there); pass those --model "
                 "flags or another init"
             )
     if cfg.optim.schedule not in ("constant", "linear", "cosine"):
-        raise ValueError(f"optim.schedule={cfg.optim.schedule!r}: use constant, linear or cosine")
+        raise ConfigError(f"optim.schedule={cfg.optim.schedule!r}: use constant, linear or cosine")
     if cfg.optim.schedule != "constant" and cfg.max_steps <= cfg.optim.warmup_steps:
-        raise ValueError(
+        raise ConfigError(
             f"optim.schedule={cfg.optim.schedule} decays until max_steps={cfg.max_steps}, which is not after "
             f"optim.warmup_steps={cfg.optim.warmup_steps}: raise --max-steps"
         )
     if not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
-        raise ValueError(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} must be in [0, 1]")
+        raise ConfigError(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} must be in [0, 1]")
 
 
 def train(cfg: Config) -> list[tuple[float, int, dict[str, torch.Tensor]]]:
     """Train; returns the EMA snapshots [(train seconds, step, fp32 state dict)] (empty on ranks > 0)."""
     if cfg.batch_size % parallel.world_size():
         n = parallel.world_size()
-        raise ValueError(
+        raise ConfigError(
             f"--batch-size {cfg.batch_size} is not divisible by the {n} ranks; make it a multiple"
         )
     d = parallel.init_distributed(cfg.device)
@@ -650,10 +651,11 @@ if __name__ == "__main__":
 
     if len(sys.argv) > 1 and sys.argv[1] == "words":
         cfg = tyro.cli(Config, args=sys.argv[2:])
-        print("train/heldout words:", write_word_lists(cfg.words_source, cfg.words_dir))
+        with one_line_errors():
+            print("train/heldout words:", write_word_lists(cfg.words_source, cfg.words_dir))
     else:
         presets = {
             "recipe": ("The committed checkpoint's run (1 GPU, ~7 min).", recipe()),
             "tiny": ("CPU smoke test (seconds).", tiny()),
         }
-        main(tyro.extras.overridable_config_cli(presets))
+        cli(main, presets)

@@ -35,8 +35,6 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-import tyro
-
 from fgrpo.config import (
     DataConfig,
     GRPOConfig,
@@ -46,6 +44,7 @@ from fgrpo.config import (
     RunConfig,
     TrainConfig,
 )
+from fgrpo.errors import cli
 from fgrpo.rollout.base import SamplingConfig
 
 
@@ -196,4 +195,4 @@ if __name__ == "__main__":
             tiny(),
         ),
     }
-    main(tyro.extras.overridable_config_cli(presets))
+    cli(main, presets)

@@ -31,8 +31,6 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-import tyro
-
 from fgrpo.config import (
     DataConfig,
     GRPOConfig,
@@ -42,6 +40,7 @@ from fgrpo.config import (
     RunConfig,
     TrainConfig,
 )
+from fgrpo.errors import cli
 from fgrpo.rollout.base import SamplingConfig
 
 
@@ -254,4 +253,4 @@ def presets() -> dict[str, tuple[str, Config]]:
 
 
 if __name__ == "__main__":
-    main(tyro.extras.overridable_config_cli(presets()))
+    cli(main, presets())

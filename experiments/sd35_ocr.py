@@ -26,8 +26,6 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-import tyro
-
 from fgrpo.config import (
     DataConfig,
     GRPOConfig,
@@ -37,6 +35,7 @@ from fgrpo.config import (
     RunConfig,
     TrainConfig,
 )
+from fgrpo.errors import cli
 from fgrpo.models.loading import SD3_LORA_TARGETS
 from fgrpo.rollout.base import SamplingConfig
 
@@ -202,4 +201,4 @@ if __name__ == "__main__":
             tiny_random(),
         ),
     }
-    main(tyro.extras.overridable_config_cli(presets))
+    cli(main, presets)

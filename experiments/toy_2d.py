@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import tyro
 from torch import nn
 
 from fgrpo.core import grpo, schedule, sde
+from fgrpo.errors import ConfigError, cli
 
 
 @dataclass(frozen=True)
@@ -224,11 +224,11 @@ def evaluate(model: Velocity, sigmas: torch.Tensor, noise: torch.Tensor, cfg: Da
 def main(cfg: Config) -> dict[str, float]:
     g = cfg.grpo
     if g.window_size > g.num_steps or g.window_range[1] > g.num_steps:
-        raise ValueError(
+        raise ConfigError(
             f"grpo.window_range={g.window_range} must lie within grpo.num_steps={g.num_steps} steps"
         )
     if g.num_groups % g.updates_per_rollout:
-        raise ValueError(
+        raise ConfigError(
             f"grpo.updates_per_rollout={g.updates_per_rollout} must divide grpo.num_groups={g.num_groups}"
         )
     torch.set_num_threads(cfg.threads)
@@ -315,4 +315,4 @@ def presets() -> dict[str, tuple[str, Config]]:
 
 
 if __name__ == "__main__":
-    main(tyro.extras.overridable_config_cli(presets()))
+    cli(main, presets())

@@ -110,6 +110,50 @@ def test_save_before_first_step_changes_nothing(tmp_path):
         assert torch.equal(v, ref[k]), k
 
 
+class _LateBranch(nn.Module):
+    """`late` gets a gradient from step 3 on: until then it has no optimizer state (like a LoRA whose output
+    nothing reads, which never gets one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.early, self.late = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        y = self.early(x)
+        return self.late(y) if step >= 3 else y
+
+
+def test_a_parameter_without_optimizer_state_resumes_as_never_stepped(tmp_path):
+    """torch's optimizer-state load makes up step 1 and zero moments for such a parameter: the resumed run's
+    first update of `late` then differed (5e-3) and its checkpoints carried the made-up entries."""
+
+    def build():
+        torch.manual_seed(0)
+        model = _LateBranch()
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+    def train(model, opt, steps):
+        for s in steps:
+            x = torch.randn(5, 4, generator=torch.Generator().manual_seed(s))
+            opt.zero_grad()
+            (model(x, s) ** 2).mean().backward()
+            opt.step()
+
+    model, opt = build()
+    train(model, opt, range(2))
+    ckpt.save(tmp_path / "a", 2, model=model, optimizer=opt)
+    train(model, opt, range(2, 6))
+    model2, opt2 = build()
+    ckpt.load(tmp_path / "a", model=model2, optimizer=opt2)
+    assert not any(p in opt2.state for p in model2.late.parameters())
+    ckpt.save(tmp_path / "b", 2, model=model2, optimizer=opt2)
+    optimizer_files = [load_file(str(tmp_path / d / "step_000002" / "optimizer.safetensors")) for d in "ab"]
+    assert optimizer_files[0].keys() == optimizer_files[1].keys()
+    train(model2, opt2, range(2, 6))
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, model.state_dict()[k]), k
+
+
 def test_files_hold_trainable_weights_and_no_pickle(tmp_path):
     model, opt, sched = _build(0)
     _train(model, opt, sched, 1)

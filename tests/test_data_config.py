@@ -118,6 +118,30 @@ def test_validate_config_accepts_the_recipe():
     validate_config(TrainConfig(model=ModelConfig(compile=True)), world_size=4)
 
 
+def test_a_seed_outside_the_seed_mixers_range_is_refused_before_the_run_directory(tmp_path):
+    """torch.manual_seed would take 2^63 (and -1), the seed mixer's signed 64-bit keys not: the run failed after
+    making its directory. The range's ends both work."""
+    from fgrpo.rollout.seeds import sample_seeds
+    from fgrpo.train import train
+
+    for seed in (2**63, 2**64, -1):
+        cfg = dataclasses.replace(TrainConfig(), seed=seed)
+        with pytest.raises(ValueError, match=rf"^seed={seed}: must be in \[0, 2\^63\); pass --seed"):
+            validate_config(cfg, world_size=1)
+    cfg = dataclasses.replace(
+        TrainConfig(), seed=2**63, run=dataclasses.replace(TrainConfig().run, out_dir=str(tmp_path))
+    )
+    with pytest.raises(ValueError, match="^seed="):
+        train(cfg)
+    assert list(tmp_path.iterdir()) == []
+    for seed in (0, 2**63 - 1):
+        validate_config(dataclasses.replace(TrainConfig(), seed=seed), world_size=1)
+        torch.manual_seed(seed)
+        assert len(sample_seeds(seed, 0, torch.arange(2))) == 2 and step_prompt_indices(
+            5, 0, 2, seed
+        ).shape == (2,)
+
+
 def test_group_init_seeds_one_per_group():
     """--grpo.group-init-noise: the G samples of a group share an init seed, groups do not, a pure function of
     (seed, step), and the init seeds are not any sample's own seed."""

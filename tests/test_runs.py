@@ -119,6 +119,47 @@ def test_resume_refuses_a_changed_training_field_and_applies_bookkeeping_ones(do
     assert json.loads((tmp_path / "e2e" / "config.json").read_text())["num_steps"] == 3
 
 
+def test_resume_refuses_a_reward_service_that_serves_another_reward(done):
+    """reward.url may change on resume (another port or host), the reward may not: the run records the one it
+    trains on (reward.name, or what a service names in /health) and a resume compares."""
+    from rewards.helpers import serve_in_thread
+
+    from fgrpo.rewards import build_reward
+    from fgrpo.rewards.serve import make_app
+
+    tmp_path = done
+    record = tmp_path / "e2e" / "reward.json"
+    assert json.loads(record.read_text()) == {"reward": "jpeg_compressibility"}  # trained locally
+    apps = [make_app(build_reward(n), n) for n in ("jpeg_incompressibility", "jpeg_compressibility")]
+    with serve_in_thread(apps[0]) as other, serve_in_thread(apps[1]) as same:
+        c = cfg_for(tmp_path, resume="auto")
+        for url in (other, same):
+            resumed = dataclasses.replace(c, num_steps=3, reward=dataclasses.replace(c.reward, url=url))
+            if url == other:
+                with pytest.raises(RunDirError, match=r"'jpeg_compressibility'.*'jpeg_incompressibility'"):
+                    train_mod.train(resumed)
+            else:
+                train_mod.train(resumed)  # the same reward, served
+    assert [r["step"] for r in rows(tmp_path)] == [0, 1, 2]
+    # one reward in any spelling of its spec; a run without a record (an older one) records the current one
+    runs.check_reward(tmp_path / "e2e", '{ "name": "jpeg_compressibility" }', resumed=True, write=True)
+    record.unlink()
+    runs.check_reward(tmp_path / "e2e", "ocr", resumed=True, write=True)
+    assert json.loads(record.read_text()) == {"reward": "ocr"}
+
+
+def test_a_resumed_run_keeps_no_optimizer_state_for_parameters_without_gradients(done):
+    """The last block's text-stream LoRA (to_add_out, txt_mlp) of a Qwen-Image-like model never gets a gradient
+    (nothing reads that block's text output): no optimizer state before the resume, none after it either."""
+    from safetensors.torch import load_file
+
+    train_mod.train(dataclasses.replace(cfg_for(done, resume="auto"), num_steps=3))
+    ckpts = done / "e2e" / "checkpoints"
+    keys = [set(load_file(str(ckpts / f"step_00000{s}" / "optimizer.safetensors"))) for s in (2, 3)]
+    assert keys[0] == keys[1]
+    assert not any("transformer_blocks.1.txt_mlp" in k for k in keys[1])  # the tiny model's last block
+
+
 def test_resume_auto_without_a_checkpoint_says_so_and_keeps_one_row_per_step(tmp_path, capsys):
     run_dir = tmp_path / "e2e"
     run_dir.mkdir()
@@ -250,6 +291,40 @@ def test_init_lora_starts_from_an_exported_adapter(tmp_path):
     c = build_model(mcfg, torch.device("cpu"), seed=0)
     with pytest.raises(FileNotFoundError, match="model.init_lora"):
         setup_trainable(c.transformer, dataclasses.replace(mcfg, init_lora=str(tmp_path / "nothing")))
+
+
+def test_init_lora_is_checked_before_the_model_and_a_non_finite_weight_is_refused(tmp_path):
+    """The path and the header's rank are checked before the model is built (a real model takes minutes to
+    load); a NaN in the adapter, which would skip every optimizer step, is refused at load naming the tensor."""
+    from fgrpo.models.loading import build_model, setup_trainable
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was built before model.init_lora was checked")
+
+    c = cfg_for(tmp_path)
+    for init, lora_rank, match in (
+        (tmp_path / "nothing", 4, "model.init_lora: no LoRA at"),
+        (tmp_path / "lora", 8, "--model.lora-rank 4 --model.lora-alpha 8"),
+    ):
+        mcfg = dataclasses.replace(c.model, init_lora=str(init), lora_rank=lora_rank)
+        if lora_rank == 8:  # an adapter of rank 4 on disk
+            a = build_model(c.model, torch.device("cpu"), seed=0)
+            setup_trainable(a.transformer, c.model)
+            checkpoint.export_lora(tmp_path / "lora", a.transformer)
+        with pytest.raises((FileNotFoundError, ValueError), match=match):
+            train_mod.train(dataclasses.replace(c, model=mcfg), model_builder=no_model)
+        assert not (tmp_path / "e2e").exists()  # before the run directory, too
+    a = build_model(c.model, torch.device("cpu"), seed=0)
+    setup_trainable(a.transformer, c.model)
+    name = next(n for n, _ in a.transformer.named_parameters() if "lora_B" in n)
+    with torch.no_grad():
+        a.transformer.get_parameter(name)[0, 0] = float("nan")
+    checkpoint.export_lora(tmp_path / "nan", a.transformer)
+    mcfg = dataclasses.replace(c.model, init_lora=str(tmp_path / "nan"))
+    b = build_model(mcfg, torch.device("cpu"), seed=0)
+    key = name.replace(".default.", ".")
+    with pytest.raises(ValueError, match=rf"nan/adapter_model.safetensors' tensor {key} holds 1 non-finite"):
+        setup_trainable(b.transformer, mcfg)
 
 
 def test_a_wrong_reward_url_fails_before_the_model_is_built(tmp_path, monkeypatch):

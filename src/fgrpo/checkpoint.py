@@ -49,6 +49,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from fgrpo.errors import ConfigError, FgrpoError, MissingFileError
 from fgrpo.parallel import barrier, initialized, is_dtensor, rank, world_size
 
 FORMAT_VERSION = 2  # 2 added the per-file sizes and sha256 to meta.json
@@ -58,7 +59,7 @@ _STEP_RE = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = ".tmp_"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(FgrpoError, RuntimeError):
     """A checkpoint file is missing, truncated, corrupt or unreadable; the message names the file."""
 
 
@@ -261,7 +262,7 @@ def resolve(path: str | os.PathLike) -> Path:
         return p
     found = latest_valid(p)
     if found is None:
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"checkpoint: no complete checkpoint at {p} (want a step_* dir with meta.json, or its parent)"
         )
     return found
@@ -508,7 +509,7 @@ def load(
     want = _trainable_names(model)
     if set(model_sd) != want:
         missing, extra = sorted(want - set(model_sd)), sorted(set(model_sd) - want)
-        raise ValueError(
+        raise ConfigError(
             f"checkpoint.load: trainable parameters differ from {ck}: missing {missing[:5]}, unexpected "
             f"{extra[:5]}; build the model (LoRA targets/rank, full vs LoRA) as for the saved run"
         )
@@ -535,6 +536,7 @@ def load(
                 g.update(saved)
         else:
             set_optimizer_state_dict(model, optimizer, osd, options=opts)
+            _forget_made_up_state(model, optimizer, set(osd["state"]))
         for g, keys in zip(optimizer.param_groups, tuples):
             for k in keys:  # JSON (and DCP's own flattening) turn e.g. AdamW's betas into lists
                 if isinstance(g.get(k), list):
@@ -550,7 +552,7 @@ def load(
     if rank_tensors:
         f = ck / f"tensors_rank{rank()}.safetensors"
         if meta.get("world_size") != world_size() or not f.is_file():
-            raise ValueError(
+            raise ConfigError(
                 f"checkpoint.load: {ck} holds no per-rank tensors for rank {rank()} of {world_size()} (saved with world "
                 f"size {meta.get('world_size')}); resume with the world size that saved it"
             )
@@ -565,6 +567,20 @@ def load(
 
     barrier()
     return int(meta["step"]), meta["extra_state"]
+
+
+def _forget_made_up_state(model: nn.Module, optimizer: torch.optim.Optimizer, saved: set[str]) -> None:
+    """Drop the optimizer state of parameters that had none when saved (never stepped: no gradient yet).
+
+    torch's `set_optimizer_state_dict` first takes a zero-gradient step on every parameter, so those get step 1
+    and zero moments: a parameter that trains only later would then take its first update with step 2's bias
+    correction, not step 1's as in the uninterrupted run, and every later checkpoint would carry the made-up
+    entries (e.g. the LoRA of Qwen-Image's last block's text stream, whose output nothing reads)."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    for name, p in model.named_parameters():
+        if p in optimizer.state and not set(_get_fqns(model, name)) & saved:
+            del optimizer.state[p]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -367,11 +367,14 @@ def _flag(field_name: str) -> str:
 
 
 def validate_config(cfg: TrainConfig, world_size: int) -> None:
-    """Raise ValueError naming the field and the fix for any value the run cannot use; nothing is built yet."""
+    """Raise ConfigError (a ValueError) naming the field and the fix for any value the run cannot use; nothing is
+    built yet."""
     g, s, o, r, m = cfg.grpo, cfg.sampling, cfg.optim, cfg.run, cfg.model
     _validate_exp_name(cfg.exp_name)
     # (holds, field, value, what it must be): plain range checks, each one line.
     ranges = [
+        # torch.manual_seed takes [-2^63, 2^64), the seed mixer (rollout.seeds) signed 64-bit keys
+        (0 <= cfg.seed < 2**63, "seed", cfg.seed, "in [0, 2^63)"),
         (cfg.num_steps >= 1, "num_steps", cfg.num_steps, ">= 1"),
         (g.group_size >= 2, "grpo.group_size", g.group_size, ">= 2 (GRPO compares samples of one prompt)"),
         (g.prompts_per_step >= 1, "grpo.prompts_per_step", g.prompts_per_step, ">= 1"),
@@ -418,11 +421,11 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
     ]
     for ok, name, value, want in ranges:
         if not ok:
-            raise ValueError(f"{name}={value}: must be {want}; pass {_flag(name)} with a valid value")
+            raise ConfigError(f"{name}={value}: must be {want}; pass {_flag(name)} with a valid value")
     multiple = RESOLUTION_MULTIPLE[m.kind]
     for name, px in (("sampling.height", s.height), ("sampling.width", s.width)):
         if px < multiple or px % multiple:
-            raise ValueError(
+            raise ConfigError(
                 f"{name}={px}: model.kind={m.kind!r} needs a positive multiple of {multiple} pixels "
                 f"(VAE x patch); e.g. {_flag(name)} {max(multiple, round(px / multiple) * multiple)}"
             )
@@ -430,13 +433,13 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
     trainers = cfg.parallel.trainer_ranks(world_size)
     n = cfg.samples_per_step
     if n % trainers:
-        raise ValueError(
+        raise ConfigError(
             f"grpo.prompts_per_step*grpo.group_size={n} is not divisible by the {trainers} training ranks; "
             "change grpo.prompts_per_step or grpo.group_size"
         )
     local = n // trainers
     if local % g.optimizer_steps_per_step:
-        raise ValueError(
+        raise ConfigError(
             f"grpo.optimizer_steps_per_step={g.optimizer_steps_per_step} does not divide the {local} samples "
             "per rank; pick a divisor"
         )
@@ -444,7 +447,7 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
     if a.name in FORWARD_PROCESS_ALGOS:
         hi = a.train_steps_hi or s.num_steps
         if not 0 <= a.train_steps_lo < hi <= s.num_steps or not 1 <= a.train_steps <= hi - a.train_steps_lo:
-            raise ValueError(
+            raise ConfigError(
                 f"algo.train_steps={a.train_steps} in grid steps [algo.train_steps_lo={a.train_steps_lo}, "
                 f"algo.train_steps_hi={hi}) must satisfy 0 <= lo < hi <= sampling.num_steps={s.num_steps} and "
                 "1 <= train_steps <= hi - lo"
@@ -460,14 +463,14 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
             (a.kl_ema_rate >= 0, "algo.kl_ema_rate", a.kl_ema_rate),
         ):
             if not ok:
-                raise ValueError(f"{name}={value} is out of range; see --help for its meaning")
+                raise ConfigError(f"{name}={value} is out of range; see --help for its meaning")
         if g.old_log_prob != "rollout" or g.ratio_norm or g.group_init_noise:
-            raise ValueError(
+            raise ConfigError(
                 f"algo.name={a.name!r} has no transition log-probs: drop --grpo.old-log-prob, "
                 "--grpo.ratio-norm and --grpo.group-init-noise"
             )
         if cfg.rollout_engine != "diffusers":
-            raise ValueError(
+            raise ConfigError(
                 f"algo.name={a.name!r} needs the rollout's clean latents: use rollout_engine='diffusers'"
             )
     else:
@@ -478,20 +481,20 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
         and g.old_log_prob == "rollout"
         and g.clip_range < 10 * COMPILED_LOGPROB_GAP
     ):
-        raise ValueError(
+        raise ConfigError(
             f"model.compile=True, model.exact_rollout=False with grpo.old_log_prob='rollout': the compiled no-grad "
             f"rollout and the training forward differ by up to ~{COMPILED_LOGPROB_GAP:g} in log-prob, not small "
             f"next to grpo.clip_range={g.clip_range:g}; drop --model.no-exact-rollout or add "
             "--grpo.old-log-prob recompute"
         )
     if g.kl_coef > 0 and not m.lora:
-        raise ValueError(
+        raise ConfigError(
             "grpo.kl_coef>0 needs model.lora=True (the reference is the model with adapters off)"
         )
     if m.merged_rollout and not (
         m.lora and cfg.parallel.shard == "adapters" and cfg.rollout_engine == "diffusers"
     ):
-        raise ValueError(
+        raise ConfigError(
             "model.merged_rollout merges the LoRA into a copy of the frozen base in this process: it needs "
             "model.lora=True, --parallel.shard adapters and rollout_engine='diffusers'; add them or drop "
             "--model.merged-rollout"
@@ -500,47 +503,51 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
 
     check_attention_backend(m.attention_backend, "model.attention_backend")
     if cfg.parallel.shard == "adapters" and not m.lora:
-        raise ValueError(
+        raise ConfigError(
             "parallel.shard='adapters' replicates the frozen base and model.lora=False trains all of it; drop "
             "--parallel.shard"
         )
     if m.checkpoint_policy == "selective" and not m.gradient_checkpointing:
-        raise ValueError(
+        raise ConfigError(
             "model.checkpoint_policy='selective' chooses what gradient checkpointing recomputes and "
             "model.gradient_checkpointing=False turns it off; drop one of the two flags"
         )
     if m.init_lora and not m.lora:
-        raise ValueError("model.init_lora needs model.lora=True; drop --model.init-lora or train LoRA")
+        raise ConfigError("model.init_lora needs model.lora=True; drop --model.init-lora or train LoRA")
+    if m.init_lora:
+        from fgrpo.models.loading import check_lora_file  # the file and its header, not its tensors
+
+        check_lora_file(m.init_lora, rank=m.lora_rank, alpha=m.lora_alpha)
     if o.schedule != "constant" and cfg.lr_decay_steps <= o.warmup_steps:
-        raise ValueError(
+        raise ConfigError(
             f"optim.decay_steps={cfg.lr_decay_steps} (optimizer steps) must exceed optim.warmup_steps="
             f"{o.warmup_steps} for optim.schedule='{o.schedule}'; raise optim.decay_steps or num_steps"
         )
     if r.resume and r.overwrite:
-        raise ValueError("run.resume and run.overwrite contradict each other; pass one of them")
+        raise ConfigError("run.resume and run.overwrite contradict each other; pass one of them")
     if r.resume_from_other and r.resume in ("", "auto"):
         raise ConfigError(
             "run.resume_from_other needs --run.resume <checkpoint of another run>; drop --run.resume-from-other"
         )
     if cfg.rollout_engine == "vllm_omni":
         if m.kind != "qwen_image" or not m.lora:
-            raise ValueError(
+            raise ConfigError(
                 "rollout_engine='vllm_omni' supports model.kind='qwen_image' with model.lora=True only"
             )
         if g.old_log_prob != "recompute":
-            raise ValueError(
+            raise ConfigError(
                 "rollout_engine='vllm_omni' needs --grpo.old-log-prob recompute (its kernels differ)"
             )
         if g.group_init_noise:
-            raise ValueError(
+            raise ConfigError(
                 "grpo.group_init_noise is in-process only; drop --grpo.group-init-noise or use diffusers"
             )
         if s.ode_tail != "euler":
-            raise ValueError(
+            raise ConfigError(
                 "sampling.ode_tail='dpmpp_2m' is in-process only; drop --sampling.ode-tail or use diffusers"
             )
         if world_size > 1:
-            raise ValueError(
+            raise ConfigError(
                 "rollout_engine='vllm_omni' is wired for one trainer process; use diffusers on N ranks"
             )
 
@@ -561,18 +568,18 @@ def _validate_window(cfg: TrainConfig) -> None:
     """Checks of the algorithms that train the SDE window's transitions (grpo, dppo, mixgrpo)."""
     a, s = cfg.algo, cfg.sampling
     if a.name == "mixgrpo" and (a.window_iters < 1 or a.window_stride < 0):
-        raise ValueError(
+        raise ConfigError(
             f"algo.window_iters={a.window_iters} must be >= 1 and algo.window_stride={a.window_stride} >= 0"
         )
     if a.name == "dppo" and a.dppo_tau < 0:
-        raise ValueError(f"algo.dppo_tau={a.dppo_tau}: must be >= 0")
+        raise ConfigError(f"algo.dppo_tau={a.dppo_tau}: must be >= 0")
     if s.sde_kind == "ode" or s.window_size < 1:
-        raise ValueError(
+        raise ConfigError(
             "sampling.sde_kind='ode' / window_size<1 leaves nothing to train; use flow_sde, cps or dance_sde"
         )
     lo, hi = s.window_range
     if not (0 <= lo and lo + s.window_size <= hi <= s.num_steps):
-        raise ValueError(
+        raise ConfigError(
             f"sampling.window_range={s.window_range} with window_size={s.window_size} must satisfy "
             f"0 <= lo, lo + window_size <= hi <= num_steps={s.num_steps}"
         )
@@ -587,16 +594,16 @@ def _validate_sequence_parallel(cfg: TrainConfig, world_size: int) -> None:
     """Checks of --parallel.sp: what diffusers' equal Ulysses split needs, and the combinations not wired."""
     p, s, m = cfg.parallel, cfg.sampling, cfg.model
     if p.sp < 1 or world_size % p.sp:
-        raise ValueError(
+        raise ConfigError(
             f"parallel.sp={p.sp} must be >= 1 and divide the world size {world_size} (torchrun --nproc-per-node); "
             "pass --parallel.sp with a divisor"
         )
     if m.kind not in SEQUENCE_PARALLEL_KINDS:
-        raise ValueError(
+        raise ConfigError(
             f"parallel.sp>1 supports model.kind in {SEQUENCE_PARALLEL_KINDS}; drop --parallel.sp"
         )
     if p.rollout_ranks or cfg.rollout_engine != "diffusers" or m.compile:
-        raise ValueError(
+        raise ConfigError(
             "parallel.sp>1 runs with the synchronous in-process rollout only; drop --parallel.rollout-ranks, "
             "--rollout-engine vllm_omni and --model.compile, or --parallel.sp"
         )
@@ -604,7 +611,7 @@ def _validate_sequence_parallel(cfg: TrainConfig, world_size: int) -> None:
     tokens = (s.height // multiple) * (s.width // multiple)
     if tokens % p.sp:
         up = -(-s.height // (multiple * p.sp)) * multiple * p.sp  # height tokens a multiple of sp
-        raise ValueError(
+        raise ConfigError(
             f"sampling.height x width = {s.height}x{s.width} gives {tokens} image tokens, not divisible by "
             f"parallel.sp={p.sp} (diffusers' Ulysses splits them evenly; its uneven split has no backward); "
             f"e.g. --sampling.height {up}"
@@ -627,7 +634,7 @@ def _validate_parallel(cfg: TrainConfig, world_size: int) -> None:
         (p.is_log_ratio in ("mean", "sum"), "parallel.is_log_ratio", p.is_log_ratio, "'mean' or 'sum'"),
     ):
         if not ok:
-            raise ValueError(f"{name}={value}: must be {want}; pass {_flag(name)} with a valid value")
+            raise ConfigError(f"{name}={value}: must be {want}; pass {_flag(name)} with a valid value")
     if p.sp != 1:
         _validate_sequence_parallel(cfg, world_size)
     R = p.rollout_ranks
@@ -635,27 +642,27 @@ def _validate_parallel(cfg: TrainConfig, world_size: int) -> None:
         return
     T = world_size - R
     if T < 1:
-        raise ValueError(
+        raise ConfigError(
             f"parallel.rollout_ranks={R} leaves no training rank of the {world_size}; pass a value below "
             f"{world_size} (torchrun --nproc-per-node sets the world size)"
         )
     if T % R:
-        raise ValueError(
+        raise ConfigError(
             f"parallel.rollout_ranks={R} must divide the {T} training ranks (each trainer's samples come from "
             "one rollout rank); e.g. 1 + 1, 1 + 3, 2 + 6 of 8"
         )
     n_train = cfg.samples_per_step // T if cfg.samples_per_step % T == 0 else 0
     if T > R and n_train and n_train % s.micro_batch:
-        raise ValueError(
+        raise ConfigError(
             f"sampling.micro_batch={s.micro_batch} must divide the {n_train} samples of a training rank, so its "
             "forwards see the rollout's micro-batches (exact old log-probs); pick a divisor"
         )
     if cfg.rollout_engine != "diffusers":
-        raise ValueError(
+        raise ConfigError(
             f"rollout_engine={cfg.rollout_engine!r} has no asynchronous mode yet; drop --parallel.rollout-ranks"
         )
     if g.old_log_prob != "rollout":
-        raise ValueError(
+        raise ConfigError(
             "parallel.rollout_ranks>0 recomputes the old log-probs of stale batches itself; drop "
             "--grpo.old-log-prob"
         )

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from fgrpo.errors import ConfigError, MissingFileError
 from fgrpo.rewards.ocr import extract_target
 from fgrpo.rollout.seeds import PROMPT_ORDER, stream_generator
 
@@ -39,26 +40,26 @@ def load_prompts(
     or absolute): its prompt is then an `ImagePrompt` whose `image` is that file's path.
 
     require_quoted: every prompt must quote a non-blank target (the OCR reward's `extract_target`).
-    Raises ValueError naming `field`, the file and the line for a file that is not UTF-8, a .jsonl line that
-    is not an object with a non-empty string 'prompt', an 'image' that is not a file, or (require_quoted) a
-    prompt without a target.
+    Raises ConfigError (a ValueError) naming `field`, the file and the line for a file that is not UTF-8, a .jsonl
+    line that is not an object with a non-empty string 'prompt', an 'image' that is not a file, or (require_quoted)
+    a prompt without a target; MissingFileError (a FileNotFoundError) for a file that is not there.
     """
     if str(path).startswith("textbed:"):  # the bundled text renderer's word lists
         from fgrpo.models.textbed import prompt_for, read_words
 
         split = str(path).removeprefix("textbed:")
         if split not in ("train", "heldout"):
-            raise ValueError(f"{field}: '{path}' must be 'textbed:train' or 'textbed:heldout'")
+            raise ConfigError(f"{field}: '{path}' must be 'textbed:train' or 'textbed:heldout'")
         return [prompt_for(w) for w in read_words(split)]
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"{field}: no prompt file at '{p}'; pass --{field.replace('_', '-')} PATH")
+        raise MissingFileError(f"{field}: no prompt file at '{p}'; pass --{field.replace('_', '-')} PATH")
     data = p.read_bytes()
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data[: e.start].count(b"\n") + 1
-        raise ValueError(
+        raise ConfigError(
             f"{field}: '{p}' is not UTF-8 text (byte {e.start}, line {line}: {e.reason}); save it as UTF-8"
         ) from None
     text = text.removeprefix("\ufeff")  # a byte-order mark is not part of the first prompt
@@ -73,13 +74,13 @@ def load_prompts(
         else:
             numbered.append((n, line.strip()))
     if not numbered:
-        raise ValueError(f"{field}: '{p}' holds no prompts; give a file with one prompt per line")
+        raise ConfigError(f"{field}: '{p}' holds no prompts; give a file with one prompt per line")
     if require_quoted:
         for n, prompt in numbered:
             try:
                 extract_target(prompt)
             except ValueError as e:
-                raise ValueError(
+                raise ConfigError(
                     f"{field}: line {n} of '{p}' has no double-quoted target text: {e}"
                 ) from None
     return [prompt for _, prompt in numbered]
@@ -89,22 +90,22 @@ def _jsonl_prompt(line: str, where: str, folder: Path) -> str:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
-        raise ValueError(
+        raise ConfigError(
             f'{where} is not JSON ({e.msg} at column {e.colno}); write one object per line: {{"prompt": "..."}}'
         ) from None
     if not isinstance(row, dict) or "prompt" not in row:
-        raise ValueError(
+        raise ConfigError(
             f"{where} is not a JSON object with a 'prompt' key: {line.strip()[:200]}; "
             'write one object per line: {"prompt": "..."}'
         )
     prompt = row["prompt"]
     if not isinstance(prompt, str) or not prompt.strip():
-        raise ValueError(f"{where}: 'prompt' must be a non-empty string, got {prompt!r}")
+        raise ConfigError(f"{where}: 'prompt' must be a non-empty string, got {prompt!r}")
     if "image" not in row:
         return prompt
     image = row["image"]
     if not isinstance(image, str) or not (folder / image).is_file():
-        raise ValueError(
+        raise ConfigError(
             f"{where}: 'image' {image!r} is not a file; give the condition image's path, relative to the file's "
             "folder or absolute"
         )

@@ -405,3 +405,50 @@ class RunDir:
 def _holder(fd: int) -> str:
     """Who holds a lock file, as its holder wrote it ("pid 123 on host")."""
     return os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+
+
+REWARD_RECORD = "reward.json"
+
+
+def _same_reward(spec: str) -> str:
+    """A reward spec in one spelling: JSON re-dumped with sorted keys, {"name": X} alone as X."""
+    try:
+        value = json.loads(spec)
+    except ValueError:
+        return spec.strip()
+    if isinstance(value, dict) and set(value) == {"name"}:
+        return str(value["name"])
+    return json.dumps(value, sort_keys=True)
+
+
+def check_reward(run_path: Path, reward: object, *, resumed: bool, write: bool, say=print) -> None:
+    """Record the reward a run trains on in `reward.json` when it starts; refuse a resume whose reward differs.
+
+    `reward` is the spec a reward service names in its `/health` (with `--reward.url`, which may change on
+    resume: another port, another host) or the local `reward.name`, so a resume against a service that serves
+    another reward is refused naming both. `write`: this process records it (rank 0; every rank compares).
+    """
+    path = run_path / REWARD_RECORD
+    if not isinstance(reward, str):
+        say(
+            f"the reward service names no reward in /health; {path} is not written and a resume cannot check it"
+        )
+        return
+    if resumed and path.is_file():
+        try:
+            recorded = json.loads(path.read_text())["reward"]
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise RunDirError(
+                f"{path} is not a reward record ({type(e).__name__}: {e}); write it as "
+                '{"reward": "<the spec the run trained on>"} or remove it to record the current one'
+            ) from None
+        if _same_reward(str(recorded)) != _same_reward(reward):
+            raise RunDirError(
+                f"--run.resume: the run trained on reward {recorded!r} (recorded in {path}), this resume would "
+                f"train on {reward!r}; point --reward.url at a service that serves {recorded!r}, or start a new run"
+            )
+        return
+    if write:
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps({"reward": reward}) + "\n")
+        os.replace(tmp, path)

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from fgrpo import algorithms, async_mode, checkpoint, guard, parallel
+from fgrpo import algorithms, async_mode, checkpoint, guard, parallel, runs
 from fgrpo import logging as flog
 from fgrpo.async_mode import Batch
 from fgrpo.config import ModelConfig, TrainConfig, validate_config
@@ -54,7 +54,8 @@ from fgrpo.errors import RunCollapsed
 from fgrpo.models.base import FlowModel
 from fgrpo.models.loading import build_model, setup_trainable
 from fgrpo.rewards import build_reward
-from fgrpo.rewards.base import ServedReward, check_scores
+from fgrpo.rewards.base import check_scores
+from fgrpo.rewards.client import HttpReward
 from fgrpo.rewards.ocr import is_exact
 from fgrpo.rewards.runner import ParallelReward, RewardStream
 from fgrpo.rollout import seeds as rs
@@ -114,9 +115,12 @@ def _train(
     val_own = cfg.reward.val_name or val_workers != cfg.reward.workers
     val_reward = scorer(cfg.reward.val_spec, val_workers) if val_own and split.trains else reward
     val_reward_name = cfg.reward.val_name or cfg.reward.url or cfg.reward.name
-    # A reward service: a wrong URL fails now, not after the first rollout.
-    if isinstance(reward, ServedReward):
-        reward.health()
+    # The reward this run trains on: what a reward service names in /health (asked now, so a wrong URL fails before
+    # the model is built), else reward.name. reward.url may change on resume, the reward may not.
+    trained_reward = HttpReward(cfg.reward.url).health().get("reward") if cfg.reward.url else cfg.reward.name
+    runs.check_reward(
+        run.path, trained_reward, resumed=resume_from is not None, write=d.is_main, say=flog.print0
+    )
 
     torch.manual_seed(cfg.seed)  # LoRA init is the only draw from the global RNG
     model = model_builder(cfg.model, d.device, cfg.seed)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
+from fgrpo.errors import ConfigError, MissingFileError
 from fgrpo.models.base import FlowModel
 from fgrpo.models.qwen_image import QWEN_IMAGE_LORA_TARGETS
 
@@ -50,9 +51,9 @@ def add_lora(
     from peft import LoraConfig
 
     if rank < 1:
-        raise ValueError(f"lora rank must be >= 1, got {rank}")
+        raise ConfigError(f"lora rank must be >= 1, got {rank}")
     if not target_modules:
-        raise ValueError("lora target_modules is empty; name at least one Linear inside the transformer")
+        raise ConfigError("lora target_modules is empty; name at least one Linear inside the transformer")
     transformer.requires_grad_(False)
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(target_modules), init_lora_weights=init)
     transformer.add_adapter(config, adapter_name=adapter_name)
@@ -151,7 +152,7 @@ def configure_transformer(
     torch.compile's mode ("reduce-overhead": each block's kernels replayed as a CUDA graph).
     """
     if checkpoint_policy not in ("full", "selective"):
-        raise ValueError(f"model.checkpoint_policy={checkpoint_policy!r}: use 'full' or 'selective'")
+        raise ConfigError(f"model.checkpoint_policy={checkpoint_policy!r}: use 'full' or 'selective'")
     if gradient_checkpointing:
         transformer.enable_gradient_checkpointing(
             selective_checkpoint if checkpoint_policy == "selective" else None
@@ -159,7 +160,7 @@ def configure_transformer(
     if attention_backend:
         check_attention_backend(attention_backend, "model.attention_backend")
         if not dispatching_processors(transformer):
-            raise ValueError(
+            raise ConfigError(
                 f"model.attention_backend={attention_backend!r}: no attention processor of "
                 f"{type(transformer).__name__} goes through diffusers' dispatcher (diffusers' SD3 calls torch SDPA "
                 "itself), so no backend applies; drop the flag"
@@ -236,7 +237,7 @@ def load_model(mcfg: ModelConfig, *, device: torch.device | str, dtype: torch.dt
 
         model = LTX2.from_pretrained(mcfg.path, dtype=dtype, device=device, **clip_kwargs(mcfg))
     else:
-        raise ValueError(
+        raise ConfigError(
             f"model.kind={mcfg.kind!r} is not loadable from a path; use 'qwen_image', 'qwen_image_edit', 'sd3' or "
             "'ltx2'"
         )
@@ -307,10 +308,39 @@ def _lora_file(path: str | Path) -> Path:
     p = Path(path)
     f = p / "adapter_model.safetensors" if p.is_dir() else p
     if not f.is_file():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"model.init_lora: no LoRA at '{path}' (want a directory with adapter_model.safetensors, as fgrpo "
             "exports to runs/<exp_name>/lora, or a .safetensors file)"
         )
+    return f
+
+
+def _lora_header(f: Path) -> dict[str, Any]:
+    """The LoraConfig that fgrpo's and diffusers' exports keep in the safetensors header ({} when absent)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(f), framework="pt") as fh:
+            return json.loads((fh.metadata() or {}).get("lora_adapter_metadata", "{}"))
+    except Exception as e:  # safetensors' own errors do not say which file
+        raise ConfigError(f"model.init_lora: cannot read '{f}' as safetensors ({e})") from e
+
+
+def _check_rank(f: Path, header: dict[str, Any], rank: int, alpha: int) -> None:
+    saved_r, saved_alpha = header.get("transformer.r"), header.get("transformer.lora_alpha")
+    if saved_r is not None and (saved_r != rank or saved_alpha != alpha):
+        raise ConfigError(
+            f"model.init_lora: '{f}' has rank {saved_r} / alpha {saved_alpha}, the model lora_rank {rank} / "
+            f"lora_alpha {alpha}; pass --model.lora-rank {saved_r} --model.lora-alpha {saved_alpha}"
+        )
+
+
+def check_lora_file(path: str | Path, *, rank: int, alpha: int) -> Path:
+    """What `load_lora_weights` can check without a model, from the file's header alone (validation runs it
+    before the model is built): the adapter file is there, reads as safetensors, and has this rank and alpha.
+    Returns the file."""
+    f = _lora_file(path)
+    _check_rank(f, _lora_header(f), rank, alpha)
     return f
 
 
@@ -318,40 +348,40 @@ def load_lora_weights(
     transformer: Transformer, path: str | Path, *, rank: int, alpha: int, adapter_name: str = "default"
 ) -> None:
     """Copy a diffusers-layout LoRA (keys `transformer.<module>.lora_A.weight`, the LoraConfig in the
-    `lora_adapter_metadata` header) into the transformer's existing adapter, checking rank, alpha, targets
-    and every shape first. peft's `set_peft_model_state_dict` does the key mapping."""
+    `lora_adapter_metadata` header) into the transformer's existing adapter, checking rank, alpha, targets,
+    every shape and that every value is finite first (a NaN would make every update non-finite: each
+    optimizer step skipped, the NaN adapter exported again). peft's `set_peft_model_state_dict` does the key
+    mapping."""
     from peft import set_peft_model_state_dict
-    from safetensors import safe_open
+    from safetensors.torch import load_file
 
-    f = _lora_file(path)
+    f = check_lora_file(path, rank=rank, alpha=alpha)
     try:
-        with safe_open(str(f), framework="pt") as fh:
-            header = json.loads((fh.metadata() or {}).get("lora_adapter_metadata", "{}"))
-            sd = {k.removeprefix("transformer."): fh.get_tensor(k) for k in fh.keys()}
+        sd = {k.removeprefix("transformer."): v for k, v in load_file(str(f)).items()}
     except Exception as e:  # safetensors' own errors do not say which file
-        raise ValueError(f"model.init_lora: cannot read '{f}' as safetensors ({e})") from e
-    saved_r, saved_alpha = header.get("transformer.r"), header.get("transformer.lora_alpha")
-    if saved_r is not None and (saved_r != rank or saved_alpha != alpha):
-        raise ValueError(
-            f"model.init_lora: '{f}' has rank {saved_r} / alpha {saved_alpha}, the model lora_rank {rank} / "
-            f"lora_alpha {alpha}; pass --model.lora-rank {saved_r} --model.lora-alpha {saved_alpha}"
-        )
+        raise ConfigError(f"model.init_lora: cannot read '{f}' as safetensors ({e})") from e
     own = {n: p for n, p in transformer.named_parameters() if f".{adapter_name}." in n and "lora_" in n}
     want = {n.replace(f".{adapter_name}.", "."): p for n, p in own.items()}
     missing, unexpected = sorted(set(want) - set(sd)), sorted(set(sd) - set(want))
     if missing or unexpected:
-        raise ValueError(
+        raise ConfigError(
             f"model.init_lora: '{f}' does not fit the adapter (missing {missing[:3]}, unexpected {unexpected[:3]}); "
             "set model.lora_targets as for the run that wrote it"
         )
     for k, v in sd.items():
         if tuple(v.shape) != tuple(want[k].shape):
-            raise ValueError(
+            raise ConfigError(
                 f"model.init_lora: '{f}' {k} has shape {tuple(v.shape)}, the adapter {tuple(want[k].shape)}"
+            )
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            bad = int((~torch.isfinite(v)).sum())
+            raise ConfigError(
+                f"model.init_lora: '{f}' tensor {k} holds {bad} non-finite value(s) (NaN or inf) of {v.numel()}; "
+                "start from an adapter whose weights are finite (e.g. an earlier checkpoint's export)"
             )
     result = set_peft_model_state_dict(transformer, sd, adapter_name=adapter_name)
     if getattr(result, "unexpected_keys", None):
-        raise ValueError(f"model.init_lora: peft did not place {result.unexpected_keys[:3]} from '{f}'")
+        raise ConfigError(f"model.init_lora: peft did not place {result.unexpected_keys[:3]} from '{f}'")
 
 
 @contextlib.contextmanager
@@ -375,7 +405,7 @@ def dispatching_processors(transformer: nn.Module) -> list[Any]:
 
 
 def check_attention_backend(name: str, field: str) -> None:
-    """A one-line ValueError naming `field` when `name` is not one of diffusers' attention backends or the package
+    """A one-line ConfigError naming `field` when `name` is not one of diffusers' attention backends or the package
     it needs is missing ("" passes: the default backend)."""
     if not name:
         return
@@ -386,11 +416,11 @@ def check_attention_backend(name: str, field: str) -> None:
 
     names = sorted(b.value for b in AttentionBackendName)
     if name not in names:
-        raise ValueError(f"{field}={name!r} is not a diffusers attention backend; use one of {names}")
+        raise ConfigError(f"{field}={name!r} is not a diffusers attention backend; use one of {names}")
     try:
         _check_attention_backend_requirements(AttentionBackendName(name))
     except RuntimeError as e:
-        raise ValueError(f"{field}={name!r} cannot run here ({e}); install it or drop the flag") from None
+        raise ConfigError(f"{field}={name!r} cannot run here ({e}); install it or drop the flag") from None
 
 
 class MergedLora:
@@ -427,7 +457,7 @@ class MergedLora:
             layer: Any = module
             weight = layer.get_base_layer().weight
             if isinstance(weight, DTensor):
-                raise ValueError(
+                raise ConfigError(
                     f"model.merged_rollout: the base weight of '{name}' is sharded; add --parallel.shard adapters "
                     "(the frozen base whole on every rank) or drop --model.merged-rollout"
                 )
@@ -437,14 +467,14 @@ class MergedLora:
                 or layer.fan_in_fan_out
                 or layer.lora_B[adapter].bias is not None
             ):
-                raise ValueError(
+                raise ConfigError(
                     f"model.merged_rollout merges plain LoRA; '{name}' has a variant, a bias or fan_in_fan_out"
                 )
             a, b = full(layer.lora_A[adapter].weight), full(layer.lora_B[adapter].weight)
             merged = torch.addmm(full(weight).float(), b.float(), a.float(), alpha=layer.scaling[adapter])
             self.layers.append((layer, weight.data, merged.to(weight.dtype)))
         if not self.layers:
-            raise ValueError(
+            raise ConfigError(
                 f"model.merged_rollout found no LoRA layer to merge (targets {list(targets) or 'all'}); add LoRA "
                 "or drop it"
             )

@@ -60,7 +60,9 @@ PROMPT_DROP = 34
 MAX_SEQUENCE_LENGTH = 1024
 
 # The transformer's Linear layers that LoRA adapts: q/k/v/out of the joint attention for the image and the
-# text stream, and both streams' MLPs.
+# text stream, and both streams' MLPs. In the last block, to_add_out and txt_mlp make a text output that nothing
+# reads, so their adapters never get a gradient (B stays 0: no effect). They are kept: leaving them out would
+# change the keys of every checkpoint and exported adapter written so far, which then would not load.
 QWEN_IMAGE_LORA_TARGETS = (
     "to_q",
     "to_k",

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import numpy as np
+
+from fgrpo.errors import FgrpoError
 
 
 @dataclass
@@ -28,13 +30,6 @@ class Reward(Protocol):
     def __call__(
         self, images: np.ndarray, prompts: Sequence[str], metadata: Sequence[dict[str, Any]] | None = None
     ) -> RewardOutput: ...
-
-
-@runtime_checkable
-class ServedReward(Protocol):
-    """A reward computed by a service (HttpReward): `health()` raises, naming the fix, when it is not up."""
-
-    def health(self) -> object: ...
 
 
 def check_inputs(
@@ -63,17 +58,22 @@ def check_inputs(
     return list(metadata)
 
 
+class RewardError(FgrpoError, ValueError):
+    """A reward answered what a run cannot train on (scores of the wrong shape, a non-finite score)."""
+
+
 def check_scores(out: RewardOutput, prompts: Sequence[str], reward: str) -> None:
-    """Raise if `out.scores` is not [B] finite: a NaN would make every advantage NaN and the run a silent no-op."""
+    """Raise RewardError if `out.scores` is not [B] finite: a NaN would make every advantage NaN and the run a
+    silent no-op."""
     scores = np.asarray(out.scores)
     if scores.shape != (len(prompts),):
-        raise ValueError(
+        raise RewardError(
             f"reward {reward!r} returned scores of shape {list(scores.shape)} for {len(prompts)} prompts"
         )
     bad = np.flatnonzero(~np.isfinite(scores))
     if len(bad):
         b = int(bad[0])
-        raise ValueError(
+        raise RewardError(
             f"reward {reward!r} returned a non-finite score ({scores[b]}) for prompt {prompts[b]!r} "
             f"({len(bad)} of {len(scores)} samples); a reward must score every sample or raise"
         )

@@ -19,6 +19,7 @@ from typing import Any, Literal
 import aiohttp
 import numpy as np
 
+from fgrpo.errors import ConfigError
 from fgrpo.rewards.base import RewardOutput, check_inputs, concat_outputs
 from fgrpo.rewards.transport import (
     TOKEN_ENV,
@@ -61,13 +62,13 @@ class HttpReward:
         image_format: Literal["png", "jpeg"] = "png",
     ):
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"reward service url must start with http:// or https://, got {url!r}")
+            raise ConfigError(f"reward service url must start with http:// or https://, got {url!r}")
         if batch_size < 1 or max_concurrency < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"batch_size and max_concurrency must be >= 1, got {batch_size}, {max_concurrency}"
             )
         if image_format not in ("png", "jpeg"):
-            raise ValueError(f"image_format must be 'png' or 'jpeg', got {image_format!r}")
+            raise ConfigError(f"image_format must be 'png' or 'jpeg', got {image_format!r}")
         self.url = url.rstrip("/")
         self.timeout_s, self.max_retries, self.backoff_s = timeout_s, max_retries, backoff_s
         self.batch_size, self.max_concurrency, self.image_format = batch_size, max_concurrency, image_format

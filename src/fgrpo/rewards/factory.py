@@ -30,6 +30,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from fgrpo.errors import ConfigError
 from fgrpo.rewards.base import Reward
 
 
@@ -39,7 +40,7 @@ def _check_options(what: str, fn: Callable[..., Any], options: Mapping[str, Any]
         inspect.signature(fn).bind(**options)
     except TypeError as e:
         params = [p for p in inspect.signature(fn).parameters if p not in ("self", "args", "kwargs")]
-        raise ValueError(f"reward {what!r}: {e}; its options are {params}") from None
+        raise ConfigError(f"reward {what!r}: {e}; its options are {params}") from None
 
 
 def _ocr(engine: str = "rapidocr", **options: Any) -> Reward:
@@ -47,7 +48,7 @@ def _ocr(engine: str = "rapidocr", **options: Any) -> Reward:
 
     engines = ["rapidocr", "vlm", "vllm", "transformers"]
     if engine not in engines:
-        raise ValueError(f"reward 'ocr': engine must be one of {engines}, got {engine!r}")
+        raise ConfigError(f"reward 'ocr': engine must be one of {engines}, got {engine!r}")
     if engine == "rapidocr":
         build: Callable[..., Any] = RapidOcrEngine
     else:  # the openai client takes seconds to import: only the VLM engines pay for it
@@ -96,15 +97,15 @@ def _multi(members: Sequence[Any]) -> Reward:
     from fgrpo.rewards.multi import Member, MultiReward
 
     if isinstance(members, str | Mapping) or not isinstance(members, Sequence):
-        raise ValueError("reward 'multi': members must be a list of member specs")
+        raise ConfigError("reward 'multi': members must be a list of member specs")
     built = []
     for spec in members:
         spec = {"name": spec} if isinstance(spec, str) else dict(spec)
         if "name" not in spec:
-            raise ValueError(f"multi-reward member spec {spec} has no 'name'")
+            raise ConfigError(f"multi-reward member spec {spec} has no 'name'")
         weight, required = float(spec.pop("weight", 1.0)), spec.pop("required", True)
         if not isinstance(required, bool):
-            raise ValueError(
+            raise ConfigError(
                 f"multi-reward member {spec['name']!r}: 'required' must be true or false, got {required!r}"
             )
         key = str(spec.pop("key", spec["name"]))
@@ -128,7 +129,7 @@ def _import(target: str) -> Callable[..., Reward]:
     try:
         return getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"reward {target!r}: cannot import {attr!r} from {module!r} ({e})") from e
+        raise ConfigError(f"reward {target!r}: cannot import {attr!r} from {module!r} ({e})") from e
 
 
 def build_reward(spec: str | Mapping[str, Any] | Sequence[Any]) -> Reward:
@@ -139,12 +140,12 @@ def build_reward(spec: str | Mapping[str, Any] | Sequence[Any]) -> Reward:
             try:
                 return build_reward(json.loads(s))
             except json.JSONDecodeError as e:
-                raise ValueError(f"reward spec is not valid JSON ({e}): {s[:200]}") from e
+                raise ConfigError(f"reward spec is not valid JSON ({e}): {s[:200]}") from e
         spec = {"name": s}
     if isinstance(spec, Sequence):
         return _multi(spec)
     if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str):
-        raise ValueError(
+        raise ConfigError(
             f"reward spec must be a name, a dict with a 'name', or a list of those; got {spec!r}"
         )
     options = dict(spec)
@@ -156,4 +157,4 @@ def build_reward(spec: str | Mapping[str, Any] | Sequence[Any]) -> Reward:
         return fn(**options)
     if ":" in name:
         return _import(name)(**options)
-    raise ValueError(f"unknown reward {name!r}; known: {sorted(REWARDS)} or 'package.module:factory'")
+    raise ConfigError(f"unknown reward {name!r}; known: {sorted(REWARDS)} or 'package.module:factory'")

@@ -35,7 +35,7 @@ T = TypeVar("T")
 TOKEN_ENV = "FGRPO_REWARD_TOKEN"
 
 
-class RewardServiceError(RuntimeError):
+class RewardServiceError(FgrpoError, RuntimeError):
     """A remote reward (HTTP service or VLM server) could not be reached or answered badly."""
 
 
