@@ -159,6 +159,7 @@ def test_awm_adds_the_kl_to_its_ema_and_the_ema_follows_core_ema(tmp_path, monke
     cfg = cfg_for(tmp_path, "awm", num_steps=2, ema_kl_coef=0.5, kl_ema_rate=0.1, kl_ema_max_decay=0.3)
     params = [torch.nn.Parameter(torch.zeros(2))]
     algo = algorithms.build(cfg, params)
+    assert isinstance(algo, algorithms.AWM)
     v = torch.tensor([[1.0, 2.0], [0.0, 1.0]])
     x0, noise, sigma = torch.zeros(2, 2), torch.ones(2, 2), torch.tensor([0.5, 0.5])
     old = {"log_weight": torch.tensor([-1.0, -0.5]), "v_ema": torch.tensor([[1.0, 0.0], [0.0, 1.0]])}
@@ -172,6 +173,7 @@ def test_awm_adds_the_kl_to_its_ema_and_the_ema_follows_core_ema(tmp_path, monke
     off = algorithms.build(
         dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, ema_kl_coef=0.0)), params
     )
+    assert isinstance(off, algorithms.AWM)
     assert off.state() == {} and "ema_kl" not in off.point_loss(v, None, x0, noise, sigma, old, adv)[1]
 
     calls = []

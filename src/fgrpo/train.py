@@ -411,7 +411,7 @@ def validate(
     rows = parallel.all_gather_cat(rows.to(traj.images.device), split.data_group())[: len(prompts)].cpu()
     scores = rows[:, 0]
     logger.log_images("val", images[:16], local_prompts[:16], step=step)
-    gold = dict(zip(guard.GOLD_KEYS, rows[:, 1:5].mean(dim=0).tolist()))
+    gold: dict[str, float] = dict(zip(guard.GOLD_KEYS, rows[:, 1:5].mean(dim=0).tolist()))
     if not torch.isnan(rows[:, 5]).any():
         gold["no_text_frac"] = rows[:, 5].mean().item()
     return {

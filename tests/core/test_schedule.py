@@ -1,6 +1,7 @@
 """fgrpo.core.schedule: bit-equality with diffusers' scheduler + pipeline, and the SDE window."""
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -117,7 +118,7 @@ def test_window_mask():
 
 # MixGRPO's recipe (scripts/finetune/finetune_flux_grpo_MixGRPO.sh): 25 steps, group_size 4, iters_per_group 25,
 # prog_overlap_step 1.
-MIXGRPO = {"num_steps": 25, "window_size": 4, "iters_per_window": 25, "stride": 1}
+MIXGRPO: dict[str, Any] = {"num_steps": 25, "window_size": 4, "iters_per_window": 25, "stride": 1}
 
 
 @pytest.mark.parametrize(
@@ -139,11 +140,11 @@ def test_sliding_window_mixgrpo_recipe(step, window):
 
 def test_sliding_window_stride_lo_and_clamp_by_hand():
     """N = 10, W = 3, 2 steps per position, stride 2, lo = 1: starts 1, 3, 5, then min(7, 9 - 3) = 6 for good."""
-    kw = {"num_steps": 10, "window_size": 3, "iters_per_window": 2, "stride": 2, "lo": 1}
+    kw: dict[str, Any] = {"num_steps": 10, "window_size": 3, "iters_per_window": 2, "stride": 2, "lo": 1}
     got = [schedule.sliding_window(k, **kw) for k in range(8)]
     assert got == [[1, 2, 3]] * 2 + [[3, 4, 5]] * 2 + [[5, 6, 7]] * 2 + [[6, 7, 8]] * 2
     # stride 0 freezes the window at lo (MixGRPO-Flash*); a window that just fits never moves.
-    assert schedule.sliding_window(10**4, **(kw | {"stride": 0})) == [1, 2, 3]
+    assert schedule.sliding_window(10**4, **{**kw, "stride": 0}) == [1, 2, 3]
     assert schedule.sliding_window(7, num_steps=5, window_size=4, iters_per_window=1) == [0, 1, 2, 3]
 
 
@@ -277,14 +278,21 @@ def test_sigmas_at_fractional_positions_follow_the_shifted_time_in_fp64():
 def test_sliding_window_range_end_and_roll_back_by_hand():
     """N = 10, W = 2 in [0, 5), one step per position: starts 0, 1, 2, 3 (3 = 5 - W, the last that fits), then
     roll_back restarts at 0 where the plain window stays at 3; stride 2 from lo 1 in [1, 8): starts 1, 3, 5, 1."""
-    kw = {"num_steps": 10, "window_size": 2, "iters_per_window": 1, "hi": 5}
+    kw: dict[str, Any] = {"num_steps": 10, "window_size": 2, "iters_per_window": 1, "hi": 5}
     rolled = [schedule.sliding_window(k, roll_back=True, **kw)[0] for k in range(10)]
     assert rolled == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
     assert [schedule.sliding_window(k, **kw)[0] for k in range(6)] == [0, 1, 2, 3, 3, 3]
-    kw2 = {"num_steps": 10, "window_size": 2, "iters_per_window": 3, "stride": 2, "lo": 1, "hi": 8}
+    kw2: dict[str, Any] = {
+        "num_steps": 10,
+        "window_size": 2,
+        "iters_per_window": 3,
+        "stride": 2,
+        "lo": 1,
+        "hi": 8,
+    }
     assert [schedule.sliding_window(k, roll_back=True, **kw2)[0] for k in range(0, 12, 3)] == [1, 3, 5, 1]
     # stride 0 never moves, rolled back or not; a range ending past N - 1 is refused
-    assert schedule.sliding_window(50, roll_back=True, **(kw | {"stride": 0})) == [0, 1]
+    assert schedule.sliding_window(50, roll_back=True, **{**kw, "stride": 0}) == [0, 1]
     with pytest.raises(ValueError, match="hi=10 must be <= num_steps - 1"):
         schedule.sliding_window(0, num_steps=10, window_size=2, iters_per_window=1, hi=10)
     with pytest.raises(ValueError, match="does not fit"):
