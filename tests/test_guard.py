@@ -5,6 +5,7 @@ Tiny random Qwen-Image on the CPU (tests/train_entry.py) with a scripted validat
 
 import dataclasses
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -118,3 +119,19 @@ def test_resume_keeps_the_best(tmp_path, monkeypatch):
     assert (run / "lora_best" / "adapter_model.safetensors").read_bytes() == best_before
     last = [r for r in read_metrics(run / "metrics.jsonl") if "val/reward_mean" in r][-1]
     assert (last["step"], last["val/best"], last["val/best_step"]) == (3, pytest.approx(0.9), 1)
+
+
+def test_through_the_experiment_entry_a_collapse_is_one_line_and_exit_code_3(tmp_path, capsys, monkeypatch):
+    """fgrpo.errors.cli (every experiment's __main__) on a run whose validation falls: SystemExit(3), the line
+    naming the best step and lora_best/ alone on stderr."""
+    from fgrpo.errors import cli
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(sys, "argv", ["e2e", "run"])
+    with pytest.raises(SystemExit) as e:
+        cli(train_mod.train, {"run": ("the falling run", _cfg(tmp_path, [0.9, 0.5, 0.5]))})
+    err = capsys.readouterr().err
+    assert e.value.code == 3
+    assert (
+        err.count("\n") == 1 and err.startswith("run stopped:") and "lora_best" in err and "(step 0)" in err
+    )
