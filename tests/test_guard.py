@@ -6,6 +6,7 @@ Tiny random Qwen-Image on the CPU (tests/train_entry.py) with a scripted validat
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -135,3 +136,34 @@ def test_through_the_experiment_entry_a_collapse_is_one_line_and_exit_code_3(tmp
     assert (
         err.count("\n") == 1 and err.startswith("run stopped:") and "lora_best" in err and "(step 0)" in err
     )
+
+
+@pytest.mark.slow
+def test_two_ranks_stop_together_and_lora_best_is_written_once(tmp_path):
+    """On 2 torchrun ranks (gloo) the scores are all-gathered, so both ranks see the same fall and stop at the same
+    validation, each with exit code 3; the collective export leaves one lora_best/ of the best step."""
+    import os
+    import subprocess
+
+    spec = json.dumps({"name": "scripted_reward:make", "scores": [0.5, 0.9, 0.6, 0.5]})
+    entry = str(Path(__file__).resolve().parent / "train_entry.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(entry).parent)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    cmd += ["--master-port", str(29700 + os.getpid() % 200), entry, "--run.out-dir", str(tmp_path)]
+    cmd += [
+        "--num-steps",
+        "6",
+        "--run.val-every",
+        "1",
+        "--reward.val-name",
+        spec,
+        "--reward.val-workers",
+        "0",
+    ]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode != 0
+    assert res.stderr.count("run stopped:") == 1 and "(step 1)" in res.stderr, res.stderr[-3000:]
+    assert "exitcode  : 3" in res.stderr or "exitcode: 3" in res.stderr, res.stderr[-3000:]
+    assert guard.read_best_record(tmp_path / "e2e") == {"step": 1, "val/reward_mean": pytest.approx(0.9)}
+    rows = [r for r in read_metrics(tmp_path / "e2e" / "metrics.jsonl") if "val/reward_mean" in r]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]

@@ -63,6 +63,8 @@ class Config(TrainConfig):
 
 
 if __name__ == "__main__":
+    from fgrpo.errors import one_line_errors
     from fgrpo.train import train
 
-    train(tyro.cli(Config))
+    with one_line_errors():
+        train(tyro.cli(Config))
