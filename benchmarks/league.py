@@ -25,7 +25,7 @@ from pathlib import Path
 
 from fgrpo.logging import read_metrics
 
-NAME = re.compile(r"^(cpu|gpu)_([a-z0-9-]+)_s(\d+)$")
+NAME = re.compile(r"^(cpu|gpu)_([a-z0-9.-]+)_s(\d+)$")
 
 
 @dataclass
@@ -35,12 +35,13 @@ class Run:
     points: list[tuple[int, float, float]]
 
     @classmethod
-    def of(cls, rows: list[dict]) -> Run:
+    def of(cls, rows: list[dict], key: str = "val/reward_mean") -> Run:
+        """The run's validations of `key` (the held-out score, or a gold statistic such as val/gold/white_frac)."""
         out, t = [], 0.0
         for r in sorted(rows, key=lambda r: r["step"]):
             t += r.get("time/total", 0.0)
-            if r.get("val/reward_mean") is not None:
-                out.append((r["step"], t, r["val/reward_mean"]))
+            if r.get(key) is not None:
+                out.append((r["step"], t, r[key]))
         return cls(out)
 
     @property
@@ -74,13 +75,13 @@ class Run:
         return self.final[0] >= steps and self.worst_after_best() <= drop and self.final[1] >= target
 
 
-def load(root: Path) -> dict[str, dict[str, dict[int, Run]]]:
-    """{"cpu"|"gpu": {label: {seed: Run}}} of every run directory under root."""
+def load(root: Path, key: str = "val/reward_mean") -> dict[str, dict[str, dict[int, Run]]]:
+    """{"cpu"|"gpu": {label: {seed: Run}}} of every run directory under root (validations of `key`)."""
     runs: dict[str, dict[str, dict[int, Run]]] = {"cpu": defaultdict(dict), "gpu": defaultdict(dict)}
     for d in sorted(root.iterdir()):
         m = NAME.match(d.name)
         if m and (d / "metrics.jsonl").is_file():
-            run = Run.of(read_metrics(d / "metrics.jsonl"))
+            run = Run.of(read_metrics(d / "metrics.jsonl"), key)
             if run.points:
                 runs[m.group(1)][m.group(2)][int(m.group(3))] = run
     return runs
@@ -123,32 +124,45 @@ def tables(runs: dict[str, dict[int, Run]], *, steps: int, drop: float, target: 
     return "\n".join(lines)
 
 
-def plot(runs: dict[str, dict[int, Run]], path: Path, *, target: float, title: str) -> None:
-    """All labels' curves: the mean over seeds at each validated step, a band from the lowest to the highest seed."""
+def plot(
+    runs: dict[str, dict[int, Run]],
+    path: Path,
+    *,
+    target: float | None,
+    title: str,
+    ylabel: str = "held-out OCR (validation)",
+) -> None:
+    """All labels' curves: the mean over seeds and a band from the lowest to the highest seed where every seed
+    has a validation; past that, the seeds that went on, thin; an x where a run stopped early."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 4.5))
+    end = max(r.final[0] for by_seed in runs.values() for r in by_seed.values())
     for label, by_seed in runs.items():
         by_step: dict[int, list[float]] = defaultdict(list)
         for r in by_seed.values():
             for s, _, y in r.points:
                 by_step[s].append(y)
-        xs = sorted(by_step)
+        xs = [s for s in sorted(by_step) if len(by_step[s]) == len(by_seed)]
         mean = [statistics.mean(by_step[s]) for s in xs]
         (line,) = ax.plot(xs, mean, marker=".", label=f"{label} ({len(by_seed)} seeds)")
+        color = line.get_color()
         ax.fill_between(
-            xs,
-            [min(by_step[s]) for s in xs],
-            [max(by_step[s]) for s in xs],
-            color=line.get_color(),
-            alpha=0.2,
+            xs, [min(by_step[s]) for s in xs], [max(by_step[s]) for s in xs], color=color, alpha=0.2
         )
-    ax.axhline(target, color="grey", lw=0.8, ls="--")
-    ax.set_xlabel("training step")
-    ax.set_ylabel("held-out OCR (validation)")
+        for r in by_seed.values():
+            rest = [(s, y) for s, _, y in r.points if s >= xs[-1]]
+            if len(rest) > 1:
+                ax.plot([s for s, _ in rest], [y for _, y in rest], color=color, lw=0.8, alpha=0.7)
+            if r.final[0] < end:
+                ax.plot([r.final[0]], [r.final[1]], marker="x", color=color, ms=7)
+    if target is not None:
+        ax.axhline(target, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("training step (x: the run stopped there)")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(loc="center left", bbox_to_anchor=(1.02, 0.5))
@@ -166,6 +180,13 @@ def main(argv: list[str] | None = None) -> None:
         "--held-drop", type=float, default=0.03, help="the largest fall below the best that holds"
     )
     ap.add_argument("--plot", type=Path, default=None, help="write the GPU curves to this PNG")
+    ap.add_argument(
+        "--gold",
+        nargs=2,
+        metavar=("KEY", "PNG"),
+        default=None,
+        help="also plot a gold statistic of the GPU runs, e.g. val/gold/white_frac white.png",
+    )
     args = ap.parse_args(argv)
     runs = load(args.root)
     for kind in ("cpu", "gpu"):
@@ -175,6 +196,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.plot and runs["gpu"]:
         plot(runs["gpu"], args.plot, target=args.target, title="text renderer, tiny-gpu presets")
         print(f"\nplot: {args.plot}")
+    if args.gold:
+        key, png = args.gold
+        gold = load(args.root, key)["gpu"]
+        plot(gold, Path(png), target=None, title=f"text renderer, tiny-gpu presets: {key}", ylabel=key)
+        print(f"plot: {png}")
 
 
 if __name__ == "__main__":

@@ -139,9 +139,11 @@ def test_through_the_experiment_entry_a_collapse_is_one_line_and_exit_code_3(tmp
 
 
 @pytest.mark.slow
-def test_two_ranks_stop_together_and_lora_best_is_written_once(tmp_path):
-    """On 2 torchrun ranks (gloo) the scores are all-gathered, so both ranks see the same fall and stop at the same
-    validation, each with exit code 3; the collective export leaves one lora_best/ of the best step."""
+@pytest.mark.parametrize("mode", ["fsdp", "async"])
+def test_two_ranks_stop_together_and_lora_best_is_written_once(tmp_path, mode):
+    """On 2 torchrun ranks (gloo), synchronous (FSDP over both) or asynchronous (1 trainer + 1 rollout rank): the
+    ranks that validate see the same all-gathered fall and stop at the same validation with exit code 3 (torchrun
+    then ends the rollout rank); the export over the trainer ranks leaves one lora_best/ of the best step."""
     import os
     import subprocess
 
@@ -160,6 +162,8 @@ def test_two_ranks_stop_together_and_lora_best_is_written_once(tmp_path):
         "--reward.val-workers",
         "0",
     ]
+    if mode == "async":
+        cmd += ["--parallel.rollout-ranks", "1", "--parallel.max-staleness", "1"]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode != 0
     assert res.stderr.count("run stopped:") == 1 and "(step 1)" in res.stderr, res.stderr[-3000:]
