@@ -342,6 +342,15 @@ def plot_curves(
     return path
 
 
+def parse_row(line: str) -> dict[str, Any] | None:
+    """One metrics.jsonl line as its row, or None when it is not a JSON object (partial, garbage, a bare value)."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return row if isinstance(row, dict) else None
+
+
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     """Rows of a metrics.jsonl written by `Logger.log` (each has "step").
 
@@ -355,11 +364,8 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     for i, line in enumerate(p.read_text().splitlines(), 1):
         if not line.strip():
             continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            row = None
-        if isinstance(row, dict):
+        row = parse_row(line)
+        if row is not None:
             rows.append(row)
         else:
             bad.append(i)

@@ -182,11 +182,8 @@ class RunDir:
         for line in path.read_text().splitlines():
             if not line.strip():
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                row = None
-            if not isinstance(row, dict):
+            row = flog.parse_row(line)
+            if row is None:
                 moved.append({"superseded": tag, "line": line})
             elif isinstance(row.get("step", 0), int) and row.get("step", 0) < step:
                 keep.append(line + "\n")
