@@ -186,6 +186,9 @@ class ForwardProcessAlgorithm(Algorithm):
     """Algorithms that sample with the ODE and train the velocity at fresh forward-process points."""
 
     shared_steps = False  # one set of grid steps for the whole batch (AWM) or one per sample (NFT)
+    ema: EmaWeights | None = (
+        None  # an EMA of theta (NFT's old policy, AWM's KL anchor), updated after each step
+    )
 
     def sampling(self, step: int) -> SamplingConfig:
         return validation_sampling(super().sampling(step), self.cfg.sampling.num_steps)
@@ -209,6 +212,16 @@ class ForwardProcessAlgorithm(Algorithm):
         """(loss, metrics) at one training point of `rows`; `old` holds old_pass's tensors at [rows, k]."""
         raise NotImplementedError
 
+    def after_update(self, step: int) -> dict[str, float]:
+        """The EMA's update with the decay of the optimizer steps done so far (core.ema.ema_decay)."""
+        if self.ema is None:
+            return {}
+        g = self.cfg.grpo
+        return {"ema_decay": self.ema.update((step + 1) * g.inner_epochs * g.optimizer_steps_per_step)}
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return self.ema.state() if self.ema is not None else {}
+
 
 class DiffusionNFT(ForwardProcessAlgorithm):
     """DiffusionNFT: fit implicit positive and negative policies around an EMA old policy, weighted by the
@@ -217,15 +230,16 @@ class DiffusionNFT(ForwardProcessAlgorithm):
     def __init__(self, cfg: TrainConfig, params: list[torch.nn.Parameter]):
         super().__init__(cfg, params)
         a = cfg.algo
-        self.ema = EmaWeights(params, rate=a.ema_rate, max_decay=a.ema_max_decay, delay=a.ema_delay)
+        self.old_policy = EmaWeights(params, rate=a.ema_rate, max_decay=a.ema_max_decay, delay=a.ema_delay)
+        self.ema = self.old_policy
 
     def sampling_weights(self) -> contextlib.AbstractContextManager:
-        return self.ema.swapped_in() if self.cfg.algo.sample_from_ema else contextlib.nullcontext()
+        return self.old_policy.swapped_in() if self.cfg.algo.sample_from_ema else contextlib.nullcontext()
 
     @torch.no_grad()
     def old_pass(self, model, traj, points):
         """v_old [B, K, *latent]: the EMA policy's velocity at every training point."""
-        with self.ema.swapped_in():
+        with self.old_policy.swapped_in():
             return {"v_old": _velocities(model, traj, points, forward_rows(len(traj), self.cfg))}
 
     def point_loss(self, v, x_t, x0, noise, sigma, old, advantages):
@@ -234,13 +248,6 @@ class DiffusionNFT(ForwardProcessAlgorithm):
         return nft.nft_loss(
             v, old["v_old"], x_t, x0, sigma, r, beta=self.cfg.algo.nft_beta, scale=g.adv_clip_max
         )
-
-    def after_update(self, step: int) -> dict[str, float]:
-        g = self.cfg.grpo
-        return {"ema_decay": self.ema.update((step + 1) * g.inner_epochs * g.optimizer_steps_per_step)}
-
-    def state(self) -> dict[str, torch.Tensor]:
-        return self.ema.state()
 
 
 class AWM(ForwardProcessAlgorithm):
@@ -290,15 +297,6 @@ class AWM(ForwardProcessAlgorithm):
             loss = loss + self.cfg.algo.ema_kl_coef * ema_kl
             metrics["ema_kl"] = ema_kl.detach()
         return loss, metrics
-
-    def after_update(self, step: int) -> dict[str, float]:
-        if self.ema is None:
-            return {}
-        g = self.cfg.grpo
-        return {"ema_decay": self.ema.update((step + 1) * g.inner_epochs * g.optimizer_steps_per_step)}
-
-    def state(self) -> dict[str, torch.Tensor]:
-        return self.ema.state() if self.ema is not None else {}
 
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
