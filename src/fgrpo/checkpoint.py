@@ -657,6 +657,7 @@ def export_lora(
     *,
     adapter_name: str = "default",
     group: dist.ProcessGroup | None = None,
+    extra_json: dict[str, Any] | None = None,
 ) -> Path:
     """Write a LoRA adapter that diffusers loads: `pipe.load_lora_weights(out_dir)` (Qwen-Image, SD3)
     and `transformer.load_lora_adapter(out_dir, use_safetensors=True)` (diffusers 0.40's model-level
@@ -670,7 +671,8 @@ def export_lora(
     vLLM-Omni engine's `update_lora`); diffusers reads the header. Keys are not PEFT's `base_model.model.`
     layout, so `PeftModel.from_pretrained` needs `load_lora_adapter` instead.
     Atomic like `save`; collective when torch.distributed is initialised: over `group` (the ranks that hold the
-    model's shards; None = all ranks), whose first rank must be rank 0.
+    model's shards; None = all ranks), whose first rank must be rank 0. `extra_json` ({file name: object}) is
+    written into the same directory before it is renamed into place, so it always describes this adapter.
     """
     from diffusers.loaders.lora_pipeline import QwenImageLoraLoaderMixin
 
@@ -690,6 +692,8 @@ def export_lora(
             )
             _fsync_file(tmp / ADAPTER_WEIGHTS)
             _write_json(tmp / ADAPTER_CONFIG, cfg_dict)
+            for name, obj in (extra_json or {}).items():
+                _write_json(tmp / name, obj)
     barrier(group)
     return out
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,13 +97,10 @@ class BestTracker:
         return tracker
 
 
-def write_best_record(run_dir: Path, step: int, score: float) -> None:
-    """lora_best/best.json: which validation the adapter beside it belongs to (written after the adapter, so a
-    kill between the two leaves the previous record, naming an older best, never a newer one)."""
-    path = run_dir / BEST_DIR / BEST_RECORD
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"step": step, "val/reward_mean": score}) + "\n")
-    os.replace(tmp, path)
+def best_record(step: int, score: float) -> dict[str, dict]:
+    """lora_best/'s `best.json` (which validation the adapter beside it belongs to), as export_lora's extra_json:
+    written inside the adapter's directory before it is renamed into place, so the two never disagree."""
+    return {BEST_RECORD: {"step": step, "val/reward_mean": score}}
 
 
 def read_best_record(run_dir: Path) -> dict | None:

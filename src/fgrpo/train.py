@@ -186,7 +186,7 @@ def _train(
         record=run.config_record(),
     )
     # The collapse guard (fgrpo.guard) resumes from the validation rows the run keeps (read on every rank, by
-    # step: rank 0 may still be dropping the redone ones).
+    # step: rank 0 may still be moving the redone ones aside).
     kept = [
         r
         for r in flog.read_metrics(run.path / "metrics.jsonl")
@@ -225,9 +225,12 @@ def _train(
         first) once run.collapse_patience validations in a row fall run.collapse_drop below the best."""
         score = val["val/reward_mean"]
         if tracker.observe(step, score) and cfg.model.lora:
-            checkpoint.export_lora(run.path / guard.BEST_DIR, model.transformer, group=trainer_group)
-            if d.is_main:
-                guard.write_best_record(run.path, step, score)
+            checkpoint.export_lora(
+                run.path / guard.BEST_DIR,
+                model.transformer,
+                group=trainer_group,
+                extra_json=guard.best_record(step, score),
+            )
         val = val | tracker.metrics()
         if tracker.collapsed():
             logger.log(val, step=step)
