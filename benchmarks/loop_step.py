@@ -49,7 +49,8 @@ import tyro
 from rollout import build_real, build_tiny, recipe  # benchmarks/rollout.py: the same random models
 
 from fgrpo import parallel
-from fgrpo.config import DataConfig, ModelConfig, ParallelConfig, RewardConfig, TrainConfig, validate_config
+from fgrpo.algorithms import check_config
+from fgrpo.config import DataConfig, ModelConfig, ParallelConfig, RewardConfig, TrainConfig
 from fgrpo.logging import read_metrics
 from fgrpo.models.base import FlowModel
 from fgrpo.models.loading import compile_decoder, configure_transformer
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--steps {args.steps}: need >= 2 (the first step warms up and is not timed)")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:  # bad flags fail here, before any model is built
-        validate_config(config(args, "prompts.txt", "runs"), world)
+        check_config(config(args, "prompts.txt", "runs"), world)
     except ValueError as e:
         msg = str(e)
         for loop_flag, flag in OWN_FLAGS.items():  # name the flag this benchmark takes

@@ -10,11 +10,16 @@ LTX-2.3 sample, train their LoRA and batch by their experiment files' `recipe` p
 (experiments/qwen_image_edit_ocr.py, experiments/ltx2_ocr.py). The reward is a stub (random scores), or with
 `--reward vlm` the OCR reward read by a Qwen2.5-VL at the 3B's widths with random weights (benchmarks/vlm_model.py;
 the tiny one with --tiny) on the same GPU, unsharded and uncompiled: OcrReward (LTX-2.3: VideoOcrReward) over
-TransformersOcrEngine, every image of the rank in one generate call of at most 16 new tokens; its seconds are the
-step's "reward" phase, inside the totals and the images/GPU/s, and its weights inside the peak memory (the FLOP
-ceiling below counts the transformer only). Everything else is the
-trainer's own code: DiffusersEngine.generate, algorithms.*.update (LoRA r64, FSDP2 world of one, bf16
-compute, fp32 masters, gradient checkpointing), recompute of old log-probs.
+TransformersOcrEngine, each rollout micro-batch's images in one generate call of at most 16 new tokens; its seconds
+are the step's "reward" phase, inside the totals and the images/GPU/s, and its weights inside the peak memory (the
+FLOP ceiling below counts the transformer only).
+
+Everything else is the trainer: the model is handed to `fgrpo.train.Trainer` (which adds the LoRA and shards it,
+FSDP2, bf16 compute, fp32 masters, gradient checkpointing, and builds the optimizer, engine and algorithm from a
+TrainConfig of the recipe), and a step is its methods, timed: `experience` (prompts in the trainer's order over the
+prompts, rollout, reward, gathered rewards -> advantages; its "rollout" and "reward" phases) and `update` (its
+"train" phase); between them the window algorithms' 'recompute' pass of old log-probs is timed on its own. Several
+--algo (and --merged-rollout / --split-cfg settings) build one Trainer each over the one model.
 
     python benchmarks/train_step.py                      # H200: 2 prompts x 16 images, eager
     python benchmarks/train_step.py --compile            # regional torch.compile of the blocks
@@ -45,12 +50,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import json
+import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from rollout import (  # benchmarks/rollout.py: the same random models
-    audio_sink,
     build_real,
     build_real_ltx2,
     build_real_qwen_image_edit,
@@ -241,32 +250,27 @@ def main() -> None:
         ap.error("--shard adapters shards the LoRA and --full trains every weight; drop one of them")
 
     from fgrpo import algorithms, parallel
+    from fgrpo.algorithms import check_config
     from fgrpo.config import (
-        FORWARD_PROCESS_ALGOS,
         AlgoConfig,
+        DataConfig,
         GRPOConfig,
         ModelConfig,
         OptimConfig,
+        ParallelConfig,
+        RewardConfig,
+        RunConfig,
         TrainConfig,
     )
-    from fgrpo.core import grpo
-    from fgrpo.models.loading import (
-        SD3_LORA_TARGETS,
-        compile_decoder,
-        configure_transformer,
-        setup_trainable,
-    )
+    from fgrpo.logging import PhaseTimer
+    from fgrpo.models.loading import SD3_LORA_TARGETS, compile_decoder, configure_transformer
     from fgrpo.models.ltx2 import LTX2
     from fgrpo.models.qwen_image import QwenImage
     from fgrpo.models.qwen_image_edit import QwenImageEdit
-    from fgrpo.rewards.runner import AsyncRewardRunner, RewardStream
+    from fgrpo.rewards.runner import AsyncRewardRunner
     from fgrpo.rollout.base import SamplingConfig
-    from fgrpo.rollout.engine import (
-        DiffusersEngine,
-        forward_units,
-        micro_batches,
-        recompute_log_probs_and_means,
-    )
+    from fgrpo.rollout.engine import forward_units, micro_batches, recompute_log_probs_and_means
+    from fgrpo.train import Trainer
 
     algos = args.algo.split(",")
     unknown = [a for a in algos if a not in algorithms.ALGORITHMS]
@@ -373,84 +377,37 @@ def main() -> None:
     runner = (
         AsyncRewardRunner(on_side_stream(reward, d.device), kind="thread") if args.reward_stream else None
     )
-    params = setup_trainable(model.transformer, mcfg)
-    condition_dir = condition_folder() if isinstance(model, QwenImageEdit) else None
-
-    def with_images(texts: list[str]) -> list[str]:
-        """An edit model's prompts each get a synthesised condition image at the sampling size."""
-        return texts if condition_dir is None else edit_prompts(texts, condition_dir, height)
-
-    ids = range(d.rank * n_local, (d.rank + 1) * n_local)  # this rank's slice of the global batch
-
-    def step_prompts(it: int) -> list[str]:
-        """This rank's prompts at step `it` (0 = the warm-up), one per sample: --prompt-file's next lines, or the
-        default prompts every step."""
-        texts = [
-            prompt_lines[(it * args.prompts + p) % len(prompt_lines)]
-            if prompt_lines
-            else f'A storefront sign that says "WORD{p}"'
-            for p in range(args.prompts)
-        ]
-        return with_images([texts[i // group] for i in ids])
-
-    prompts_at = [step_prompts(it) for it in range(args.warmup + args.iters)]  # per step, warm-up ones first
-    # the mean over the timed steps' distinct prompts (the default: one of ~14 text tokens), LoRA included, before
-    # any compile
-    timed_prompts = list(dict.fromkeys(p for step in prompts_at[args.warmup :] for p in step))
-    timed_prompts = timed_prompts or prompts_at[0][:1]
-    tflop_per_forward = sum(forward_tflop(model, p, height, width) for p in timed_prompts) / len(
-        timed_prompts
-    )
-    if args.compile:  # what model.compile does
+    if args.compile:  # what model.compile does, before the Trainer adds LoRA and shards (as build_model)
         configure_transformer(model.transformer, compile_blocks=True)
         if not args.eager_vae:
             compile_decoder(model)
-    parallel.shard_transformer(
-        model.transformer, param_dtype=None if args.tiny else torch.bfloat16, shard=args.shard
+    # The run's prompts, one per group: --prompt-file's lines or the default prompts (an edit model's each with a
+    # synthesised condition image at the sampling size), in a prompt file of one run directory for all ranks.
+    out = run_folder(d)
+    texts = prompt_lines or [f'A storefront sign that says "WORD{p}"' for p in range(args.prompts)]
+    prompt_file = write_prompt_file(
+        out,
+        texts,
+        condition_dir=condition_folder() if isinstance(model, QwenImageEdit) else None,
+        size=height,
     )
-    params = [p for p in model.transformer.parameters() if p.requires_grad]
-    names = [k for k, p in model.transformer.named_parameters() if p.requires_grad]
-    prompts = prompts_at[0]
-    n_trainable = sum(p.numel() for p in params)  # a DTensor's numel() is the global size
-    print0 = (lambda *a, **k: print(*a, **k, flush=True)) if d.is_main else (lambda *a, **k: None)
-    train_graph = args.compile and not args.no_exact_rollout
-    print0(
-        f"# {d.world_size} rank(s), {n} {unit} per step ({n_local} per rank), "
-        f"{args.model}, {'full weights' if args.full else f'LoRA r{lora_rank}'} ~{n_trainable / 1e9:.2f} B "
-        f"trainable, {layers} blocks, {tflop_per_forward:.2f} TFLOP per {size} forward, {args.opt_steps} optimizer steps, rollout window through the "
-        f"{'training' if train_graph else 'no-grad'} graph"
-    )
-    if isinstance(model, QwenImage):  # one text length compiles static blocks; several, a symbolic length
-        used = list(dict.fromkeys(p for step in prompts_at for p in step))
-        lengths = model.encode(used)["prompt_mask"].sum(1).tolist()
-        print0(f"# prompt tokens {min(lengths)}-{max(lengths)} over {len(lengths)} prompts")
 
-    def sync():
-        if d.device.type == "cuda":
-            torch.cuda.synchronize()
-        if d.world_size > 1:
-            torch.distributed.barrier()
-
-    if runner is not None and reward is not None and args.reward_static_cache:
-        # The static cache compiles the VLM's decoding step at the first call of each batch size. Compiling
-        # traces with torch.fx, which patches nn.Module.__call__ for the whole process, so a compile on the
-        # streaming thread would capture the rollout's own module calls: compile here, before anything runs
-        # beside it, at the sizes the stream sends (one rollout micro-batch, and the remainder).
-        for b in sorted({micro_batch, n_local % micro_batch} - {0}):
-            reward(torch.zeros(b, height, width, 3, dtype=torch.uint8).numpy(), prompts[:b])
-
-    for name, merged_rollout, split_cfg in itertools.product(algos, merged_settings, split_settings):
-        if isinstance(model, QwenImage):
-            model.split_cfg = split_cfg
-        forward_process = name in FORWARD_PROCESS_ALGOS
-        # NFT and AWM sample with the ODE and without CFG and train 9 / 6 grid points a sample (their recipes)
+    def run_config(name: str, merged_rollout: bool) -> TrainConfig:
+        """The trainer's configuration of algorithm `name`: NFT and AWM sample with the ODE and without CFG and
+        train 9 / 6 grid points a sample (their recipes); no validation, checkpoint, images or wandb."""
         points = args.train_points or {"nft": 9, "awm": 6}.get(name, 2)
+        forward_process = algorithms.ALGORITHMS[name].forward_process
         sampling = (
             dataclasses.replace(base_sampling, guidance_scale=1.0) if forward_process else base_sampling
         )
-        cfg = dataclasses.replace(
-            TrainConfig(),
-            model=dataclasses.replace(mcfg, merged_rollout=merged_rollout),
+        return TrainConfig(
+            exp_name=f"train_step_{name}",
+            num_steps=args.warmup + args.iters,
+            device=d.device.type,
+            # the tiny model is fp32 on the CPU (FSDP2 computes in the parameters' dtype there)
+            model=dataclasses.replace(
+                mcfg, dtype="fp32" if args.tiny else "bf16", merged_rollout=merged_rollout
+            ),
             sampling=sampling,
             grpo=dataclasses.replace(
                 grpo_cfg,
@@ -459,12 +416,57 @@ def main() -> None:
                 optimizer_steps_per_step=args.opt_steps,
             ),
             optim=optim,
-            algo=AlgoConfig(name=name, train_steps=points, ema_delay=0),
+            algo=dataclasses.replace(AlgoConfig(), name=name, train_steps=points, ema_delay=0),
+            data=DataConfig(train_prompts=prompt_file, val_prompts=prompt_file),
+            reward=RewardConfig(name="ocr"),  # scored by `reward` (the stub's stands in for OCR)
+            run=RunConfig(
+                out_dir=str(out),
+                wandb="disabled",
+                val_every=0,
+                ckpt_every=0,
+                log_images_every=0,
+                export_lora=False,
+                overwrite=True,
+            ),
+            parallel=ParallelConfig(shard=args.shard),
         )
-        optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=1e-4)
-        sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1.0)
-        engine = DiffusersEngine(model, train_graph=train_graph, merged_lora=merged_rollout)
-        algo = algorithms.build(cfg, params)
+
+    print0 = (lambda *a, **k: print(*a, **k, flush=True)) if d.is_main else (lambda *a, **k: None)
+
+    def sync():
+        if d.device.type == "cuda":
+            torch.cuda.synchronize()
+        if d.world_size > 1:
+            torch.distributed.barrier()
+
+    trainer = None
+    tflop_per_forward = 0.0
+    for name, merged_rollout, split_cfg in itertools.product(algos, merged_settings, split_settings):
+        cfg = run_config(name, merged_rollout)
+        check_config(cfg, d.world_size)
+        # one model build for every setting: the first Trainer adds the LoRA and shards, the next ones reuse it
+        trainer = Trainer(
+            cfg,
+            d,
+            model_builder=lambda mcfg, device, seed, built=model: built,
+            model=trainer.model if trainer is not None else None,
+            reward=runner or reward or StubReward(),
+        )
+        if tflop_per_forward == 0.0:
+            tflop_per_forward = first_build_report(trainer, args, unit, layers, size, print0)
+            if runner is not None and reward is not None and args.reward_static_cache:
+                # The static cache compiles the VLM's decoding step at the first call of each batch size.
+                # Compiling traces with torch.fx, which patches nn.Module.__call__ for the whole process, so a
+                # compile on the streaming thread would capture the rollout's own module calls: compile here,
+                # before anything runs beside it, at the sizes the stream sends (one rollout micro-batch, and the
+                # remainder).
+                prompts = trainer.prompts(0)
+                for b in sorted({micro_batch, n_local % micro_batch} - {0}):
+                    reward(torch.zeros(b, height, width, 3, dtype=torch.uint8).numpy(), prompts[:b])
+        if isinstance(model, QwenImage):
+            model.split_cfg = split_cfg
+        forward_process = trainer.algo.forward_process
+        points, sampling = cfg.algo.train_steps, cfg.sampling
         print0(
             f"\n## {name}: CFG {sampling.guidance_scale}"
             + (", merged LoRA outside the window (rollout)" if merged_rollout else "")
@@ -483,37 +485,25 @@ def main() -> None:
             if d.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             sync()
-            t0 = time.perf_counter()
-            prompts = prompts_at[it]
-            stream = RewardStream(runner, prompts) if runner is not None else None
-            with torch.no_grad(), algo.sampling_weights():
-                engine_sampling = algo.sampling(it)
-                traj = engine.generate(
-                    prompts,
-                    [it * 1000 + i for i in ids],
-                    engine_sampling,
-                    on_images=stream.add if stream is not None else audio_sink(model),
-                )
+            timer = PhaseTimer()
+            batch = trainer.experience(it, timer)  # rollout, reward, the rewards gathered -> advantages
+            experience_s = dict(timer.times)
             sync()
-            t1 = time.perf_counter()
-            if reward is None:
-                rewards = torch.randn(n, generator=torch.Generator().manual_seed(it)).to(d.device)
-                t_reward = t1  # the stub's cost stays in the old log-prob phase, as without --reward
-            else:
-                out = stream.result() if stream is not None else reward(traj.images.cpu().numpy(), prompts)
-                rewards = gather_scores(out, prompts, d.device)
-                sync()
-                t_reward = time.perf_counter()
-            adv = grpo.group_advantages(rewards, group, std="global")[ids.start : ids.stop]
+            t_old = time.perf_counter()
             if not forward_process:
-                recompute_log_probs_and_means(model, traj, sampling)  # the 'recompute' variant's extra pass
+                recompute_log_probs_and_means(
+                    model, batch.traj, sampling
+                )  # the 'recompute' variant's extra pass
             sync()
-            t2 = time.perf_counter()
-            m = algo.update(model, params, optimizer, sched, traj, adv, torch.Generator().manual_seed(it))
-            m.update(algo.after_update(it))
+            old_s = time.perf_counter() - t_old
+            m = trainer.update(it, batch, timer)
             m.setdefault("logprob_gap/max", float("nan"))  # NFT/AWM have no transition log-probs
             sync()
-            t3 = time.perf_counter()
+            t = timer.times
+            roll, rew = t["rollout"], t["reward"] + experience_s["sync"]
+            train = (
+                t["train"] + t["sync"] - experience_s["sync"]
+            )  # update's sync: an out-of-process engine's LoRA
             if prof is not None:
                 prof.__exit__(None, None, None)
                 events = [e for e in prof.key_averages() if "nccl" in e.key.lower()]
@@ -526,27 +516,28 @@ def main() -> None:
                 )
                 for e in sorted(events, key=lambda e: -e.device_time_total)[:4]:
                     print0(f"#   {e.key[:70]}: {e.device_time_total / 1e6:.2f}s x{e.count}")
-                for line in kernel_profile(prof.events(), t3 - t0):
+                for line in kernel_profile(prof.events(), timer.total()):
                     print0(line)
             peak = torch.cuda.max_memory_allocated() / 2**30 if d.device.type == "cuda" else 0.0
             if it >= args.warmup or args.iters == 0:  # warm-up steps compile and warm kernels
-                rows.append((t1 - t0, t_reward - t1, t2 - t_reward, t3 - t2, peak, m["logprob_gap/max"]))
+                rows.append((roll, rew, old_s, train, peak, m["logprob_gap/max"]))
             print0(
-                f"step {it}: rollout {t1 - t0:.2f}s "
-                + (f"reward {t_reward - t1:.2f}s " if reward is not None else "")
-                + f"old-logprob {t2 - t_reward:.2f}s train {t3 - t2:.2f}s "
+                f"step {it}: rollout {roll:.2f}s "
+                + (f"reward {rew:.2f}s " if reward is not None else "")
+                + f"old-logprob {old_s:.2f}s train {train:.2f}s "
                 f"peak {peak:.1f} GiB gap {m['logprob_gap/max']:.2e}"
                 + (f" nccl {nccl_s:.2f}s" if profile else "")
             )
-            if it == 0 and train_graph and traj.window.shape[1]:
+            if it == 0 and cfg.model.compile and cfg.model.exact_rollout and batch.traj.window.shape[1]:
                 # steps of a micro-batch with a row inside its window: each runs the training graph
+                engine_sampling = trainer.algo.sampling(it)
                 mb = engine_sampling.micro_batch
                 grouped = [
-                    forward_units(traj.window, mb, engine_sampling.unit_block),
+                    forward_units(batch.traj.window, mb, engine_sampling.unit_block),
                     [range(r.start, r.stop) for r in micro_batches(n_local, mb)],
                 ]
                 per_unit = [
-                    sum(len({int(i) for r in u for i in traj.window[r]}) for u in units) / len(units)
+                    sum(len({int(i) for r in u for i in batch.traj.window[r]}) for u in units) / len(units)
                     for units in grouped
                 ]
                 print0(
@@ -558,9 +549,11 @@ def main() -> None:
                     f"# warning: {m['skipped_steps']:.0f} optimizer step(s) skipped (non-finite gradient norm)"
                 )
             if it == 0 and (args.save_update or args.compare_update):
+                names = [k for k, p in model.transformer.named_parameters() if p.requires_grad]
                 save_or_compare_update(
-                    names, params, optimizer, args.save_update, args.compare_update, d.is_main
+                    names, trainer.params, trainer.optimizer, args.save_update, args.compare_update, d.is_main
                 )
+        trainer.finish()
 
         roll, rew, old, train, peak, gap = (sum(r[k] for r in rows) / len(rows) for k in range(6))
         W, steps = sampling.window_size, sampling.num_steps
@@ -623,7 +616,6 @@ def main() -> None:
                 f"published {VERL_OMNI_IMAGES_PER_GPU_S}; FLOP floor {floor_s:.1f} s -> ceiling {n_local / floor_s:.2f} "
                 f"images/GPU/s ({floor_s / total:.0%} of it)"
             )
-        del engine, optimizer, algo
     if args.comm_probe and d.device.type == "cuda":
         ag = comm_probe(model.transformer)
         weights_gib = (
@@ -635,11 +627,82 @@ def main() -> None:
         )
     if runner is not None:
         runner.close()
-    del params, model
+    del trainer, model
+    sync()  # every rank is done with the run directory
+    if d.is_main:
+        shutil.rmtree(out, ignore_errors=True)
     parallel.shutdown()
 
 
 VLM_MAX_TOKENS = 16  # an answer is one quoted word; a random model runs to the cap, so this bounds decoding
+
+
+class StubReward:
+    """Random scores in [0, 1) (a fresh draw per call): a reward of no cost, so the step is the trainer's own."""
+
+    def __init__(self, seed: int = 0):
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, images, prompts, metadata=None):
+        from fgrpo.rewards.base import RewardOutput
+
+        return RewardOutput(scores=self.rng.random(len(images)).astype(np.float32))
+
+
+def run_folder(d) -> Path:
+    """One temporary run directory for all ranks: rank 0 makes it and tells the others."""
+    where = [str(Path(tempfile.mkdtemp(prefix="fgrpo_train_step_"))) if d.is_main else ""]
+    if d.world_size > 1:
+        torch.distributed.broadcast_object_list(where, src=0)
+    return Path(where[0])
+
+
+def write_prompt_file(out: Path, texts: list[str], *, condition_dir: Path | None, size: int) -> str:
+    """The run's prompt file in `out` (every rank writes the same bytes): one line per prompt, or for an edit
+    model a .jsonl of each prompt with its synthesised condition image (`edit_prompts`)."""
+    if condition_dir is None:
+        path = out / "prompts.txt"
+        text = "".join(f"{t}\n" for t in texts)
+    else:
+        path = out / "prompts.jsonl"
+        from fgrpo.data import ImagePrompt
+
+        lines = []
+        for p in edit_prompts(texts, condition_dir, size):
+            assert isinstance(p, ImagePrompt)
+            lines.append(json.dumps({"prompt": str(p), "image": str(p.image)}) + "\n")
+        text = "".join(lines)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)  # whole whenever a rank reads it
+    return str(path)
+
+
+def first_build_report(trainer, args, unit: str, layers: int, size: str, print0) -> float:
+    """Print what the model built is; returns the TFLOP of one transformer forward: the mean over the timed
+    steps' distinct prompts of this rank (the default: one of ~14 text tokens), LoRA included."""
+    from fgrpo.models.qwen_image import QwenImage
+
+    model, d_world = trainer.model, trainer.split.data_size()
+    steps = range(args.warmup + args.iters)
+    prompts_at = [trainer.prompts(it) for it in steps]
+    timed = list(dict.fromkeys(p for step in prompts_at[args.warmup :] for p in step)) or prompts_at[0][:1]
+    height, width = trainer.cfg.sampling.height, trainer.cfg.sampling.width
+    tflop = sum(forward_tflop(model, p, height, width) for p in timed) / len(timed)
+    n_trainable = sum(p.numel() for p in trainer.params)  # a DTensor's numel() is the global size
+    n = trainer.cfg.samples_per_step
+    m = trainer.cfg.model
+    print0(
+        f"# {d_world} rank(s), {n} {unit} per step ({n // d_world} per rank), {args.model}, "
+        f"{'full weights' if args.full else f'LoRA r{m.lora_rank}'} ~{n_trainable / 1e9:.2f} B trainable, "
+        f"{layers} blocks, {tflop:.2f} TFLOP per {size} forward, {args.opt_steps} optimizer steps, rollout window "
+        f"through the {'training' if m.compile and m.exact_rollout else 'no-grad'} graph"
+    )
+    if isinstance(model, QwenImage):  # one text length compiles static blocks; several, a symbolic length
+        used = list(dict.fromkeys(p for step in prompts_at for p in step))
+        lengths = model.encode(used)["prompt_mask"].sum(1).tolist()
+        print0(f"# prompt tokens {min(lengths)}-{max(lengths)} over {len(lengths)} prompts")
+    return tflop
 
 
 def busy_seconds(intervals: list[tuple[float, float]]) -> float:

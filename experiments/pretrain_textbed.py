@@ -50,7 +50,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from fgrpo import logging as flog
-from fgrpo import parallel
+from fgrpo import parallel, runs
 from fgrpo.core.schedule import lr_multiplier
 from fgrpo.errors import ConfigError, MissingFileError, cli, one_line_errors
 from fgrpo.fonts import dejavu_sans
@@ -594,7 +594,7 @@ def main(cfg: Config) -> dict:
     out = Path(cfg.out_dir)
     rank = parallel.rank()
     if rank == 0:
-        flog.save_run_metadata(out, cfg, __file__)
+        runs.save_run_metadata(out, cfg, __file__)
     snapshots = train(cfg)
     if rank != 0:
         return {}

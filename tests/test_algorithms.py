@@ -13,7 +13,7 @@ from train_entry import Config
 
 from fgrpo import algorithms, checkpoint
 from fgrpo import train as train_mod
-from fgrpo.config import validate_config
+from fgrpo.algorithms import check_config
 from fgrpo.core import schedule
 from fgrpo.rollout.engine import DiffusersEngine
 
@@ -192,16 +192,16 @@ def test_forward_process_settings_are_checked(tmp_path):
     base = cfg_for(tmp_path, "nft")
     bad = dataclasses.replace(base, algo=dataclasses.replace(base.algo, train_steps=9, train_steps_hi=3))
     with pytest.raises(ValueError, match="algo.train_steps=9"):
-        validate_config(bad, world_size=1)
+        check_config(bad, world_size=1)
     with pytest.raises(ValueError, match="--grpo.ratio-norm"):
-        validate_config(
+        check_config(
             dataclasses.replace(base, grpo=dataclasses.replace(base.grpo, ratio_norm=True)), world_size=1
         )
     # an ODE sampling config is fine for NFT (nothing trains the window) and refused for Flow-GRPO
     ode = dataclasses.replace(base.sampling, sde_kind="ode", window_size=0)
-    validate_config(dataclasses.replace(base, sampling=ode), world_size=1)
+    check_config(dataclasses.replace(base, sampling=ode), world_size=1)
     with pytest.raises(ValueError, match="nothing to train"):
-        validate_config(dataclasses.replace(base, sampling=ode, algo=Config().algo), world_size=1)
+        check_config(dataclasses.replace(base, sampling=ode, algo=Config().algo), world_size=1)
 
 
 def _budget(c):
@@ -231,7 +231,7 @@ def test_every_algorithm_preset_validates_and_keeps_the_base_budget():
         for suffix, base in (("", m.Config()), ("-tiny", m.tiny()), ("-tiny-gpu", m.tiny_gpu())):
             cfg = presets[algo + suffix][1]
             assert cfg.algo.name == algo
-            validate_config(cfg, world_size=1)
+            check_config(cfg, world_size=1)
             assert _budget(cfg) == _budget(base)
     assert set(algorithms.ALGORITHMS) == {"grpo", "dppo", "mixgrpo", "nft", "awm"}
 

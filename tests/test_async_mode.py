@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -323,9 +324,18 @@ def _fake_trainer(monkeypatch, versions, max_staleness, num_steps, start_step=0,
     def rollout_weights():
         return async_mode.trainable_tensors(layer)
 
-    async_mode.run_trainer(
-        cfg, split, rollout_weights, torch.device("cpu"), start_step, lagging, validation, update, record
+    run = SimpleNamespace(
+        cfg=cfg,
+        split=split,
+        device=torch.device("cpu"),
+        start_step=start_step,
+        lagging=lagging,
+        rollout_weights=rollout_weights,
+        validation=validation,
+        update=update,
+        record=record,
     )
+    async_mode.run_trainer(run)  # pyright: ignore[reportArgumentType]
     assert validated == list(range(start_step, num_steps))  # once a step, whether a batch was dropped or not
     return trained, logged, FakeWire.sent
 
@@ -440,17 +450,17 @@ def test_off_policy_weights_per_correction():
     none: no weight, statistics of weight 1; sequence level: r_b = prod_j r_bj = [3, 0.25] -> [2, 0.25]."""
     behaviour = torch.zeros(2, 2)
     old = torch.tensor([[0.0, math.log(3.0)], [math.log(0.25), 0.0]])
-    w, stats = async_mode.off_policy_weights(old, behaviour, ParallelConfig(correction="tis"), elements=1)
+    w, stats = algorithms.off_policy_weights(old, behaviour, ParallelConfig(correction="tis"), elements=1)
     torch.testing.assert_close(w, torch.tensor([[1.0, 2.0], [0.25, 1.0]]))
     assert stats["offpolicy/gap_abs_max"] == pytest.approx(math.log(4.0))
-    w, stats = async_mode.off_policy_weights(
+    w, stats = algorithms.off_policy_weights(
         old, behaviour, ParallelConfig(correction="masked_is"), elements=1
     )
     torch.testing.assert_close(w, torch.tensor([[1.0, 0.0], [0.0, 1.0]]))
     assert stats["offpolicy/is_frac_zero"] == 0.5
-    w, stats = async_mode.off_policy_weights(old, behaviour, ParallelConfig(correction="none"), elements=1)
+    w, stats = algorithms.off_policy_weights(old, behaviour, ParallelConfig(correction="none"), elements=1)
     assert w is None and stats["offpolicy/is_max"] == 1.0
-    w, _ = async_mode.off_policy_weights(
+    w, _ = algorithms.off_policy_weights(
         old, behaviour, ParallelConfig(correction="tis", is_level="sequence"), elements=1
     )
     torch.testing.assert_close(w, torch.tensor([[2.0, 2.0], [0.25, 0.25]]))
@@ -464,7 +474,7 @@ def test_off_policy_weights_sum_scales_the_log_ratio_by_the_element_count():
     behaviour = torch.zeros(2, 2)
     old = torch.tensor([[0.0, math.log(3.0) / D], [math.log(0.25) / D, 1e-3]])
     tis = ParallelConfig(correction="tis", is_log_ratio="mean")
-    w, stats = async_mode.off_policy_weights(
+    w, stats = algorithms.off_policy_weights(
         old,
         behaviour,
         ParallelConfig(correction="tis"),
@@ -473,7 +483,7 @@ def test_off_policy_weights_sum_scales_the_log_ratio_by_the_element_count():
     torch.testing.assert_close(w, torch.tensor([[1.0, 2.0], [0.25, math.exp(0.064)]]))
     assert stats["offpolicy/gap_abs_max"] == pytest.approx(math.log(4.0))
     assert stats["offpolicy/is_frac_high"] == 0.25
-    w, stats = async_mode.off_policy_weights(old, behaviour, tis, elements=D)
+    w, stats = algorithms.off_policy_weights(old, behaviour, tis, elements=D)
     torch.testing.assert_close(w, old.exp())
     assert stats["offpolicy/gap_abs_max"] == pytest.approx(math.log(4.0) / D)
     assert stats["offpolicy/is_frac_high"] == 0.0

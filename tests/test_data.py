@@ -84,3 +84,35 @@ def test_prompt_orders_of_neighbouring_run_seeds_do_not_overlap():
     # A linear mix seed * 1_000_003 + epoch gave run seed 1's epoch 0 to run seed 0's epoch 1_000_003.
     n = 50
     assert not torch.equal(step_prompt_indices(n, 1_000_003, n, seed=0), step_prompt_indices(n, 0, n, seed=1))
+
+
+def test_step_prompt_indices_cover_each_epoch_once():
+    n, per = 10, 4
+    seen = torch.cat([step_prompt_indices(n, s, per, seed=3) for s in range(5)])  # 20 = two epochs
+    assert sorted(seen[:10].tolist()) == list(range(10))
+    assert sorted(seen[10:].tolist()) == list(range(10))
+    assert not torch.equal(seen[:10], seen[10:])  # each epoch its own permutation
+
+
+def test_step_prompt_indices_pure_function_of_step_and_seed():
+    assert torch.equal(step_prompt_indices(7, 5, 3, seed=1), step_prompt_indices(7, 5, 3, seed=1))
+    assert not torch.equal(step_prompt_indices(50, 0, 8, seed=1), step_prompt_indices(50, 0, 8, seed=2))
+
+
+def test_load_prompts_formats_and_errors(tmp_path):
+    txt = tmp_path / "p.txt"
+    txt.write_text('A sign that says "OPEN"\n\nA cup with "TEA" on it\n')
+    assert load_prompts(txt, require_quoted=True) == ['A sign that says "OPEN"', 'A cup with "TEA" on it']
+    jl = tmp_path / "p.jsonl"
+    jl.write_text('{"prompt": "a \\"B\\""}\n')
+    assert load_prompts(jl) == ['a "B"']
+    bad = tmp_path / "bad.txt"
+    bad.write_text('fine "X"\nno quote here\n')
+    with pytest.raises(ValueError, match="line 2.*no double-quoted"):
+        load_prompts(bad, require_quoted=True)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="holds no prompts"):
+        load_prompts(empty)
+    with pytest.raises(FileNotFoundError, match="data.train_prompts"):
+        load_prompts(tmp_path / "missing.txt")

@@ -43,10 +43,10 @@ def test_config_presets_instantiate(name):
     recipe, tiny = module.Config(), module.tiny()
     assert recipe.exp_name == name == tiny.exp_name  # run name = file stem
     assert recipe.model.kind in ("qwen_image", "sd3", "qwen_image_edit", "ltx2") and recipe.model.lora
-    from fgrpo.config import validate_config
+    from fgrpo.algorithms import check_config
 
-    validate_config(recipe, world_size=1)
-    validate_config(tiny, world_size=1)
+    check_config(recipe, world_size=1)
+    check_config(tiny, world_size=1)
 
 
 def test_tiny_gpu_preset_samples_like_the_cpu_preset_at_gpu_scale():
@@ -54,9 +54,9 @@ def test_tiny_gpu_preset_samples_like_the_cpu_preset_at_gpu_scale():
     validation, and scales the batch: 32 words x 16 images, bf16 (RESULTS.md measured it)."""
     m = load(ROOT / "experiments" / "qwen_image_ocr.py")
     cpu, gpu = m.tiny(), m.tiny_gpu()
-    from fgrpo.config import validate_config
+    from fgrpo.algorithms import check_config
 
-    validate_config(gpu, world_size=1)
+    check_config(gpu, world_size=1)
     keep = (
         "height",
         "width",
@@ -428,9 +428,9 @@ def test_ltx2_recipe_matches_verl_omni():
 def test_sd3_renderer_gpu_preset_trains_and_reads_like_the_qwen_image_one():
     q = load(ROOT / "experiments" / "qwen_image_ocr.py").tiny_gpu()
     s = load(ROOT / "experiments" / "sd35_ocr.py").tiny_gpu()
-    from fgrpo.config import validate_config
+    from fgrpo.algorithms import check_config
 
-    validate_config(s, world_size=1)
+    check_config(s, world_size=1)
     assert (s.reward, s.optim, s.grpo, s.run, s.num_steps) == (q.reward, q.optim, q.grpo, q.run, q.num_steps)
     assert (s.model.compile, s.model.dtype, s.model.path) == (True, "bf16", "sd3")
     assert s.sampling.micro_batch == 256

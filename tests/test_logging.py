@@ -15,6 +15,7 @@ from PIL import Image
 
 from fgrpo import logging as flog
 from fgrpo import parallel
+from fgrpo import runs as fruns
 
 
 class FakeClock:
@@ -192,28 +193,6 @@ def test_partial_last_row_is_skipped_and_a_resumed_run_appends_cleanly(tmp_path)
     assert [(r["step"], r["reward/mean"]) for r in rows] == [(0, 0.5), (1, 0.6), (2, 0.7)]
 
 
-def test_save_run_metadata(tmp_path):
-    @dataclass
-    class Inner:
-        lr: float = 3e-4
-        path: object = field(default_factory=lambda: tmp_path)
-
-    @dataclass
-    class Cfg:
-        exp_name: str = "demo"
-        inner: Inner = field(default_factory=Inner)
-
-    src = tmp_path / "exp_file.py"
-    src.write_text("print('hi')\n")
-    run = flog.save_run_metadata(tmp_path / "run", Cfg(), src)
-    cfg = json.loads((run / "config.json").read_text())
-    assert cfg == {"exp_name": "demo", "inner": {"lr": 3e-4, "path": str(tmp_path)}}
-    assert (run / "exp_file.py").read_text() == "print('hi')\n"
-    assert "argv" in json.loads((run / "run_meta.json").read_text())
-    flog.save_run_metadata(tmp_path / "run2", {"a": 1}, "import os\nprint(os)\n")
-    assert (tmp_path / "run2" / "experiment.py").read_text() == "import os\nprint(os)\n"
-
-
 def _exercise(logger):
     logger.log({"reward/mean": 0.5, "reward/std": np.float32(0.1)}, step=0)
     logger.log_images("rollout", _images(4), ["p0", "p1", "p2", "p3"], step=0)
@@ -225,7 +204,7 @@ def test_null_logger_accepts_the_same_calls(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     _exercise(flog.NullLogger())
     assert list(tmp_path.iterdir()) == []
-    assert isinstance(flog.make_logger(object(), tmp_path / "x", enabled=False), flog.NullLogger)
+    assert isinstance(fruns.make_logger(object(), tmp_path / "x", enabled=False), flog.NullLogger)
     assert not (tmp_path / "x").exists()
 
 
@@ -256,7 +235,7 @@ def test_wandb_offline_writes_a_run_dir(tmp_path, monkeypatch):
         exp_name: str = "wb"
         run: Run = field(default_factory=Run)
 
-    logger = flog.make_logger(Cfg(), tmp_path / "run", experiment_source="x = 1\n")
+    logger = fruns.make_logger(Cfg(), tmp_path / "run", experiment_source="x = 1\n")
     assert isinstance(logger, flog.Logger)  # enabled: not the NullLogger
     assert logger.wandb_run is not None
     _exercise(logger)

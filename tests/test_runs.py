@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -528,3 +529,25 @@ def test_an_unusable_out_dir_names_the_field(tmp_path, monkeypatch):
     monkeypatch.setattr(Path, "mkdir", read_only)
     with pytest.raises(RunDirError, match=r"--run.out-dir .*\(Read-only file system\)"):
         RunDir(tmp_path / "ro" / "e2e").lock()
+
+
+def test_save_run_metadata(tmp_path):
+    @dataclass
+    class Inner:
+        lr: float = 3e-4
+        path: object = field(default_factory=lambda: tmp_path)
+
+    @dataclass
+    class Cfg:
+        exp_name: str = "demo"
+        inner: Inner = field(default_factory=Inner)
+
+    src = tmp_path / "exp_file.py"
+    src.write_text("print('hi')\n")
+    run = runs.save_run_metadata(tmp_path / "run", Cfg(), src)
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg == {"exp_name": "demo", "inner": {"lr": 3e-4, "path": str(tmp_path)}}
+    assert (run / "exp_file.py").read_text() == "print('hi')\n"
+    assert "argv" in json.loads((run / "run_meta.json").read_text())
+    runs.save_run_metadata(tmp_path / "run2", {"a": 1}, "import os\nprint(os)\n")
+    assert (tmp_path / "run2" / "experiment.py").read_text() == "import os\nprint(os)\n"

@@ -10,9 +10,10 @@
 | awm     | ODE, from theta                                | x0 noised afresh at K grid times (shared) | awm.awm_loss           |
 
 Two update functions serve them: `window_update` (the Flow-GRPO family: recompute the log-prob of stored
-transitions) and `forward_process_update` (NFT, AWM: velocity at fresh forward-process points). A new
-algorithm is a core loss, an `Algorithm` subclass that says what to sample and which update to run, and a
-preset in an experiment file.
+transitions) and `forward_process_update` (NFT, AWM: velocity at fresh forward-process points); both give
+`minibatch_updates`, the one mini-batch -> micro-batch -> backward -> optimizer step skeleton, the loss of one
+trained point. A new algorithm is a core loss, an `Algorithm` subclass that says what to sample, which update to
+run and which settings it refuses (`Algorithm.check`), and a preset in an experiment file.
 
 Deviations from the reference code, each for a reason:
 - NFT and AWM roll out with the Euler ODE step on the model's own schedule (NVlabs' NFT uses a 2nd-order DPM
@@ -37,14 +38,15 @@ import contextlib
 import dataclasses
 import math
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 
 import numpy as np
 import torch
 
-from fgrpo.config import TrainConfig
-from fgrpo.core import awm, dppo, ema, grpo, nft, schedule, sde
+from fgrpo.config import ParallelConfig, TrainConfig, validate_config
+from fgrpo.core import awm, correction, dppo, ema, grpo, nft, schedule, sde
+from fgrpo.errors import ConfigError
 from fgrpo.models.base import FlowModel, cond_index
 from fgrpo.models.loading import adapters_disabled
 from fgrpo.parallel import is_dtensor, world_size
@@ -103,9 +105,27 @@ class Algorithm:
     """Flow-GRPO: PPO's clipped surrogate on the log-probs of the SDE window's transitions."""
 
     needs_old_mean = False  # the loss reads the rollout's transition means (ratio norm, DPPO)
+    # Samples with the ODE and trains the velocity at fresh forward-process points (no SDE window, no log-probs).
+    forward_process = False
 
     def __init__(self, cfg: TrainConfig, params: list[torch.nn.Parameter]):
         self.cfg = cfg
+
+    @classmethod
+    def check(cls, cfg: TrainConfig) -> None:
+        """Raise ConfigError (one line: the field and the fix) for a setting this algorithm cannot train with.
+        The window algorithms' check: the SDE window exists and lies inside the schedule."""
+        s = cfg.sampling
+        if s.sde_kind == "ode" or s.window_size < 1:
+            raise ConfigError(
+                "sampling.sde_kind='ode' / window_size<1 leaves nothing to train; use flow_sde, cps or dance_sde"
+            )
+        lo, hi = s.window_range
+        if not (0 <= lo and lo + s.window_size <= hi <= s.num_steps):
+            raise ConfigError(
+                f"sampling.window_range={s.window_range} with window_size={s.window_size} must satisfy "
+                f"0 <= lo, lo + window_size <= hi <= num_steps={s.num_steps}"
+            )
 
     def sampling(self, step: int) -> SamplingConfig:
         """How this step's rollout samples: sampling.micro_batch capped so that no forward holds rows of two of
@@ -155,6 +175,12 @@ class FlowDPPO(Algorithm):
 
     needs_old_mean = True
 
+    @classmethod
+    def check(cls, cfg: TrainConfig) -> None:
+        if cfg.algo.dppo_tau < 0:
+            raise ConfigError(f"algo.dppo_tau={cfg.algo.dppo_tau}: must be >= 0")
+        super().check(cfg)
+
     def loss(self, log_prob, old_log_prob, mean, old_mean, std, advantages, weight=None):
         return dppo.dppo_loss(
             log_prob, old_log_prob, mean, old_mean, std, advantages, tau=self.cfg.algo.dppo_tau, weight=weight
@@ -165,6 +191,21 @@ class MixGRPO(Algorithm):
     """MixGRPO: one SDE window for the whole batch that slides from sampling.window_range's start over every
     step but the last as training proceeds, and restarts at that start after the end (algo.window_roll_back,
     the reference scripts' setting)."""
+
+    @classmethod
+    def check(cls, cfg: TrainConfig) -> None:
+        a, s = cfg.algo, cfg.sampling
+        if a.window_iters < 1 or a.window_stride < 0:
+            raise ConfigError(
+                f"algo.window_iters={a.window_iters} must be >= 1 and algo.window_stride={a.window_stride} >= 0"
+            )
+        super().check(cfg)
+        if s.window_range[0] + s.window_size > s.num_steps - 1:
+            raise ValueError(
+                f"algo.name='mixgrpo' slides its window before the last step: sampling.window_range="
+                f"{s.window_range} with window_size={s.window_size} needs lo + window_size <= num_steps - 1 = "
+                f"{s.num_steps - 1}"
+            )
 
     def sampling(self, step: int) -> SamplingConfig:
         s, a = super().sampling(step), self.cfg.algo
@@ -185,10 +226,39 @@ class MixGRPO(Algorithm):
 class ForwardProcessAlgorithm(Algorithm):
     """Algorithms that sample with the ODE and train the velocity at fresh forward-process points."""
 
+    forward_process = True
     shared_steps = False  # one set of grid steps for the whole batch (AWM) or one per sample (NFT)
     ema: EmaWeights | None = (
         None  # an EMA of theta (NFT's old policy, AWM's KL anchor), updated after each step
     )
+
+    @classmethod
+    def check(cls, cfg: TrainConfig) -> None:
+        """The training points lie on the schedule's grid; no setting that reads transition log-probs or needs an
+        engine without clean latents."""
+        a, s, g = cfg.algo, cfg.sampling, cfg.grpo
+        hi = a.train_steps_hi or s.num_steps
+        if not 0 <= a.train_steps_lo < hi <= s.num_steps or not 1 <= a.train_steps <= hi - a.train_steps_lo:
+            raise ConfigError(
+                f"algo.train_steps={a.train_steps} in grid steps [algo.train_steps_lo={a.train_steps_lo}, "
+                f"algo.train_steps_hi={hi}) must satisfy 0 <= lo < hi <= sampling.num_steps={s.num_steps} and "
+                "1 <= train_steps <= hi - lo"
+            )
+        _check_ranges(cls.ranges(cfg))
+        if g.old_log_prob != "rollout" or g.ratio_norm or g.group_init_noise:
+            raise ConfigError(
+                f"algo.name={a.name!r} has no transition log-probs: drop --grpo.old-log-prob, "
+                "--grpo.ratio-norm and --grpo.group-init-noise"
+            )
+        if cfg.rollout_engine != "diffusers":
+            raise ConfigError(
+                f"algo.name={a.name!r} needs the rollout's clean latents: use rollout_engine='diffusers'"
+            )
+
+    @classmethod
+    def ranges(cls, cfg: TrainConfig) -> list[tuple[bool, str, float]]:
+        """(holds, field, value) of the algorithm's own numeric fields."""
+        return []
 
     def sampling(self, step: int) -> SamplingConfig:
         return validation_sampling(super().sampling(step), self.cfg.sampling.num_steps)
@@ -227,6 +297,16 @@ class DiffusionNFT(ForwardProcessAlgorithm):
     """DiffusionNFT: fit implicit positive and negative policies around an EMA old policy, weighted by the
     optimality probability of each sample's reward."""
 
+    @classmethod
+    def ranges(cls, cfg: TrainConfig) -> list[tuple[bool, str, float]]:
+        a = cfg.algo
+        return [
+            (a.nft_beta > 0, "algo.nft_beta", a.nft_beta),
+            (0 <= a.ema_max_decay <= 1, "algo.ema_max_decay", a.ema_max_decay),
+            (a.ema_rate >= 0, "algo.ema_rate", a.ema_rate),
+            (a.ema_delay >= 0, "algo.ema_delay", a.ema_delay),
+        ]
+
     def __init__(self, cfg: TrainConfig, params: list[torch.nn.Parameter]):
         super().__init__(cfg, params)
         a = cfg.algo
@@ -259,6 +339,16 @@ class AWM(ForwardProcessAlgorithm):
     2). On the text renderer it delays the wash-out to white but does not prevent it (RESULTS.md, stability)."""
 
     shared_steps = True
+
+    @classmethod
+    def ranges(cls, cfg: TrainConfig) -> list[tuple[bool, str, float]]:
+        a = cfg.algo
+        return [
+            (a.awm_p > 0, "algo.awm_p", a.awm_p),
+            (a.ema_kl_coef >= 0, "algo.ema_kl_coef", a.ema_kl_coef),
+            (0 <= a.kl_ema_max_decay <= 1, "algo.kl_ema_max_decay", a.kl_ema_max_decay),
+            (a.kl_ema_rate >= 0, "algo.kl_ema_rate", a.kl_ema_rate),
+        ]
 
     def __init__(self, cfg: TrainConfig, params: list[torch.nn.Parameter]):
         super().__init__(cfg, params)
@@ -314,6 +404,19 @@ def forward_rows(n: int, cfg: TrainConfig) -> int:
     return exact_micro_batch(n, cfg.sampling.micro_batch, cfg.grpo.optimizer_steps_per_step)
 
 
+def _check_ranges(ranges: list[tuple[bool, str, float]]) -> None:
+    for ok, name, value in ranges:
+        if not ok:
+            raise ConfigError(f"{name}={value} is out of range; see --help for its meaning")
+
+
+def check_config(cfg: TrainConfig, world_size: int) -> None:
+    """Every check of a run's configuration before anything is built: config.validate_config's, then the
+    configured algorithm's own (`Algorithm.check`). Raises ConfigError naming the field and the fix."""
+    validate_config(cfg, world_size)
+    ALGORITHMS[cfg.algo.name].check(cfg)
+
+
 def build(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> Algorithm:
     return ALGORITHMS[cfg.algo.name](cfg, params)
 
@@ -348,6 +451,79 @@ def summarize(stats: Stats) -> dict[str, float]:
     return out
 
 
+def minibatch_updates(
+    window: torch.Tensor,
+    points: int,
+    micro_loss: Callable[[torch.Tensor, int], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    cfg: TrainConfig,
+    generator: torch.Generator,
+    params: list[torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler,
+    device: torch.device,
+    after_minibatch: Callable[[], None] | None = None,
+) -> Stats:
+    """The update skeleton every algorithm shares: inner epochs x mini-batches (rollout.engine.minibatch_rows over
+    this rank's samples, whose [B, W] SDE window fixes the rollout's micro-batches), each the sum over `points`
+    trained points (window entries, forward-process points) x micro-batches of micro_loss(rows, point) -> (loss,
+    detached metrics), then one optimizer step (`optimizer_step`: clipped, skipped when not finite). Returns every
+    micro-batch's metrics and loss and every optimizer step's gradient norm (`summarize` makes the step's metrics).
+
+    Gradients are scaled so that the update equals that of one big batch: each micro-batch adds (its rows x points
+    / the mini-batch's rows x points on this rank) of its mean loss, and FSDP averages equal-sized rank shards.
+    """
+    g = cfg.grpo
+    mb = g.train_micro_batch or cfg.sampling.micro_batch
+    stats: Stats = defaultdict(list)
+    for _epoch in range(g.inner_epochs):
+        for chunk in minibatch_rows(
+            window, mb, cfg.sampling.micro_batch, g.optimizer_steps_per_step, generator
+        ):
+            n = sum(len(rows) for rows in chunk) * points
+            for j in range(points):
+                for rows in chunk:
+                    rows = rows.to(device)
+                    loss, metrics = micro_loss(rows, j)
+                    (loss * (len(rows) * 1.0 / n)).backward()
+                    for k, v in metrics.items():
+                        stats[k].append(float(v))
+                    stats["loss"].append(loss.item())
+            if after_minibatch is not None:
+                after_minibatch()
+            optimizer_step(params, optimizer, lr_scheduler, cfg.optim.grad_clip, stats)
+    return stats
+
+
+def off_policy_weights(
+    old_log_prob: torch.Tensor, behaviour_log_prob: torch.Tensor, p: ParallelConfig, *, elements: int
+) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """The configured correction's [B, W] weights (None for 'none') and their statistics ('offpolicy/...').
+
+    old_log_prob, behaviour_log_prob: [B, W] per-element mean log-probs of the transitions, whose latents have
+    `elements` elements (D) each. With p.is_log_ratio 'sum' the log-ratio is D (old - behaviour), that of the
+    transition's densities; with 'mean' it is old - behaviour. The statistics (behaviour/old gap, IS weight
+    mean/min/max, ESS, truncated and masked shares) are of that log-ratio, and are logged with every
+    correction, 'none' included (with weight 1), so the gap is visible before one turns it on.
+    """
+    log_w = correction.log_ratio(old_log_prob, behaviour_log_prob)
+    if p.is_log_ratio == "sum":
+        log_w = log_w * elements
+    lower = p.is_threshold_low or None
+    if p.correction == "none":
+        weight = None
+    else:
+        mode = "truncate" if p.correction == "tis" else "mask"
+        weight = correction.is_weights(log_w, level=p.is_level, mode=mode, upper=p.is_threshold, lower=lower)
+    stats = correction.correction_metrics(
+        log_w,
+        torch.ones_like(log_w) if weight is None else weight,
+        level=p.is_level,
+        upper=p.is_threshold,
+        lower=lower,
+    )
+    return weight, {f"offpolicy/{k}": float(v) for k, v in stats.items()}
+
+
 def window_update(
     model: FlowModel,
     params: list[torch.nn.Parameter],
@@ -366,9 +542,7 @@ def window_update(
     The old log-probs are then recomputed with these weights and the rollout's own become the behaviour
     policy's: each entry's loss is weighted by the configured correction (cfg.parallel, async_mode).
 
-    Gradients are scaled so that the update equals that of one big batch: each micro-batch adds
-    (its elements / elements of the mini-batch on this rank) of its mean loss, and FSDP averages
-    equal-sized rank shards.
+    The mini-batching, gradient scaling and optimizer steps are `minibatch_updates`'.
 
     Deviation from flow_grpo, which shuffles single samples: when the training micro-batch equals the
     rollout's, we shuffle whole rollout micro-batches (`Algorithm.sampling` caps them at a mini-batch, so
@@ -379,11 +553,9 @@ def window_update(
     """
     g, s = cfg.grpo, cfg.sampling
     B, W = traj.window.shape
-    mb = g.train_micro_batch or s.micro_batch
-    stats: Stats = defaultdict(list)
     gap_per_step: dict[int, list[float]] = defaultdict(list)
     old_log_prob, old_mean = traj.log_prob, traj.mean
-    first_update = True
+    first_update = [True]  # until the first optimizer step the weights are the rollout's
     needs_mean = algo.needs_old_mean or g.ratio_norm
     weight, offpolicy_stats = None, {}
     if g.old_log_prob == "recompute" or off_policy or (needs_mean and old_mean is None):
@@ -393,59 +565,62 @@ def window_update(
         if g.old_log_prob == "recompute":
             old_log_prob = recomputed
             _record_gap(gap_per_step, traj.window, recomputed, traj.log_prob)
-            first_update = False  # the gap is measured; training starts from the trainer's own numbers
+            first_update[0] = False  # the gap is measured; training starts from the trainer's own numbers
         if off_policy:
-            from fgrpo.async_mode import off_policy_weights
-
-            old_log_prob, first_update = recomputed, False  # the gap is the staleness, not the numerics
+            old_log_prob, first_update[0] = recomputed, False  # the gap is the staleness, not the numerics
             weight, offpolicy_stats = off_policy_weights(
                 recomputed, traj.log_prob, cfg.parallel, elements=traj.x_t[0, 0].numel()
             )
     if not needs_mean:
         old_mean = None  # the loss gets the rollout's means only when it reads them
 
-    for _epoch in range(g.inner_epochs):
-        for chunk in minibatch_rows(traj.window, mb, s.micro_batch, g.optimizer_steps_per_step, generator):
-            n_elems = sum(len(rows) for rows in chunk) * W
-            for j in range(W):
-                for rows in chunk:
-                    rows = rows.to(traj.x_t.device)
-                    log_prob, mean, std = recompute_log_prob(model, traj, s, rows, j)
-                    old = old_log_prob[rows, j]
-                    if first_update:  # weights still equal the rollout's: the gap is the numerics alone
-                        _record_gap(
-                            gap_per_step,
-                            traj.window[rows, j : j + 1],
-                            log_prob.detach()[:, None],
-                            old[:, None],
-                        )
-                    loss, metrics = algo.loss(
-                        log_prob,
-                        old,
-                        mean,
-                        old_mean[rows, j] if old_mean is not None else None,
-                        std,
-                        advantages[rows],
-                        weight[rows, j] if weight is not None else None,
-                    )
-                    if g.kl_coef > 0:
-                        steps = traj.window[rows, j]
-                        sigma, sigma_next = traj.sigmas[steps], traj.sigmas[steps + 1]
-                        with torch.no_grad(), adapters_disabled(model.transformer):
-                            ref_mean, _ = transition(
-                                model, traj.x_t[rows, j], sigma, sigma_next, cond_index(traj.cond, rows), s
-                            )
-                        kl = grpo.gaussian_kl(
-                            mean, ref_mean, std, kind=g.kl_kind, step_size=sigma - sigma_next
-                        )
-                        loss = loss + g.kl_coef * kl.mean()
-                        stats["kl"].append(kl.mean().item())
-                    (loss * (len(rows) * 1.0 / n_elems)).backward()
-                    for k, v in metrics.items():
-                        stats[k].append(float(v))
-                    stats["loss"].append(loss.item())
-            first_update = False
-            optimizer_step(params, optimizer, lr_scheduler, cfg.optim.grad_clip, stats)
+    def micro_loss(rows: torch.Tensor, j: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of window entry j of `rows` (the transition the rollout took at step traj.window[rows, j])."""
+        log_prob, mean, std = recompute_log_prob(model, traj, s, rows, j)
+        old = old_log_prob[rows, j]
+        if first_update[0]:  # weights still equal the rollout's: the gap is the numerics alone
+            _record_gap(
+                gap_per_step,
+                traj.window[rows, j : j + 1],
+                log_prob.detach()[:, None],
+                old[:, None],
+            )
+        loss, metrics = algo.loss(
+            log_prob,
+            old,
+            mean,
+            old_mean[rows, j] if old_mean is not None else None,
+            std,
+            advantages[rows],
+            weight[rows, j] if weight is not None else None,
+        )
+        if g.kl_coef > 0:
+            steps = traj.window[rows, j]
+            sigma, sigma_next = traj.sigmas[steps], traj.sigmas[steps + 1]
+            with torch.no_grad(), adapters_disabled(model.transformer):
+                ref_mean, _ = transition(
+                    model, traj.x_t[rows, j], sigma, sigma_next, cond_index(traj.cond, rows), s
+                )
+            kl = grpo.gaussian_kl(mean, ref_mean, std, kind=g.kl_kind, step_size=sigma - sigma_next)
+            loss = loss + g.kl_coef * kl.mean()
+            metrics = metrics | {"kl": kl.detach().mean()}
+        return loss, metrics
+
+    def after_minibatch() -> None:
+        first_update[0] = False
+
+    stats = minibatch_updates(
+        traj.window,
+        W,
+        micro_loss,
+        cfg,
+        generator,
+        params,
+        optimizer,
+        lr_scheduler,
+        traj.x_t.device,
+        after_minibatch,
+    )
 
     out = summarize(stats) | offpolicy_stats
     for i, gaps in sorted(gap_per_step.items()):
@@ -526,7 +701,7 @@ def forward_process_update(
 
     The points are drawn once per step (`draw_points`); `algo.old_pass` evaluates the old
     policy on all of them before any update; the training velocity has no CFG (NFT's and AWM's recipes).
-    Gradient scaling and mini-batching as in `window_update`.
+    The mini-batching, gradient scaling and optimizer steps are `minibatch_updates`'.
     """
     g, s, a = cfg.grpo, cfg.sampling, cfg.algo
     if traj.x0 is None:
@@ -538,28 +713,23 @@ def forward_process_update(
         traj, K, (a.train_steps_lo, a.train_steps_hi or s.num_steps), generator, shared=algo.shared_steps
     )
     old = algo.old_pass(model, traj, points)  # each [B, K, ...]
-    mb = g.train_micro_batch or s.micro_batch
-    stats: Stats = defaultdict(list)
-    for _epoch in range(g.inner_epochs):
-        for chunk in minibatch_rows(traj.window, mb, s.micro_batch, g.optimizer_steps_per_step, generator):
-            n_points = sum(len(rows) for rows in chunk) * K
-            for k in range(K):
-                for rows in chunk:
-                    rows = rows.to(traj.x0.device)
-                    x_t, x0, eps, sigma = points.at(rows, k)
-                    cond = cond_index(traj.cond, rows)
-                    v = model.velocity(x_t, sigma, cond, guidance_scale=1.0).float()
-                    at = {name: t[rows, k] for name, t in old.items()}
-                    loss, metrics = algo.point_loss(v, x_t, x0, eps, sigma, at, advantages[rows])
-                    if g.kl_coef > 0:  # the references' KL to the frozen model
-                        with torch.no_grad(), adapters_disabled(model.transformer):
-                            v_ref = model.velocity(x_t, sigma, cond, guidance_scale=1.0).float()
-                        kl = grpo.velocity_kl(v, v_ref).mean()
-                        loss = loss + g.kl_coef * kl
-                        stats["kl"].append(kl.item())
-                    (loss * (len(rows) * 1.0 / n_points)).backward()
-                    for key, value in metrics.items():
-                        stats[key].append(float(value))
-                    stats["loss"].append(loss.item())
-            optimizer_step(params, optimizer, lr_scheduler, cfg.optim.grad_clip, stats)
+
+    def micro_loss(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of training point k of `rows`."""
+        x_t, x0, eps, sigma = points.at(rows, k)
+        cond = cond_index(traj.cond, rows)
+        v = model.velocity(x_t, sigma, cond, guidance_scale=1.0).float()
+        at = {name: t[rows, k] for name, t in old.items()}
+        loss, metrics = algo.point_loss(v, x_t, x0, eps, sigma, at, advantages[rows])
+        if g.kl_coef > 0:  # the references' KL to the frozen model
+            with torch.no_grad(), adapters_disabled(model.transformer):
+                v_ref = model.velocity(x_t, sigma, cond, guidance_scale=1.0).float()
+            kl = grpo.velocity_kl(v, v_ref).mean()
+            loss = loss + g.kl_coef * kl
+            metrics = metrics | {"kl": kl.detach()}
+        return loss, metrics
+
+    stats = minibatch_updates(
+        traj.window, K, micro_loss, cfg, generator, params, optimizer, lr_scheduler, traj.x0.device
+    )
     return summarize(stats)

@@ -4,11 +4,11 @@ ranks update, with bounded staleness and an off-policy correction.
     trainer ranks [0, T)                                rollout ranks [T, world)
     push version 0 ------------------------------------> load weights
                                                         for batch b: wait for the weights after step
-                                                          b - max_staleness - 1, then train.experience(b)
+                                                          b - max_staleness - 1, then experience(b)
     for each batch received: <------------------------- (rollout, rewards, advantages; the same code as the
       staleness = version - batch.version                 synchronous loop), sent with its version
       too old: dropped, counted, logged
-      else: train.update (stale: old log-probs
+      else: update (stale: old log-probs
         recomputed, IS-weighted loss); version += 1
       push the new trainable tensors ------------------> (LoRA or full weights, versioned)
 
@@ -20,20 +20,20 @@ dropped by the trainer (rollout.buffer's drop rule), never trained on: the sched
 so a drop is a broken producer made visible. The run is deterministic: which weights sample which batch does
 not depend on timing.
 
-Off-policy correction (verl's rollout correction, core.correction): for a stale batch the trainer recomputes
+Off-policy correction (verl's rollout correction, core.correction; algorithms.off_policy_weights): for a stale batch the trainer recomputes
 the old policy's log-probs of the stored transitions (its weights when the step starts), the PPO ratio is
 pi_theta / pi_old, and each entry's loss is weighted by the truncated (TIS) or masked importance weight
 pi_old / pi_behaviour, pi_behaviour being the rollout's recorded log-probs. Those are per-element means over
 the latent; `--parallel.is-log-ratio sum` (the default) scales the log-ratio by the latent's element count,
 making it the transitions' density ratio ('mean' keeps the per-element ratio, within ~1e-3 of 1 at staleness 1).
 
-Validation (train.validation, every run.val_every steps and after the last) runs on the trainer ranks, before
+Validation (Trainer.validation, every run.val_every steps and after the last) runs on the trainer ranks, before
 they receive the step's batch: they hold the current weights, version k before the update of step k, the one
 the synchronous loop validates (its row says so: val/version), while the rollout's copy lags max_staleness
 versions behind. Its images are scored and gathered within the trainer side (parallel.Split.group), so the
 point-to-point protocol never waits on it; the rollout keeps sampling ahead meanwhile, up to its bound.
 
-Checkpoints (train.record, every rank joins) keep, besides the trainer's state, the max_staleness versions
+Checkpoints (Trainer.record, every rank joins) keep, besides the trainer's state, the max_staleness versions
 before the current one (Lagging, rank 0's checkpoint tensors): the batches sampled ahead of a checkpoint are
 not saved but sampled again after a resume, with those versions, so a resumed run is the uninterrupted one.
 
@@ -48,13 +48,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from fgrpo import logging as flog
 from fgrpo import parallel
-from fgrpo.config import ParallelConfig, TrainConfig
-from fgrpo.core import correction
+from fgrpo.config import TrainConfig
+from fgrpo.models.base import FlowModel
 from fgrpo.rollout.base import Trajectory
 from fgrpo.rollout.buffer import RolloutBuffer
 
@@ -176,36 +177,6 @@ class Lagging:
         return {f"async/behind{n - i}/{k}": t for i, ts in enumerate(self.versions) for k, t in ts.items()}
 
 
-def off_policy_weights(
-    old_log_prob: torch.Tensor, behaviour_log_prob: torch.Tensor, p: ParallelConfig, *, elements: int
-) -> tuple[torch.Tensor | None, dict[str, float]]:
-    """The configured correction's [B, W] weights (None for 'none') and their statistics ('offpolicy/...').
-
-    old_log_prob, behaviour_log_prob: [B, W] per-element mean log-probs of the transitions, whose latents have
-    `elements` elements (D) each. With p.is_log_ratio 'sum' the log-ratio is D (old - behaviour), that of the
-    transition's densities; with 'mean' it is old - behaviour. The statistics (behaviour/old gap, IS weight
-    mean/min/max, ESS, truncated and masked shares) are of that log-ratio, and are logged with every
-    correction, 'none' included (with weight 1), so the gap is visible before one turns it on.
-    """
-    log_w = correction.log_ratio(old_log_prob, behaviour_log_prob)
-    if p.is_log_ratio == "sum":
-        log_w = log_w * elements
-    lower = p.is_threshold_low or None
-    if p.correction == "none":
-        weight = None
-    else:
-        mode = "truncate" if p.correction == "tis" else "mask"
-        weight = correction.is_weights(log_w, level=p.is_level, mode=mode, upper=p.is_threshold, lower=lower)
-    stats = correction.correction_metrics(
-        log_w,
-        torch.ones_like(log_w) if weight is None else weight,
-        level=p.is_level,
-        upper=p.is_threshold,
-        lower=lower,
-    )
-    return weight, {f"offpolicy/{k}": float(v) for k, v in stats.items()}
-
-
 class Wire:
     """Who sends what to whom: rollout rank i feeds trainer ranks [i k, (i + 1) k), k = T / R, each the next
     n / T rows of its n / R samples; rank 0 sends every rollout rank the weights."""
@@ -251,25 +222,48 @@ class Wire:
                 parallel.isend_tensors(msg.tensors, dst, self.pending, group=self.split.wire, tag=WEIGHTS_TAG)
 
 
-def run_trainer(
-    cfg: TrainConfig,
-    split: parallel.Split,
-    rollout_weights: Callable[[], dict[str, torch.Tensor]],
-    device: torch.device,
-    start_step: int,
-    lagging: Lagging,
-    validation: Callable[[int, flog.PhaseTimer], dict[str, float]],
-    update: Callable[[int, Batch, flog.PhaseTimer, bool], dict[str, float]],
-    record: Callable[[int, Batch, dict[str, float], flog.PhaseTimer, dict[str, float]], dict[str, float]],
-) -> dict[str, float]:
-    """The trainer ranks' loop: validate (train.validation, when due), receive, check staleness, train
-    (train.update), push rollout_weights() (collective over the trainer ranks: the tensors the rollout samples
-    with, NFT's EMA), log and checkpoint (train.record). Returns the last step's metrics.
+class Sides(Protocol):
+    """What the two loops ask of the run (train.Trainer): its state and the step's phases."""
 
-    From a checkpoint of step k (version k; `lagging` holds versions k - max_staleness .. k - 1), the rollout is
+    cfg: TrainConfig
+    split: parallel.Split
+    device: torch.device
+    start_step: int
+    lagging: Lagging
+    model: FlowModel
+
+    def rollout_weights(self) -> dict[str, torch.Tensor]: ...
+
+    def validation(self, step: int, timer: flog.PhaseTimer) -> dict[str, float]: ...
+
+    def experience(self, step: int, timer: flog.PhaseTimer) -> Batch: ...
+
+    def update(
+        self, step: int, batch: Batch, timer: flog.PhaseTimer, off_policy: bool = False
+    ) -> dict[str, float]: ...
+
+    def record(
+        self,
+        step: int,
+        batch: Batch,
+        train_metrics: dict[str, float],
+        timer: flog.PhaseTimer,
+        extra: dict[str, float],
+    ) -> dict[str, float]: ...
+
+    def save_if_due(self, step: int) -> None: ...
+
+
+def run_trainer(run: Sides) -> dict[str, float]:
+    """The trainer ranks' loop: validate (run.validation, when due), receive, check staleness, train
+    (run.update), push run.rollout_weights() (collective over the trainer ranks: the tensors the rollout samples
+    with, NFT's EMA), log and checkpoint (run.record). Returns the last step's metrics.
+
+    From a checkpoint of step k (version k; run.lagging holds versions k - max_staleness .. k - 1), the rollout is
     first sent those versions, then the current one, so it re-samples batches k, k + 1, ... with the weights the
     uninterrupted run used. Batch indices are taken to equal steps there (a run with drops resumes on another
     schedule; the schedule never drops)."""
+    cfg, split, device, start_step, lagging = run.cfg, run.split, run.device, run.start_step, run.lagging
     wire, s = Wire(split), cfg.parallel.max_staleness
     is_main = parallel.rank() == split.trainer_ranks[0]
     buffer: RolloutBuffer[Batch] = RolloutBuffer(max_size=1, max_staleness=s)
@@ -277,7 +271,7 @@ def run_trainer(
 
     def push(index: int, version: int, trained_step: int | None, *, weights: bool = True, stop=False) -> None:
         nonlocal last
-        tensors = rollout_weights() if weights else None
+        tensors = run.rollout_weights() if weights else None
         if is_main:
             if trained_step is not None:  # a new version: the previous one is now one behind
                 lagging.advance(last)
@@ -297,7 +291,7 @@ def run_trainer(
     while step < cfg.num_steps:
         timer = flog.PhaseTimer()
         if val_metrics is None:  # once a step, a dropped batch aside; the rollout samples meanwhile
-            val_metrics = validation(step, timer)
+            val_metrics = run.validation(step, timer)
             if val_metrics:
                 val_metrics["val/version"] = float(version)
         with timer("wait"):
@@ -312,7 +306,7 @@ def run_trainer(
             index += 1
             continue
         staleness = version - batch.version
-        train_metrics = update(step, batch, timer, staleness > 0)
+        train_metrics = run.update(step, batch, timer, staleness > 0)
         version += 1
         with timer("push"):
             push(index, version, step, stop=step + 1 == cfg.num_steps)
@@ -323,7 +317,7 @@ def run_trainer(
             "async/dropped_total": float(len(buffer.dropped)),
             **{f"rollout_{k}": v for k, v in batch.times.items()},  # the rollout side's phases
         }
-        metrics = record(step, batch, train_metrics, timer, val_metrics | async_metrics)
+        metrics = run.record(step, batch, train_metrics, timer, val_metrics | async_metrics)
         dropped_since, step, index, val_metrics = 0, step + 1, index + 1, None
     for _ in range(s):  # the batches the rollout sampled ahead of the last update: received, not trained
         wire.recv_batch(device)
@@ -341,17 +335,11 @@ def accept(buffer: RolloutBuffer[Batch], batch: Batch, version: int) -> Batch | 
     return entry.batch if entry is not None else None
 
 
-def run_rollout(
-    cfg: TrainConfig,
-    split: parallel.Split,
-    transformer: torch.nn.Module,
-    start_step: int,
-    experience: Callable[[int, flog.PhaseTimer], Batch],
-    after_step: Callable[[int], None],
-) -> None:
-    """The rollout ranks' loop: sample batch b (train.experience) with the weights of version
-    b - max_staleness, from b = start_step, send it, until the trainer's last update. after_step(step) joins
-    the collectives the trainer runs after its update of `step` (the checkpoint)."""
+def run_rollout(run: Sides) -> None:
+    """The rollout ranks' loop: sample batch b (run.experience) with the weights of version b - max_staleness,
+    from b = run.start_step, send it, until the trainer's last update; after each update the trainer reports, join
+    the collectives it runs then (run.save_if_due: the checkpoint)."""
+    cfg, split, transformer, start_step = run.cfg, run.split, run.model.transformer, run.start_step
     if start_step >= cfg.num_steps:
         return
     wire, s = Wire(split), cfg.parallel.max_staleness
@@ -367,12 +355,12 @@ def run_rollout(
                 load_trainable(transformer, last.tensors)
                 version = last.version
             if last.trained_step is not None:
-                after_step(last.trained_step)
+                run.save_if_due(last.trained_step)
             if last.stop:
                 wire.pending.wait()  # the trainer receives the batches sampled ahead before it stops
                 return
         timer = flog.PhaseTimer()
-        batch = experience(b, timer)
+        batch = run.experience(b, timer)
         batch.version = version
         batch.times = timer.metrics()
         wire.send_batch(batch)

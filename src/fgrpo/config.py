@@ -344,9 +344,6 @@ COMPILED_LOGPROB_GAP = 1e-4
 # Models whose transformer declares diffusers' context-parallel plan and whose prompts are padded for it.
 SEQUENCE_PARALLEL_KINDS = ("qwen_image", "tiny_qwen_image")
 
-# Algorithms that sample with the ODE and train at fresh forward-process points (no SDE window, no log-probs).
-FORWARD_PROCESS_ALGOS = ("nft", "awm")
-
 # Pixels per latent token side: VAE downsampling x transformer patch (Qwen-Image(-Edit) and SD3: 8 x 2, as their
 # tiny test versions); the text renderer packs 4x4 pixel patches.
 RESOLUTION_MULTIPLE = {
@@ -443,38 +440,6 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
             f"grpo.optimizer_steps_per_step={g.optimizer_steps_per_step} does not divide the {local} samples "
             "per rank; pick a divisor"
         )
-    a = cfg.algo
-    if a.name in FORWARD_PROCESS_ALGOS:
-        hi = a.train_steps_hi or s.num_steps
-        if not 0 <= a.train_steps_lo < hi <= s.num_steps or not 1 <= a.train_steps <= hi - a.train_steps_lo:
-            raise ConfigError(
-                f"algo.train_steps={a.train_steps} in grid steps [algo.train_steps_lo={a.train_steps_lo}, "
-                f"algo.train_steps_hi={hi}) must satisfy 0 <= lo < hi <= sampling.num_steps={s.num_steps} and "
-                "1 <= train_steps <= hi - lo"
-            )
-        for ok, name, value in (
-            (a.nft_beta > 0, "algo.nft_beta", a.nft_beta),
-            (a.awm_p > 0, "algo.awm_p", a.awm_p),
-            (0 <= a.ema_max_decay <= 1, "algo.ema_max_decay", a.ema_max_decay),
-            (a.ema_rate >= 0, "algo.ema_rate", a.ema_rate),
-            (a.ema_delay >= 0, "algo.ema_delay", a.ema_delay),
-            (a.ema_kl_coef >= 0, "algo.ema_kl_coef", a.ema_kl_coef),
-            (0 <= a.kl_ema_max_decay <= 1, "algo.kl_ema_max_decay", a.kl_ema_max_decay),
-            (a.kl_ema_rate >= 0, "algo.kl_ema_rate", a.kl_ema_rate),
-        ):
-            if not ok:
-                raise ConfigError(f"{name}={value} is out of range; see --help for its meaning")
-        if g.old_log_prob != "rollout" or g.ratio_norm or g.group_init_noise:
-            raise ConfigError(
-                f"algo.name={a.name!r} has no transition log-probs: drop --grpo.old-log-prob, "
-                "--grpo.ratio-norm and --grpo.group-init-noise"
-            )
-        if cfg.rollout_engine != "diffusers":
-            raise ConfigError(
-                f"algo.name={a.name!r} needs the rollout's clean latents: use rollout_engine='diffusers'"
-            )
-    else:
-        _validate_window(cfg)
     if (
         m.compile
         and not m.exact_rollout
@@ -561,32 +526,6 @@ def _validate_exp_name(name: str) -> None:
             f"exp_name {name!r} must be one plain directory name (not empty, '.' or '..', without '/', '\\', "
             "surrounding spaces or control characters): the run is written to run.out_dir/exp_name; pass "
             "--exp-name NAME"
-        )
-
-
-def _validate_window(cfg: TrainConfig) -> None:
-    """Checks of the algorithms that train the SDE window's transitions (grpo, dppo, mixgrpo)."""
-    a, s = cfg.algo, cfg.sampling
-    if a.name == "mixgrpo" and (a.window_iters < 1 or a.window_stride < 0):
-        raise ConfigError(
-            f"algo.window_iters={a.window_iters} must be >= 1 and algo.window_stride={a.window_stride} >= 0"
-        )
-    if a.name == "dppo" and a.dppo_tau < 0:
-        raise ConfigError(f"algo.dppo_tau={a.dppo_tau}: must be >= 0")
-    if s.sde_kind == "ode" or s.window_size < 1:
-        raise ConfigError(
-            "sampling.sde_kind='ode' / window_size<1 leaves nothing to train; use flow_sde, cps or dance_sde"
-        )
-    lo, hi = s.window_range
-    if not (0 <= lo and lo + s.window_size <= hi <= s.num_steps):
-        raise ConfigError(
-            f"sampling.window_range={s.window_range} with window_size={s.window_size} must satisfy "
-            f"0 <= lo, lo + window_size <= hi <= num_steps={s.num_steps}"
-        )
-    if a.name == "mixgrpo" and lo + s.window_size > s.num_steps - 1:
-        raise ValueError(
-            f"algo.name='mixgrpo' slides its window before the last step: sampling.window_range={s.window_range} "
-            f"with window_size={s.window_size} needs lo + window_size <= num_steps - 1 = {s.num_steps - 1}"
         )
 
 

@@ -16,9 +16,6 @@ import dataclasses
 import json
 import math
 import os
-import platform
-import shutil
-import subprocess
 import sys
 import time
 import warnings
@@ -404,59 +401,14 @@ def plot_reward_curve(
 
 
 # ---------------------------------------------------------------------------------------------------------
-# run metadata
+# loggers
 
 
-def _to_plain(obj: Any) -> Any:
+def plain(obj: Any) -> Any:
+    """A dataclass as its dict (nested), anything else as it is: the form configs are written in."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return dataclasses.asdict(obj)
     return obj
-
-
-def save_run_metadata(
-    run_dir: str | os.PathLike,
-    config: Any,
-    experiment_source: str | os.PathLike | None = None,
-    record: Mapping[str, Any] | None = None,
-) -> Path:
-    """config.json (+ config.yaml), the experiment file's source, and where/when/what ran, into run_dir.
-
-    `experiment_source` is the source text (written as experiment.py) or a path to the file (copied under
-    its own name). Non-JSON values in the config (paths, enums) are written as strings. `record` adds
-    top-level keys beside the config's fields (the run directory's `data_files` hashes).
-    """
-    run = Path(run_dir)
-    run.mkdir(parents=True, exist_ok=True)
-    cfg = json.loads(json.dumps(_to_plain(config), default=str)) | dict(record or {})
-    (run / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    try:
-        import yaml
-
-        (run / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    except ImportError:
-        pass
-    if isinstance(experiment_source, Path) or (
-        isinstance(experiment_source, str)
-        and "\n" not in experiment_source
-        and os.path.isfile(experiment_source)
-    ):
-        shutil.copyfile(experiment_source, run / Path(experiment_source).name)
-    elif experiment_source is not None:
-        (run / "experiment.py").write_text(str(experiment_source))
-    env = {"argv": sys.argv, "python": sys.version.split()[0], "host": platform.node(), "time": time.time()}
-    try:
-        env["git_commit"] = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    env["torch"] = torch.__version__
-    (run / "run_meta.json").write_text(json.dumps(env, indent=2) + "\n")
-    return run
-
-
-# ---------------------------------------------------------------------------------------------------------
-# loggers
 
 
 def resolve_wandb_mode(requested: str) -> Literal["online", "offline", "disabled"]:
@@ -518,7 +470,7 @@ class Logger:
             self.wandb_run = wandb.init(
                 project=project,
                 name=name,
-                config=json.loads(json.dumps(_to_plain(config), default=str)) if config is not None else None,
+                config=json.loads(json.dumps(plain(config), default=str)) if config is not None else None,
                 dir=str(self.run_dir),
                 mode=mode,
                 reinit="create_new",
@@ -593,22 +545,3 @@ def json_row(metrics: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
         if bad:
             nonfinite.append(k)
     return row, nonfinite
-
-
-def make_logger(
-    cfg: Any,
-    run_dir: str | os.PathLike,
-    *,
-    enabled: bool = True,
-    experiment_source: str | os.PathLike | None = None,
-    record: Mapping[str, Any] | None = None,
-) -> Logger | NullLogger:
-    """The loop's logger: rank 0 saves the run metadata (`record`: extra keys of config.json) and gets a
-    `Logger`; other ranks a `NullLogger`.
-
-    Reads `cfg.exp_name` and `cfg.run.wandb` ('online' | 'offline' | 'disabled').
-    """
-    if not enabled:
-        return NullLogger()
-    save_run_metadata(run_dir, cfg, experiment_source, record)
-    return Logger(run_dir, name=getattr(cfg, "exp_name", None), config=cfg, wandb_mode=cfg.run.wandb)

@@ -12,6 +12,8 @@ matches the run.
   no `config.json` cannot be checked and is refused.
 - `--run.resume auto` picks the newest checkpoint that verifies, says in one line when there is none. A
   checkpoint of another run directory is refused into a used one unless `--run.resume-from-other` says so.
+- `save_run_metadata` writes what a run is (config.json and config.yaml, the experiment file, run_meta.json);
+  `make_logger` does it on rank 0 as it opens the run's logger.
 - Nothing a resume replaces is deleted: later checkpoints move to `stale_checkpoints/`, the metrics rows of
   the steps it redoes to `metrics.superseded.jsonl` (each tagged with when and why).
 """
@@ -23,8 +25,13 @@ import fcntl
 import hashlib
 import json
 import os
+import platform
+import shutil
+import subprocess
+import sys
 import time
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -397,6 +404,67 @@ class RunDir:
                     f"in {config}, now {now[:12]}); restore the file the run trained on, or start a new run on "
                     "the new data (another --exp-name, or --run.overwrite)"
                 )
+
+
+def save_run_metadata(
+    run_dir: str | os.PathLike,
+    config: Any,
+    experiment_source: str | os.PathLike | None = None,
+    record: Mapping[str, Any] | None = None,
+) -> Path:
+    """config.json (+ config.yaml), the experiment file's source, and where/when/what ran, into run_dir.
+
+    `experiment_source` is the source text (written as experiment.py) or a path to the file (copied under
+    its own name). Non-JSON values in the config (paths, enums) are written as strings. `record` adds
+    top-level keys beside the config's fields (the run directory's `data_files` hashes).
+    """
+    run = Path(run_dir)
+    run.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads(json.dumps(flog.plain(config), default=str)) | dict(record or {})
+    (run / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    try:
+        import yaml
+
+        (run / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    except ImportError:
+        pass
+    if isinstance(experiment_source, Path) or (
+        isinstance(experiment_source, str)
+        and "\n" not in experiment_source
+        and os.path.isfile(experiment_source)
+    ):
+        shutil.copyfile(experiment_source, run / Path(experiment_source).name)
+    elif experiment_source is not None:
+        (run / "experiment.py").write_text(str(experiment_source))
+    env = {"argv": sys.argv, "python": sys.version.split()[0], "host": platform.node(), "time": time.time()}
+    try:
+        env["git_commit"] = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    env["torch"] = torch.__version__
+    (run / "run_meta.json").write_text(json.dumps(env, indent=2) + "\n")
+    return run
+
+
+def make_logger(
+    cfg: Any,
+    run_dir: str | os.PathLike,
+    *,
+    enabled: bool = True,
+    experiment_source: str | os.PathLike | None = None,
+    record: Mapping[str, Any] | None = None,
+) -> flog.Logger | flog.NullLogger:
+    """The loop's logger: rank 0 saves the run metadata (`record`: extra keys of config.json) and gets a
+    `Logger`; other ranks a `NullLogger`.
+
+    Reads `cfg.exp_name` and `cfg.run.wandb` ('online' | 'offline' | 'disabled').
+    """
+    if not enabled:
+        return flog.NullLogger()
+    save_run_metadata(run_dir, cfg, experiment_source, record)
+    return flog.Logger(run_dir, name=getattr(cfg, "exp_name", None), config=cfg, wandb_mode=cfg.run.wandb)
 
 
 def _holder(fd: int) -> str:

@@ -1,6 +1,7 @@
 """fgrpo.core.schedule: bit-equality with diffusers' scheduler + pipeline, and the SDE window."""
 
 import math
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -10,6 +11,7 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, re
 from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 
 from fgrpo.core import schedule
+from fgrpo.core.schedule import lr_multiplier
 from fgrpo.models import qwen_image, sd3
 
 # The models' scheduler configs and the keywords the models derive from them for core.schedule.
@@ -297,3 +299,16 @@ def test_sliding_window_range_end_and_roll_back_by_hand():
         schedule.sliding_window(0, num_steps=10, window_size=2, iters_per_window=1, hi=10)
     with pytest.raises(ValueError, match="does not fit"):
         schedule.sliding_window(0, num_steps=10, window_size=3, iters_per_window=1, lo=3, hi=5)
+
+
+def test_lr_multiplier_hand_computed():
+    f = partial(lr_multiplier, warmup=2, decay_steps=6, min_ratio=0.1)
+    # warm-up: (k+1)/2, then 1 at k=2 where the decay starts, floor 0.1 from k=6 on
+    assert [f(k, schedule="constant") for k in range(8)] == [0.5, 1, 1, 1, 1, 1, 1, 1]
+    linear = [f(k, schedule="linear") for k in range(8)]
+    assert linear == pytest.approx([0.5, 1.0, 1.0, 0.775, 0.55, 0.325, 0.1, 0.1])
+    cosine = [f(k, schedule="cosine") for k in range(8)]
+    # halfway (k=4) the cosine is at the mid-point 0.55; a quarter in, 0.1 + 0.9 * (1 + cos(pi/4)) / 2
+    assert cosine == pytest.approx(
+        [0.5, 1.0, 1.0, 0.1 + 0.45 * (1 + 2**-0.5), 0.55, 0.1 + 0.45 * (1 - 2**-0.5), 0.1, 0.1]
+    )

@@ -39,3 +39,17 @@ def test_sample_generator_is_seeded_and_checks_range():
     assert torch.equal(a, torch.randn(4, generator=torch.Generator().manual_seed(5)))
     with pytest.raises(ValueError, match="sample_seed"):
         sample_generator(2**63)
+
+
+def test_group_init_seeds_one_per_group():
+    """--grpo.group-init-noise: the G samples of a group share an init seed, groups do not, a pure function of
+    (seed, step), and the init seeds are not any sample's own seed."""
+    from fgrpo.rollout.seeds import group_init_seeds, sample_seeds
+
+    ids = torch.arange(12)
+    s = group_init_seeds(5, 3, ids, group_size=4)
+    assert s[0:4] == [s[0]] * 4 and s[4:8] == [s[4]] * 4 and s[8:12] == [s[8]] * 4
+    assert len({s[0], s[4], s[8]}) == 3
+    assert s == group_init_seeds(5, 3, ids, group_size=4) and s != group_init_seeds(5, 4, ids, group_size=4)
+    assert group_init_seeds(5, 3, ids[4:8], group_size=4) == s[4:8]  # a rank's slice gets its groups' seeds
+    assert not set(s) & set(sample_seeds(5, 3, ids))

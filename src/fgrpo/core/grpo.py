@@ -1,5 +1,7 @@
-"""GRPO for flow models: group advantages, the clipped per-step policy loss, KL to a reference, and a
-per-prompt reward-statistics tracker. Pure torch, fp32 (fp64 for the tracker's running sums)."""
+"""GRPO for flow models: group advantages, the clipped per-step policy loss (with its clamped log-ratio and the
+optionally weighted mean), and the KL terms to a reference policy: the Gaussian KL of an SDE transition
+(Flow-GRPO's window algorithms) and the velocity KL of the forward-process algorithms (DiffusionNFT, AWM).
+Pure torch, fp32."""
 
 from __future__ import annotations
 

@@ -1,47 +1,15 @@
-"""Prompt files, the per-step prompt order and config validation (no model needed)."""
+"""fgrpo.config: validation refuses every bad value in one line naming the field (no model needed), and the
+derived values."""
 
 import dataclasses
-from functools import partial
 
 import pytest
 import torch
 
+from fgrpo.algorithms import check_config
 from fgrpo.config import GRPOConfig, ModelConfig, OptimConfig, TrainConfig, validate_config
-from fgrpo.core.schedule import lr_multiplier
-from fgrpo.data import load_prompts, step_prompt_indices
+from fgrpo.data import step_prompt_indices
 from fgrpo.rollout.base import SamplingConfig
-
-
-def test_step_prompt_indices_cover_each_epoch_once():
-    n, per = 10, 4
-    seen = torch.cat([step_prompt_indices(n, s, per, seed=3) for s in range(5)])  # 20 = two epochs
-    assert sorted(seen[:10].tolist()) == list(range(10))
-    assert sorted(seen[10:].tolist()) == list(range(10))
-    assert not torch.equal(seen[:10], seen[10:])  # each epoch its own permutation
-
-
-def test_step_prompt_indices_pure_function_of_step_and_seed():
-    assert torch.equal(step_prompt_indices(7, 5, 3, seed=1), step_prompt_indices(7, 5, 3, seed=1))
-    assert not torch.equal(step_prompt_indices(50, 0, 8, seed=1), step_prompt_indices(50, 0, 8, seed=2))
-
-
-def test_load_prompts_formats_and_errors(tmp_path):
-    txt = tmp_path / "p.txt"
-    txt.write_text('A sign that says "OPEN"\n\nA cup with "TEA" on it\n')
-    assert load_prompts(txt, require_quoted=True) == ['A sign that says "OPEN"', 'A cup with "TEA" on it']
-    jl = tmp_path / "p.jsonl"
-    jl.write_text('{"prompt": "a \\"B\\""}\n')
-    assert load_prompts(jl) == ['a "B"']
-    bad = tmp_path / "bad.txt"
-    bad.write_text('fine "X"\nno quote here\n')
-    with pytest.raises(ValueError, match="line 2.*no double-quoted"):
-        load_prompts(bad, require_quoted=True)
-    empty = tmp_path / "empty.txt"
-    empty.write_text("\n")
-    with pytest.raises(ValueError, match="holds no prompts"):
-        load_prompts(empty)
-    with pytest.raises(FileNotFoundError, match="data.train_prompts"):
-        load_prompts(tmp_path / "missing.txt")
 
 
 @pytest.mark.parametrize(
@@ -88,20 +56,7 @@ def test_load_prompts_formats_and_errors(tmp_path):
 def test_validate_config_names_the_field(change, match):
     cfg = dataclasses.replace(TrainConfig(), **change)
     with pytest.raises(ValueError, match=match):
-        validate_config(cfg, world_size=2)
-
-
-def test_lr_multiplier_hand_computed():
-    f = partial(lr_multiplier, warmup=2, decay_steps=6, min_ratio=0.1)
-    # warm-up: (k+1)/2, then 1 at k=2 where the decay starts, floor 0.1 from k=6 on
-    assert [f(k, schedule="constant") for k in range(8)] == [0.5, 1, 1, 1, 1, 1, 1, 1]
-    linear = [f(k, schedule="linear") for k in range(8)]
-    assert linear == pytest.approx([0.5, 1.0, 1.0, 0.775, 0.55, 0.325, 0.1, 0.1])
-    cosine = [f(k, schedule="cosine") for k in range(8)]
-    # halfway (k=4) the cosine is at the mid-point 0.55; a quarter in, 0.1 + 0.9 * (1 + cos(pi/4)) / 2
-    assert cosine == pytest.approx(
-        [0.5, 1.0, 1.0, 0.1 + 0.45 * (1 + 2**-0.5), 0.55, 0.1 + 0.45 * (1 - 2**-0.5), 0.1, 0.1]
-    )
+        check_config(cfg, world_size=2)
 
 
 def test_lr_decay_spans_the_run_by_default():
@@ -140,20 +95,6 @@ def test_a_seed_outside_the_seed_mixers_range_is_refused_before_the_run_director
         assert len(sample_seeds(seed, 0, torch.arange(2))) == 2 and step_prompt_indices(
             5, 0, 2, seed
         ).shape == (2,)
-
-
-def test_group_init_seeds_one_per_group():
-    """--grpo.group-init-noise: the G samples of a group share an init seed, groups do not, a pure function of
-    (seed, step), and the init seeds are not any sample's own seed."""
-    from fgrpo.rollout.seeds import group_init_seeds, sample_seeds
-
-    ids = torch.arange(12)
-    s = group_init_seeds(5, 3, ids, group_size=4)
-    assert s[0:4] == [s[0]] * 4 and s[4:8] == [s[4]] * 4 and s[8:12] == [s[8]] * 4
-    assert len({s[0], s[4], s[8]}) == 3
-    assert s == group_init_seeds(5, 3, ids, group_size=4) and s != group_init_seeds(5, 4, ids, group_size=4)
-    assert group_init_seeds(5, 3, ids[4:8], group_size=4) == s[4:8]  # a rank's slice gets its groups' seeds
-    assert not set(s) & set(sample_seeds(5, 3, ids))
 
 
 @pytest.mark.parametrize(
