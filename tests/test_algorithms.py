@@ -204,6 +204,20 @@ def test_forward_process_settings_are_checked(tmp_path):
         check_config(dataclasses.replace(base, sampling=ode, algo=Config().algo), world_size=1)
 
 
+def test_forward_process_is_a_property_of_the_algorithm_class():
+    """NFT and AWM sample with the ODE and train fresh forward-process points; the window algorithms do not."""
+    assert {n for n, a in algorithms.ALGORITHMS.items() if a.forward_process} == {"nft", "awm"}
+
+
+def test_each_forward_process_algorithm_checks_its_own_fields(tmp_path):
+    """NFT refuses a non-positive nft_beta and AWM a non-positive awm_p, each in one line naming the field; neither
+    checks the other's field, which it never reads."""
+    for name, field, other in (("nft", "nft_beta", "awm"), ("awm", "awm_p", "nft")):
+        with pytest.raises(ValueError, match=rf"^algo\.{field}=0\.0 is out of range"):
+            check_config(cfg_for(tmp_path, name, **{field: 0.0}), world_size=1)
+        check_config(cfg_for(tmp_path, other, **{field: 0.0}), world_size=1)
+
+
 def _budget(c):
     """What the algorithm presets keep from their base preset."""
     return (

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -316,3 +317,31 @@ def test_kernel_profile_counts_the_union_of_overlapping_kernels(train_step):
         "#   a: 2.00s x2",
         "#   b: 1.50s x1",
     ]
+
+
+def test_train_step_times_the_trainers_own_phases(train_step, monkeypatch, capsys):
+    """The table's seconds are those the Trainer's own phases record: with Trainer.experience taking 1.25 s of
+    'rollout' and Trainer.update 2.5 s of 'train' (fakes that only fill the step's PhaseTimer), the row says
+    rollout 1.25, train 2.50 and 2 images / 3.75 s = 0.533 images/GPU/s."""
+    from fgrpo.async_mode import Batch
+    from fgrpo.train import Trainer
+
+    calls = []
+
+    def experience(self, step, timer):
+        calls.append(("experience", step))
+        timer.times.update(rollout=1.25, reward=0.0, sync=0.0)
+        traj = SimpleNamespace(window=torch.zeros(2, 0, dtype=torch.long))
+        return Batch(step, traj, torch.zeros(2), torch.zeros(2), {})  # pyright: ignore[reportArgumentType]
+
+    def update(self, step, batch, timer, off_policy=False):
+        calls.append(("update", step))
+        timer.times["train"] = 2.5
+        return {"skipped_steps": 0.0, "optimizer_steps": 1.0}
+
+    monkeypatch.setattr(Trainer, "experience", experience)
+    monkeypatch.setattr(Trainer, "update", update)
+    out = run_main(train_step, monkeypatch, capsys, "--algo", "nft", "--iters", "1", *TRAIN_ARGS[2:])
+    assert calls == [("experience", 0), ("update", 0), ("experience", 1), ("update", 1)]
+    assert "| rollout | 1.25 | 1.600 |" in out and "| train | 2.50 | 0.800 |" in out
+    assert "| total (rollout + train) | 3.75 | 0.533 |" in out
