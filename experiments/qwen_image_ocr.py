@@ -12,7 +12,7 @@ Presets (tyro subcommands; every field can still be overridden with a flag):
     tiny-gpu  the text renderer on one GPU, 32 words x 16 images a step, compiled, the OCR recognizer on the GPU.
     dppo, mixgrpo, mixgrpo-flash, nft, awm (and each with -tiny / -tiny-gpu)  the same presets trained by
             Flow-DPPO, MixGRPO, MixGRPO-Flash (MixGRPO with a DPM-Solver++ tail on a compressed grid),
-            DiffusionNFT or Advantage Weighted Matching instead of Flow-GRPO (see `with_algo`).
+            DiffusionNFT or Advantage Weighted Matching instead of Flow-GRPO (see fgrpo.presets.with_algo).
 
 How we deviate from flow_grpo's recipe: rewards are all-gathered so a prompt's G samples may live on
 any rank; per-sample seeds make rollouts independent of batch layout; the SDE window is drawn per
@@ -41,6 +41,7 @@ from fgrpo.config import (
     TrainConfig,
 )
 from fgrpo.errors import cli
+from fgrpo.presets import with_algo
 from fgrpo.rollout.base import SamplingConfig
 
 
@@ -155,69 +156,6 @@ def tiny_gpu() -> Config:
         ),
         run=RunConfig(wandb="disabled", val_every=10, val_num_steps=10, ckpt_every=40, log_images_every=20),
     )
-
-
-def with_algo(base: Config, name: str, *, size: str) -> Config:
-    """`base` trained by another algorithm (fgrpo/algorithms.py), with that algorithm's reference values.
-
-    The data, model, batch (prompts x group size), optimizer steps per step, lr and schedule stay the base
-    preset's, so on one budget the algorithms differ in their update rule alone. Recipe values come from the
-    reference code: Flow-DPPO and DiffusionNFT from verl-omni's / NVlabs' Qwen-Image and SD3 OCR scripts, AWM
-    from its SD3 OCR recipe, MixGRPO from its FLUX scripts (there is no Qwen-Image one).
-    `size`: "recipe" (real model) or "tiny" (the text renderer, CPU or GPU).
-    """
-    tiny_size = size == "tiny"
-    g, s, a = base.grpo, base.sampling, base.algo
-    if name == "dppo":  # no ratio clip: the KL mask is the trust region (tau 1e-5, both references)
-        return dataclasses.replace(base, algo=dataclasses.replace(a, name="dppo", dppo_tau=1e-5))
-    if name in ("mixgrpo", "mixgrpo-flash"):
-        # The shared window starts at the first step, moves one step every window_iters training steps and
-        # restarts after the last (algo.window_roll_back); tiny runs are short, so the window moves sooner.
-        iters = max(1, base.num_steps // 8) if tiny_size else 25
-        out = dataclasses.replace(
-            base, algo=dataclasses.replace(a, name="mixgrpo", window_iters=iters, window_stride=1)
-        )
-        if name == "mixgrpo-flash":
-            # MixGRPO-Flash (scripts/finetune/finetune_flux_grpo_MixGRPO.sh with dpm_algorithm_type dpmsolver++,
-            # dpm_apply_strategy post): after the window, DPM-Solver++(2M) on 40 % of the remaining steps.
-            out = dataclasses.replace(
-                out, sampling=dataclasses.replace(s, ode_tail="dpmpp_2m", tail_compress=0.4)
-            )
-        return out
-    # NFT and AWM sample with the ODE and without CFG (both references) and train at K forward-process points
-    # a sample. The recipes train 9 of 10 grid steps (NFT) or 6 (AWM); the tiny presets train 2 points a sample,
-    # the compute of the base preset's 2-step SDE window, and leave out the reference-KL forward, as the base does
-    # (AWM keeps its EMA forward: that KL is what holds it).
-    sampling = dataclasses.replace(s, guidance_scale=1.0)
-    if name == "nft":
-        algo = dataclasses.replace(
-            a,
-            name="nft",
-            nft_beta=0.1,
-            train_steps=2 if tiny_size else 9,
-            sample_from_ema=True,
-            ema_rate=0.0075,
-            ema_max_decay=0.999,
-            ema_delay=75,
-        )
-        grpo = dataclasses.replace(g, kl_coef=0.0 if tiny_size else 1e-4)
-    elif name == "awm":
-        # The first grid step (sigma = 1: x_t is pure noise) is left out, as in the reference. The KL to the
-        # policy's EMA (weight 1, decay ramping to 0.3) is the reference's trust region, on in every preset.
-        algo = dataclasses.replace(
-            a,
-            name="awm",
-            awm_p=0.25,
-            train_steps=2 if tiny_size else 6,
-            train_steps_lo=1,
-            ema_kl_coef=1.0,
-            kl_ema_rate=0.001,
-            kl_ema_max_decay=0.3,
-        )
-        grpo = dataclasses.replace(g, clip_range=1.0, kl_coef=0.0 if tiny_size else 3e-3)
-    else:
-        raise ValueError(f"unknown algorithm {name!r}")
-    return dataclasses.replace(base, sampling=sampling, grpo=grpo, algo=algo)
 
 
 def main(cfg: Config) -> dict[str, float]:
