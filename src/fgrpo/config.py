@@ -2,7 +2,9 @@
 
 An experiment file composes these into its own `Config` (with its own defaults) and tyro turns the
 field docstrings into `--help`. Nothing here is mutated after parsing; derived values are properties.
-`validate_config` refuses every bad value in one line naming the field, before anything is built.
+`validate_config` refuses every bad value in one line naming the field, before anything is built; the settings
+one algorithm cannot train with are that algorithm's own check (fgrpo.algorithms: `Algorithm.check`, and
+`check_config`, which runs both).
 """
 
 from __future__ import annotations
