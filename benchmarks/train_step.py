@@ -7,7 +7,7 @@ condition image per prompt; `--model ltx2`: LTX-2.3's transformer, connectors, v
 `build_real_ltx2`, whose rows count videos); the text encoders are replaced by fixed random prompt embeddings of
 the real shapes (their cost is one forward per distinct prompt, cached over the group). Qwen-Image-Edit and
 LTX-2.3 sample, train their LoRA and batch by their experiment files' `recipe` presets
-(experiments/qwen_image_edit_ocr.py, experiments/ltx2_ocr.py). The reward is a stub (random scores), or with
+(experiments/qwen_image_edit_ocr.py, experiments/ltx2_ocr.py). The reward is a stub (each image's mean pixel value), or with
 `--reward vlm` the OCR reward read by a Qwen2.5-VL at the 3B's widths with random weights (benchmarks/vlm_model.py;
 the tiny one with --tiny) on the same GPU, unsharded and uncompiled: OcrReward (LTX-2.3: VideoOcrReward) over
 TransformersOcrEngine, each rollout micro-batch's images in one generate call of at most 16 new tokens; its seconds
@@ -152,7 +152,7 @@ def main() -> None:
         "--reward",
         choices=("stub", "vlm"),
         default="stub",
-        help="stub: random scores (no phase of their own); vlm: the OCR reward of a random Qwen2.5-VL-3B (tiny with --tiny) on "
+        help="stub: each image's mean pixel value (no phase of its own); vlm: the OCR reward of a random Qwen2.5-VL-3B (tiny with --tiny) on "
         "the same device, timed as the 'reward' phase",
     )
     ap.add_argument(
@@ -564,7 +564,7 @@ def main() -> None:
         fwd_train = n_local * points * 4 if forward_process else n_local * W * forwards * 3
         floor_s = (fwd_roll + fwd_train) * tflop_per_forward / MATMUL_TFLOPS_H200
         compiled = ("compiled, VAE eager" if args.eager_vae else "compiled") if args.compile else "eager"
-        total = roll + rew + train  # rew is 0 for the stub
+        total = roll + rew + train  # rew: the stub scores and gathers in milliseconds
         print0()
         print0(
             f"| phase | s | {unit}/GPU/s | effective TFLOP/s per GPU | ({compiled}, "
@@ -638,15 +638,14 @@ VLM_MAX_TOKENS = 16  # an answer is one quoted word; a random model runs to the 
 
 
 class StubReward:
-    """Random scores in [0, 1) (a fresh draw per call): a reward of no cost, so the step is the trainer's own."""
-
-    def __init__(self, seed: int = 0):
-        self.rng = np.random.default_rng(seed)
+    """Each image's mean pixel value in [0, 1]: a reward of no cost that depends on the image alone, so a world of
+    two ranks scores the samples as one rank does (--compare-update)."""
 
     def __call__(self, images, prompts, metadata=None):
         from fgrpo.rewards.base import RewardOutput
 
-        return RewardOutput(scores=self.rng.random(len(images)).astype(np.float32))
+        pixels = np.asarray(images, dtype=np.float32).reshape(len(images), -1)
+        return RewardOutput(scores=pixels.mean(axis=1) / 255.0)
 
 
 def run_folder(d) -> Path:
