@@ -36,7 +36,6 @@ Deviations from flow_grpo, and why:
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 from collections.abc import Callable
 from functools import partial
@@ -44,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from fgrpo import algorithms, async_mode, checkpoint, guard, parallel, runs
+from fgrpo import algorithms, async_mode, checkpoint, evaluate, guard, parallel, runs
 from fgrpo import logging as flog
 from fgrpo.algorithms import check_config
 from fgrpo.async_mode import Batch
@@ -58,7 +57,6 @@ from fgrpo.models.loading import build_model, setup_trainable
 from fgrpo.rewards import build_reward
 from fgrpo.rewards.base import Reward, check_scores
 from fgrpo.rewards.client import HttpReward
-from fgrpo.rewards.ocr import is_exact
 from fgrpo.rewards.runner import ParallelReward, RewardStream
 from fgrpo.rollout import seeds as rs
 from fgrpo.rollout.base import LoraSyncedEngine
@@ -454,7 +452,6 @@ class Trainer:
             return async_mode.trainable_tensors(self.model.transformer)
 
 
-@torch.no_grad()
 def validate(
     engine,
     reward,
@@ -467,36 +464,11 @@ def validate(
     split: parallel.Split,
 ) -> dict[str, float]:
     """ODE samples of fixed prompts and seeds (the same every validation), scored by the reward, on the
-    training ranks (all of them; the trainer ranks of the asynchronous mode, which hold the current weights)."""
-    world = split.data_size()
-    n = math.ceil(len(prompts) / world) * world
-    ids = torch.arange(n).view(world, -1)[split.data_rank()]
-    local_prompts = [prompts[int(i) % len(prompts)] for i in ids]  # pad by wrapping so shapes match
-    traj = rollout(
-        engine,
-        local_prompts,
-        rs.validation_seeds(ids),
-        validation_sampling(cfg.sampling, cfg.run.val_num_steps),
-        device,
+    training ranks (all of them; the trainer ranks of the asynchronous mode, which hold the current weights).
+    The sampling and scoring are fgrpo.evaluate's, so an evaluation reproduces these numbers."""
+    sampling = validation_sampling(cfg.sampling, cfg.run.val_num_steps)
+    scored = evaluate.sample_and_score(
+        engine, reward, reward_name, prompts, sampling, device, split, ocr=cfg.reward.val_is_ocr
     )
-    images = traj.images.cpu().numpy()
-    out = reward(images, local_prompts)
-    check_scores(out, local_prompts, reward_name)
-    # per image: the score, then the gold statistics (fgrpo.guard), gathered in one collective
-    no_text = guard.no_text_flags(out.components, len(local_prompts))
-    rows = torch.cat(
-        [
-            torch.as_tensor(out.scores, dtype=torch.float32)[:, None],
-            guard.image_stats(images),
-            torch.as_tensor(no_text)[:, None],
-        ],
-        dim=1,
-    )
-    rows = parallel.all_gather_cat(rows.to(traj.images.device), split.data_group())[: len(prompts)].cpu()
-    scores = rows[:, 0]
-    logger.log_images("val", images[:16], local_prompts[:16], step=step)
-    gold: dict[str, float] = dict(zip(guard.GOLD_KEYS, rows[:, 1:5].mean(dim=0).tolist()))
-    if not torch.isnan(rows[:, 5]).any():
-        gold["no_text_frac"] = rows[:, 5].mean().item()
-    exact = {"val/reward_exact_frac": is_exact(scores).float().mean().item()} if cfg.reward.val_is_ocr else {}
-    return {"val/reward_mean": scores.mean().item(), **exact, **{f"val/gold/{k}": v for k, v in gold.items()}}
+    logger.log_images("val", scored.images[:16], scored.prompts[:16], step=step)
+    return evaluate.validation_metrics(scored.metrics)

@@ -20,7 +20,7 @@ SEED_BITS = 63  # torch.Generator.manual_seed takes any int; 63 bits keep seeds 
 GROUP_INIT_NOISE = -1  # (run seed, step, group index, -1): the initial noise a GRPO group shares
 MINIBATCH_ORDER = -2  # (run seed, step, 0, -2): the shuffling of a step's samples into mini-batches
 PROMPT_ORDER = -3  # (run seed, epoch, 0, -3): the permutation of the prompts in an epoch
-VALIDATION = -4  # (0, 0, prompt index, -4): the validation seeds, the same for every run and step
+VALIDATION = -4  # (0, image, prompt index, -4): the validation seeds, the same for every run and step
 TRAIN_POINTS = -5  # (sample seed, -5): a sample's forward-process training points (NFT, AWM)
 
 
@@ -59,10 +59,11 @@ def group_init_seeds(seed: int, step: int, sample_ids: torch.Tensor, group_size:
     return [sample_seed(seed, step, int(i) // group_size, GROUP_INIT_NOISE) for i in sample_ids]
 
 
-def validation_seeds(prompt_ids: torch.Tensor) -> list[int]:
+def validation_seeds(prompt_ids: torch.Tensor, image: int = 0) -> list[int]:
     """Seeds of the validation samples: fixed per prompt index, independent of the run's seed and step, so every
-    validation of every run scores the same initial noises."""
-    return [sample_seed(0, 0, int(i), VALIDATION) for i in prompt_ids]
+    validation of every run scores the same initial noises. `image` > 0: the seeds of a prompt's further images
+    (fgrpo.evaluate samples several a prompt); image 0 is the one every validation draws."""
+    return [sample_seed(0, image, int(i), VALIDATION) for i in prompt_ids]
 
 
 def stream_generator(seed: int, step: int, stream: int) -> torch.Generator:
