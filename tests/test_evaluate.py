@@ -16,7 +16,7 @@ import torch
 from train_entry import Config as RunConfigEntry
 
 from fgrpo import evaluate, parallel
-from fgrpo.config import DataConfig, GRPOConfig, ModelConfig, RewardConfig
+from fgrpo.config import DataConfig, GRPOConfig, ModelConfig, OptimConfig, RewardConfig
 from fgrpo.data import load_prompts
 from fgrpo.errors import FgrpoError
 from fgrpo.logging import read_metrics
@@ -216,7 +216,7 @@ SAMPLING = SamplingConfig(
 
 
 def _run(tmp_path):
-    """One Flow-GRPO step of the text renderer (LoRA r4, a large lr so the step moves it) with the OCR reward,
+    """One Flow-GRPO step of the text renderer (LoRA r4, an lr that moves it in one step) with the OCR reward,
     validated before and after it on 6 held-out words (micro-batches of 4 and 2)."""
     c = RunConfigEntry()
     return dataclasses.replace(
@@ -229,6 +229,7 @@ def _run(tmp_path):
         grpo=GRPOConfig(
             group_size=2, prompts_per_step=2, optimizer_steps_per_step=1, clip_range=0.2, adv_std="group"
         ),
+        optim=OptimConfig(lr=3e-4),
         data=DataConfig(train_prompts="textbed:train", val_prompts="textbed:heldout", val_num_prompts=6),
         reward=RewardConfig(name="ocr"),
         run=dataclasses.replace(c.run, out_dir=str(tmp_path), val_every=1, val_num_steps=3),
@@ -236,8 +237,9 @@ def _run(tmp_path):
 
 
 def test_an_evaluation_gives_the_runs_step0_and_final_validation_bit_for_bit(tmp_path):
-    """The run's validation rows (step 0: the base model; step 1: the trained LoRA) equal the evaluation of the base
-    and of the exported lora/ with one image a prompt and the run's settings: every val/ number, exactly. With 2
+    """The run's validation rows (step 0: the base model; step 1: the trained LoRA) equal the evaluation of the base,
+    of the exported lora/ and of the run's last checkpoint with one image a prompt and the run's settings: every
+    val/ number, exactly. With 2
     images a prompt image 0 keeps those numbers and image 1 has its own seeds."""
     from fgrpo.train import train
 
@@ -251,7 +253,9 @@ def test_an_evaluation_gives_the_runs_step0_and_final_validation_bit_for_bit(tmp
     )
     d = parallel.init_distributed("cpu")
     try:
-        cols = evaluate.model_columns(base=True, loras=[str(run / "lora")], checkpoints=[])
+        cols = evaluate.model_columns(
+            base=True, loras=[str(run / "lora")], checkpoints=[str(run / "checkpoints")]
+        )
         summary = evaluate.run(spec, cols, d, out_dir=tmp_path / "eval", bootstrap=10, bootstrap_seed=0)
         two = evaluate.run(
             dataclasses.replace(spec, num_images=2),
@@ -263,7 +267,7 @@ def test_an_evaluation_gives_the_runs_step0_and_final_validation_bit_for_bit(tmp
         )
     finally:
         parallel.shutdown()
-    for step, name in ((0, "base"), (1, str(run / "lora"))):
+    for step, name in ((0, "base"), (1, str(run / "lora")), (1, str(run / "checkpoints"))):
         val = {
             k: v
             for k, v in rows[step].items()
@@ -280,7 +284,7 @@ def test_an_evaluation_gives_the_runs_step0_and_final_validation_bit_for_bit(tmp
             "val/gold/no_text_frac",
             "val/gold/white_frac",
         }
-        assert got == val, step
+        assert got == val, name
     assert (
         rows[0]["val/gold/brightness_mean"] != rows[1]["val/gold/brightness_mean"]
     )  # the step changed the model
