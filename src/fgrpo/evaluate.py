@@ -179,7 +179,8 @@ def score_model(
         s = sample_and_score(engine, reward, reward_name, prompts, sampling, device, split, ocr=ocr, image=j)
         passes.append(s.metrics)
         seeds += rs.validation_seeds(torch.arange(len(prompts)), j)
-        shown += [(i, j, s.seeds[i], s.images[i]) for i in range(min(show, len(prompts), len(s.images)))]
+        if split.data_rank() == 0:  # its first local prompts are the prompt set's first
+            shown += [(i, j, s.seeds[i], s.images[i]) for i in range(min(show, len(prompts), len(s.images)))]
     keys = [k for k in passes[0] if all(k in p for p in passes)]
     metrics = {k: torch.cat([p[k] for p in passes]) for k in keys}
     return ModelScores(name, metrics, seeds, sorted(shown, key=lambda t: (t[0], t[1])))
@@ -309,26 +310,30 @@ def run(
     )
     sampling = validation_sampling(spec.sampling, spec.steps)
     results = []
-    for column in columns:
-        model = build_column(spec, column, d.device)
-        engine = build_engine(model, "diffusers", spec.model.path, merged_lora=spec.model.merged_rollout)
-        results.append(
-            score_model(
-                column.name,
-                engine,
-                reward,
-                spec.reward,
-                spec.prompts,
-                sampling,
-                d.device,
-                split,
-                ocr=spec.ocr,
-                num_images=spec.num_images,
-                show=spec.show,
+    try:
+        for column in columns:
+            model = build_column(spec, column, d.device)
+            engine = build_engine(model, "diffusers", spec.model.path, merged_lora=spec.model.merged_rollout)
+            results.append(
+                score_model(
+                    column.name,
+                    engine,
+                    reward,
+                    spec.reward,
+                    spec.prompts,
+                    sampling,
+                    d.device,
+                    split,
+                    ocr=spec.ocr,
+                    num_images=spec.num_images,
+                    show=spec.show,
+                )
             )
-        )
-        del model, engine
-        gc.collect()
+            del model, engine  # one model in memory at a time
+            gc.collect()
+    finally:
+        if isinstance(reward, ParallelReward):
+            reward.close()
     summary = {
         r.name: summarize(r.metrics, len(spec.prompts), bootstrap=bootstrap, seed=bootstrap_seed)
         for r in results
