@@ -118,6 +118,16 @@ def unique_prompts(prompts: Sequence[str]) -> tuple[list[str], torch.Tensor]:
     return list(first), torch.tensor(index, dtype=torch.long)
 
 
+def clip_image_processor(size: int | Sequence[int]) -> Any:
+    """CLIP's evaluation transform at `size` (shortest side to `size`, bicubic; centre crop; CLIP mean/std, which
+    are the processor's defaults) as a transformers image processor with the torchvision backend; a (height,
+    width) size is a square tower's input, its first entry."""
+    from transformers import CLIPImageProcessor
+
+    size = int(size if isinstance(size, int) else size[0])
+    return CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
+
+
 def pixel_values(image_processor: Any, images: np.ndarray, device: torch.device) -> torch.Tensor:
     """uint8 [B, H, W, 3] -> the processor's float32 pixels [B, 3, S, S], computed on `device`."""
     x = torch.from_numpy(np.ascontiguousarray(images)).to(device).permute(0, 3, 1, 2)  # [B, 3, H, W]

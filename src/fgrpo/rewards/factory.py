@@ -8,7 +8,8 @@ A spec is one of
 - a multi-reward:         a list of member specs, or {"name": "multi", "members": [...]}; a member spec is a
                           spec plus "weight" (default 1.0), "required" (default true) and "key" (its name
                           in logs; default the member's name)
-- a model-based reward: "clip_score", "pickscore", "hps" (HPSv2/2.1), "aesthetic" (LAION's predictor); their
+- a model-based reward: "clip_score", "pickscore", "hps" (HPSv2/2.1), "aesthetic" (LAION's predictor),
+  "imagereward"; their
   options (weights' directory or hub id, device, dtype, batch_size) are in their modules' docstrings:
                           {"name": "pickscore", "model": "/ckpt/PickScore_v1", "processor": "/ckpt/CLIP-H"}
 - {"name": "audio", "scorer": "package.module:factory", ...}: an AudioReward (rewards.video; CLAP-like) built by
@@ -129,6 +130,7 @@ REWARDS: dict[str, Callable[..., Reward] | str] = {
     "pickscore": "fgrpo.rewards.pickscore:pickscore",
     "hps": "fgrpo.rewards.hps:hps",
     "aesthetic": "fgrpo.rewards.aesthetic:aesthetic",
+    "imagereward": "fgrpo.rewards.imagereward:imagereward",
 }
 
 

@@ -31,7 +31,14 @@ import torch
 
 from fgrpo.errors import ConfigError
 from fgrpo.rewards.base import RewardOutput
-from fgrpo.rewards.clip import check_images, first_line, pixel_values, torch_dtype, unique_prompts
+from fgrpo.rewards.clip import (
+    check_images,
+    clip_image_processor,
+    first_line,
+    pixel_values,
+    torch_dtype,
+    unique_prompts,
+)
 
 HUB_REPO = "xswu/HPSv2"
 VERSIONS = {"v2.0": "HPS_v2_compressed.pt", "v2.1": "HPS_v2.1_compressed.pt"}
@@ -121,19 +128,13 @@ class HpsReward:
 
     def __init__(self, model: Any, *, batch_size: int = 32):
         from open_clip.tokenizer import SimpleTokenizer
-        from transformers import CLIPImageProcessor
 
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.model, self.batch_size = model.eval(), batch_size
         first = next(model.parameters())
         self.device, self.dtype = first.device, first.dtype
-        size = model.visual.image_size
-        size = size[0] if isinstance(size, tuple | list) else int(size)
-        # CLIP's evaluation transform at the tower's size; the processor's defaults are CLIP's mean/std, bicubic
-        self.image_processor = CLIPImageProcessor(
-            size={"shortest_edge": size}, crop_size={"height": size, "width": size}
-        )
+        self.image_processor = clip_image_processor(model.visual.image_size)
         self.tokenizer = SimpleTokenizer(context_length=model.context_length)
 
     @torch.inference_mode()

@@ -1,10 +1,11 @@
-"""CLIP models with random weights, built offline: the widths of the checkpoints the rewards load (for timing
+"""CLIP (and ImageReward's BLIP) models with random weights, built offline: the widths of the checkpoints the rewards load (for timing
 them on a GPU: benchmarks/rewards.py) or tiny ones (for the CPU tests), with a small word-level tokenizer that
 frames a text as CLIP's does (<|startoftext|> ... <|endoftext|>, padded with <|endoftext|>).
 
     model, processor = random_clip("h14", "cuda", dtype=torch.bfloat16)   # PickScore's architecture
     write_random_clip(tmp_path, "tiny")      # a directory that `fgrpo.rewards.clip.load_clip` reads
     model = random_open_clip("h14")          # open_clip ViT-H-14 (HPSv2's architecture)
+    model, tokenizer = random_imagereward("large")   # BLIP ViT-L + BERT with ImageReward's head
 
 A random model's scores mean nothing; its tokenizer knows only a few words (others are <unk>).
 """
@@ -16,7 +17,9 @@ from typing import Any
 
 import torch
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
-from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, PreTrainedTokenizerFast
+from transformers import CLIPConfig, CLIPModel, CLIPProcessor, PreTrainedTokenizerFast
+
+from fgrpo.rewards.clip import clip_image_processor
 
 # laion/CLIP-ViT-H-14-laion2B-s32B-b79K's config.json (PickScore_v1 is this architecture): GELU towers of 32 x 1280
 # (vision, 14 px patches of 224²) and 24 x 1024 (text), projected to 1024.
@@ -58,10 +61,19 @@ TINY_OPEN_CLIP = {
 WORDS = "a an the of on in with and photo picture painting cat dog red blue green square circle sign says hello world"
 
 
-def word_tokenizer(words: str = WORDS, max_length: int = 77) -> PreTrainedTokenizerFast:
-    """A lower-casing word-level tokenizer of `words` with CLIP's framing and padding tokens."""
-    bos, eos, unk = "<|startoftext|>", "<|endoftext|>", "<unk>"
-    vocab = {t: i for i, t in enumerate(dict.fromkeys([eos, bos, unk, *words.split()]))}
+def word_tokenizer(
+    words: str = WORDS,
+    max_length: int = 77,
+    *,
+    bos: str = "<|startoftext|>",
+    eos: str = "<|endoftext|>",
+    pad: str | None = None,
+    unk: str = "<unk>",
+) -> PreTrainedTokenizerFast:
+    """A lower-casing word-level tokenizer of `words` framing a text as `bos text eos` (CLIP's tokens and
+    padding with eos by default; BERT's with bos="[CLS]", eos="[SEP]", pad="[PAD]", unk="[UNK]")."""
+    pad = pad or eos
+    vocab = {t: i for i, t in enumerate(dict.fromkeys([pad, eos, bos, unk, *words.split()]))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=unk))
     tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -72,7 +84,7 @@ def word_tokenizer(words: str = WORDS, max_length: int = 77) -> PreTrainedTokeni
         tokenizer_object=tok,
         bos_token=bos,
         eos_token=eos,
-        pad_token=eos,
+        pad_token=pad,
         unk_token=unk,
         model_max_length=max_length,
     )
@@ -112,10 +124,7 @@ def random_clip(
     """(CLIPModel, CLIPProcessor) of `size`: random weights (transformers' init, seeded) built on `device`;
     `logit_scale` is the log of the scale PickScore multiplies by."""
     tokenizer = word_tokenizer()
-    side = IMAGE_SIZE[size]
-    image_processor = CLIPImageProcessor(
-        size={"shortest_edge": side}, crop_size={"height": side, "width": side}
-    )
+    image_processor = clip_image_processor(IMAGE_SIZE[size])
     config = clip_config(size, tokenizer, logit_scale=logit_scale)
     cuda = [device] if torch.device(device).type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):
@@ -143,3 +152,20 @@ def random_open_clip(size: str = "h14", device: torch.device | str = "cpu", *, s
         torch.manual_seed(seed)
         with torch.device(device):
             return build_open_clip("ViT-H-14" if size == "h14" else TINY_OPEN_CLIP).eval()
+
+
+def random_imagereward(
+    size: str = "large", device: torch.device | str = "cpu", *, seed: int = 0
+) -> tuple[Any, Any]:
+    """(ImageRewardModel, BERT-framed word tokenizer): ImageReward's BLIP at its real size ("large") or tiny."""
+    from fgrpo.rewards.imagereward import TEXT, TINY_TEXT, TINY_VISION, VISION, ImageRewardModel
+
+    vision, text = (VISION, TEXT) if size == "large" else (TINY_VISION, TINY_TEXT)
+    # BlipVisionConfig's default init (std 1e-10) makes every image's tokens nearly equal; BERT's 0.02 does not
+    vision = {**vision, "initializer_range": 0.02}
+    tokenizer = word_tokenizer(max_length=512, bos="[CLS]", eos="[SEP]", pad="[PAD]", unk="[UNK]")
+    cuda = [device] if torch.device(device).type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(seed)
+        with torch.device(device):
+            return ImageRewardModel(vision, text).eval(), tokenizer
