@@ -158,6 +158,22 @@ def test_scores_do_not_depend_on_the_batch(name, clip_dir, head_file, hps_file):
     assert len(reward(images[:0], []).scores) == 0
 
 
+@pytest.mark.parametrize("name", ["pickscore", "clip_score", "aesthetic", "hps"])
+def test_bfloat16_towers_score_near_float32(name, clip_dir, head_file, hps_file):
+    options = {
+        "pickscore": {"model": clip_dir, "processor": None},
+        "clip_score": {"model": clip_dir, "weight": 100},
+        "aesthetic": {"model": clip_dir, "head": head_file[0]},
+        "hps": {"checkpoint": hps_file[0], "architecture": TINY_OPEN_CLIP},
+    }[name]
+    fp32 = build_reward({"name": name, **options, "device": "cpu"})(IMAGES, PROMPTS).scores
+    bf16 = build_reward({"name": name, **options, "device": "cpu", "dtype": "bfloat16"})(
+        IMAGES, PROMPTS
+    ).scores
+    assert bf16.dtype == np.float32
+    np.testing.assert_allclose(bf16, fp32, atol=0.05 * np.abs(fp32).max())
+
+
 def test_non_square_images_are_resized_and_centre_cropped(clip_dir):
     """A 32x64 image scores as its centre 32x32 (shortest side already at the model's size: no resize)."""
     wide = rng.integers(0, 256, (2, 32, 64, 3), dtype=np.uint8)

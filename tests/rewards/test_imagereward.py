@@ -104,6 +104,13 @@ def test_scores_do_not_depend_on_the_batch(tiny):
     batch = reward(IMAGES, PROMPTS).scores
     alone = np.concatenate([reward(IMAGES[i : i + 1], PROMPTS[i : i + 1]).scores for i in range(len(IMAGES))])
     np.testing.assert_allclose(batch, alone, rtol=1e-5, atol=1e-5)
+    assert len(reward(IMAGES[:0], []).scores) == 0
+
+
+def test_bfloat16_towers_score_near_float32(tiny):
+    fp32 = build_reward(tiny[2])(IMAGES, PROMPTS).scores
+    bf16 = build_reward({**tiny[2], "dtype": "bfloat16"})(IMAGES, PROMPTS).scores
+    np.testing.assert_allclose(bf16, fp32, atol=0.05 * np.abs(fp32).max())
 
 
 def test_a_checkpoint_with_an_unknown_key_fails_in_one_line(tiny, tmp_path):

@@ -4,8 +4,8 @@ choices between generated images (HPD v2).
     score = cos(E_image, E_text)
 
 as HPSv2's own scorer computes it (the diagonal of image_features @ text_features.T of the unit-norm open_clip
-features; no logit scale). Range [-1, 1]; generated images of their prompt score about 0.2-0.35 (v2.1 a little
-higher than v2.0), and 0.01 is a visible preference.
+features; no logit scale). Range [-1, 1]; generated images of their prompt score about 0.2-0.4, and 0.01 is a visible
+preference.
 
 The model is open_clip's own CLIP class at the ViT-H-14 configuration, with the HPS checkpoint's state dict
 loaded strictly, and open_clip's tokenizer (its BPE vocabulary ships inside the package): the network and the

@@ -207,6 +207,7 @@ class ImageReward:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.model, self.tokenizer, self.batch_size = model.eval(), tokenizer, batch_size
+        model.head.float()  # reads the fp32 [CLS] feature, as ImageReward's does, whatever the towers' dtype
         first = next(model.parameters())
         self.device, self.dtype = first.device, first.dtype
         self.image_processor = clip_image_processor(model.vision_model.config.image_size)

@@ -8,9 +8,9 @@ learned logit_scale (exp = 100 in PickScore_v1). Range [-exp(logit_scale), exp(l
 generated images of their prompt score about 18-24, and a difference of 1 is a large preference. flow_grpo
 trains on score / 26: give the member a weight of 1/26 in a multi-reward for its scale.
 
-Weights: `model` = yuvalkirstain/PickScore_v1 (a transformers CLIPModel) and its processor from
-laion/CLIP-ViT-H-14-laion2B-s32B-b79K (PickScore_v1 ships none), each a local directory or a hub id in the
-local cache. Preprocessing and batching: `fgrpo.rewards.clip` (CLIP's evaluation transform on `device`).
+Weights: `model` = yuvalkirstain/PickScore_v1 (a transformers CLIPModel) and `processor` =
+laion/CLIP-ViT-H-14-laion2B-s32B-b79K's, where PickScore's model card takes it from, each a local directory or a
+hub id in the local cache. Preprocessing and batching: `fgrpo.rewards.clip` (CLIP's evaluation transform on `device`).
 
 Spec for `build_reward`: {"name": "pickscore", "model": "/ckpt/PickScore_v1", "processor": "/ckpt/CLIP-H"}.
 """
