@@ -14,8 +14,8 @@ normalised per group, so the choice only changes the logged scale. Default model
 Images are preprocessed as CLIP's evaluation transform does (shortest side to the model's size, bicubic;
 centre crop; CLIP mean/std), by the checkpoint's image processor with its torchvision backend: on `device`, a
 batch at a time, so a GPU reward has no per-image Python loop. Its resampling is torchvision's antialiased
-bicubic on tensors, not PIL's (the references resize PIL images): scores differ from theirs by the
-difference between the two resizes, small against the spread of a group. Repeated prompts (a group of
+bicubic on tensors, not PIL's (the references resize PIL images), so scores are close to the references' but
+not bit-equal; the size of that difference on the real checkpoints has not been measured here (no weights). Repeated prompts (a group of
 images per prompt) are encoded once.
 
 Spec for `build_reward`: {"name": "clip_score", "model": "openai/clip-vit-large-patch14", "device": "cuda"}.
@@ -134,7 +134,8 @@ def pixel_values(image_processor: Any, images: np.ndarray, device: torch.device)
     return image_processor(images=x, return_tensors="pt", device=device)["pixel_values"].to(device)
 
 
-def _unit(x: torch.Tensor) -> torch.Tensor:
+def unit(x: torch.Tensor) -> torch.Tensor:
+    """x / |x| along the last axis, in fp32."""
     x = x.float()
     return x / x.norm(dim=-1, keepdim=True)
 
@@ -163,7 +164,7 @@ class ClipEmbedder:
             x = pixel_values(
                 self.processor.image_processor, images[start : start + self.batch_size], self.device
             )
-            out.append(_unit(self.model.get_image_features(pixel_values=x.to(self.dtype)).pooler_output))
+            out.append(unit(self.model.get_image_features(pixel_values=x.to(self.dtype)).pooler_output))
         return torch.cat(out) if out else torch.zeros(0, self.model.config.projection_dim, device=self.device)
 
     @torch.inference_mode()
@@ -181,7 +182,7 @@ class ClipEmbedder:
                 max_length=max_length,
                 return_tensors="pt",
             ).to(self.device)
-            out.append(_unit(self.model.get_text_features(**tokens).pooler_output))
+            out.append(unit(self.model.get_text_features(**tokens).pooler_output))
         if not out:
             return torch.zeros(0, self.model.config.projection_dim, device=self.device)
         return torch.cat(out)[index.to(self.device)]

@@ -38,6 +38,7 @@ from fgrpo.rewards.clip import (
     pixel_values,
     torch_dtype,
     unique_prompts,
+    unit,
 )
 
 HUB_REPO = "xswu/HPSv2"
@@ -139,9 +140,7 @@ class HpsReward:
 
     @torch.inference_mode()
     def _embed(self, encode: Any, inputs: list[Any]) -> torch.Tensor:
-        out = [encode(x).float() for x in inputs]
-        x = torch.cat(out)
-        return x / x.norm(dim=-1, keepdim=True)
+        return unit(torch.cat([encode(x) for x in inputs]))
 
     def __call__(
         self, images: np.ndarray, prompts: Sequence[str], metadata: Sequence[dict[str, Any]] | None = None
