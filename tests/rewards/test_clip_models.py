@@ -258,3 +258,42 @@ def test_random_h14_has_open_clip_vit_h_14s_size():
     count = sum(p.numel() for p in model.parameters())
     assert count == sum(p.numel() for p in reference.parameters())
     assert 0.98e9 < count < 0.99e9  # CLIP ViT-H/14: 986 M
+
+
+@pytest.fixture(scope="module")
+def bench_rewards():
+    """benchmarks/rewards.py, imported: its random model rewards are what the GPU rows time."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "rewards.py"
+    spec = importlib.util.spec_from_file_location("bench_rewards", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _batch_equals_one_by_one(reward, images: np.ndarray, atol: float) -> np.ndarray:
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(images))]
+    batch = reward(images, prompts).scores
+    alone = np.concatenate([reward(images[i : i + 1], prompts[i : i + 1]).scores for i in range(len(images))])
+    assert batch.shape == (len(images),) and np.isfinite(batch).all()
+    np.testing.assert_allclose(batch, alone, rtol=1e-4, atol=atol)
+    return batch
+
+
+@pytest.mark.parametrize("name", ["clip_score", "pickscore", "hps", "aesthetic", "imagereward"])
+def test_the_benchmarks_tiny_model_rewards_score_a_batch(bench_rewards, name):
+    reward = bench_rewards.random_model_reward(name, tiny=True, device="cpu", dtype="float32", batch=3)
+    _batch_equals_one_by_one(reward, rng.integers(0, 256, (4, 48, 48, 3), dtype=np.uint8), atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: real-size towers on the GPU")
+@pytest.mark.parametrize("name", ["clip_score", "pickscore", "hps", "aesthetic", "imagereward"])
+def test_real_size_model_rewards_batch_on_the_gpu(bench_rewards, name):
+    """The real architectures (random weights) score 8 images of 512² on the GPU in batches of 4, as they
+    score them one by one (up to cuDNN's TF32 convolutions, which may pick other kernels per batch size)."""
+    reward = bench_rewards.random_model_reward(name, tiny=False, device="cuda", dtype="float32", batch=4)
+    _batch_equals_one_by_one(reward, rng.integers(0, 256, (8, 512, 512, 3), dtype=np.uint8), atol=1e-2)
