@@ -11,6 +11,14 @@ module on that device (`RapidOcrEngine(detect=False, device=...)`, every image i
 that differ from onnxruntime's, on the clean lines and on the same lines under pixel noise.
 HTTP overhead = (HttpReward time - local time of the same reward) / images, the service running
 `jpeg_compressibility` in a separate process, so it includes encode, transfer, decode and JSON both ways.
+
+With --models, only the model-based rewards are timed instead, each built with random weights at its real
+checkpoint's size (fgrpo.rewards.random_clip; nothing is downloaded) on --model-device, one call scoring
+--model-batch images of --size² (the whole batch, as a training step hands it over):
+
+    uv run python benchmarks/rewards.py --models clip_score,pickscore,hps,aesthetic,imagereward   # one GPU
+    uv run python benchmarks/rewards.py --models pickscore --model-dtype bfloat16
+    uv run python benchmarks/rewards.py --models all --tiny --model-device cpu --size 64           # wiring check
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 from fgrpo.fonts import dejavu_sans
-from fgrpo.rewards import HttpReward, OcrReward, RapidOcrEngine, build_reward
+from fgrpo.rewards import HttpReward, OcrReward, RapidOcrEngine, Reward, build_reward
 
 FONT = dejavu_sans()
 WORDS = ["HELLO WORLD", "FLOW GRPO", "OPEN 24H", "SALE", "QWEN IMAGE", "NO PARKING", "CAFE", "EXIT"]
@@ -89,6 +97,75 @@ def start_service(spec: str) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("reward service did not start")
 
 
+MODEL_REWARDS = ["clip_score", "pickscore", "hps", "aesthetic", "imagereward"]
+
+
+def random_model_reward(name: str, *, tiny: bool, device: str, dtype: str, batch: int) -> Reward:
+    """The reward `name` on a model with random weights: its checkpoint's architecture and size (or tiny)."""
+    import torch
+
+    from fgrpo.rewards.aesthetic import AestheticHead, AestheticReward
+    from fgrpo.rewards.clip import ClipEmbedder, ClipScore
+    from fgrpo.rewards.hps import HpsReward
+    from fgrpo.rewards.imagereward import ImageReward
+    from fgrpo.rewards.pickscore import PickScore
+    from fgrpo.rewards.random_clip import random_clip, random_imagereward, random_open_clip
+
+    torch_dtype = getattr(torch, dtype)
+    if name in ("clip_score", "pickscore", "aesthetic"):
+        size = "tiny" if tiny else ("h14" if name == "pickscore" else "l14")
+        model, processor = random_clip(size, device, dtype=torch_dtype)
+        embedder = ClipEmbedder(model, processor, batch_size=batch)
+        if name == "clip_score":
+            return ClipScore(embedder)
+        if name == "pickscore":
+            return PickScore(embedder)
+        embed_dim = model.config.projection_dim
+        assert embed_dim is not None  # CLIPConfig always sets it
+        return AestheticReward(embedder, AestheticHead(embed_dim))
+    if name == "hps":
+        return HpsReward(
+            random_open_clip("tiny" if tiny else "h14", device).to(torch_dtype), batch_size=batch
+        )
+    if name == "imagereward":
+        model, tokenizer = random_imagereward("tiny" if tiny else "large", device)
+        return ImageReward(model.to(torch_dtype), tokenizer, batch_size=batch)
+    raise ValueError(f"unknown model reward {name!r}; choose from {MODEL_REWARDS}")
+
+
+def time_model_rewards(args: argparse.Namespace) -> None:
+    """One row per model reward: ms per image and images/s of one call on --model-batch images."""
+    import torch
+
+    names = MODEL_REWARDS if args.models == "all" else args.models.split(",")
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (args.model_batch, args.size, args.size, 3), dtype=np.uint8)
+    # the recipes' prompts: a group of images per prompt, so the text side encodes batch / 4 prompts
+    prompts = [
+        f'a photo of a sign that says "{WORDS[(i // 4) % len(WORDS)]}"' for i in range(args.model_batch)
+    ]
+    rows = []
+    for name in names:
+        reward = random_model_reward(
+            name, tiny=args.tiny, device=args.model_device, dtype=args.model_dtype, batch=args.model_batch
+        )
+        reward(images, prompts)  # warm-up: kernels, allocator, the processor's first call
+        t, _ = best_of(
+            lambda r=reward: r(images, prompts), args.repeats
+        )  # scores come back to the CPU: synced
+        note = f"{args.model_batch / t:.0f} images/s; batch {args.model_batch}, {args.model_dtype}"
+        rows.append((name, t / args.model_batch * 1e3, note))
+        del reward
+        if args.model_device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    device = torch.cuda.get_device_name() if args.model_device.startswith("cuda") else platform.machine()
+    size = "tiny models" if args.tiny else "random weights at real size"
+    print(f"# model rewards: {args.size}x{args.size}, {size}, {args.model_device} ({device})")
+    print(f"{'what':<38} {'ms':>9}  note")
+    for name, ms, note in rows:
+        print(f"{name:<38} {ms:>9.2f}  {note}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--size", type=int, default=512)
@@ -96,7 +173,21 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="best of this many runs")
     p.add_argument("--threads", type=int, default=None, help="onnxruntime threads (default: all cores)")
     p.add_argument("--rec-device", default="", help="also time the recognizer as a torch module here (cuda)")
+    p.add_argument(
+        "--models",
+        default="",
+        help=f"time these model rewards instead (comma-separated, or all: {','.join(MODEL_REWARDS)})",
+    )
+    p.add_argument("--model-device", default="cuda", help="where the model rewards run")
+    p.add_argument("--model-batch", type=int, default=32, help="images per model-reward call (the recipe's)")
+    p.add_argument("--model-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--tiny", action="store_true", help="tiny random models (a CPU wiring check, not a timing)"
+    )
     args = p.parse_args()
+    if args.models:
+        time_model_rewards(args)
+        return
 
     texts = [WORDS[i % len(WORDS)] for i in range(args.n)]
     images = np.stack([render(t, args.size) for t in texts])

@@ -72,6 +72,20 @@ def test_each_algorithm_trains_end_to_end(tmp_path, name, recording):
             assert traj.window.tolist() == [want] * len(traj)
 
 
+def test_mixgrpo_window_in_range_stays_inside_window_range(tmp_path):
+    """10 sampling steps, window 2, range (0, 5): in range the window takes starts 0-3 and rolls back; over the
+    reference's range it reaches start 7 (steps 7 and 8, every step but the last)."""
+    cfg = cfg_for(tmp_path, "mixgrpo", window_iters=1)
+    cfg = dataclasses.replace(
+        cfg, sampling=dataclasses.replace(cfg.sampling, num_steps=10, window_size=2, window_range=(0, 5))
+    )
+    starts = [algorithms.build(cfg, []).sampling(k).window_range for k in range(9)]
+    assert starts == [(i, i + 2) for i in range(8)] + [(0, 2)]
+    in_range = dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, window_in_range=True))
+    starts = [algorithms.build(in_range, []).sampling(k).window_range for k in range(6)]
+    assert starts == [(0, 2), (1, 3), (2, 4), (3, 5), (0, 2), (1, 3)]
+
+
 @pytest.mark.parametrize("name", ["awm", "dppo"])
 def test_first_update_is_exactly_on_policy(tmp_path, name, monkeypatch):
     """AWM's old log-weights come from a no-grad pass over the training forwards' rows, Flow-DPPO's old means from
@@ -225,7 +239,7 @@ def _budget(c):
         c.grpo.group_size,
         c.grpo.prompts_per_step,
         c.grpo.optimizer_steps_per_step,
-        c.optim,
+        dataclasses.replace(c.optim, lr=0.0),  # the lr is a per-algorithm value (below)
         c.model,
         c.data,
         c.sampling.num_steps,
@@ -247,6 +261,12 @@ def test_every_algorithm_preset_validates_and_keeps_the_base_budget():
             assert cfg.algo.name == algo
             check_config(cfg, world_size=1)
             assert _budget(cfg) == _budget(base)
+            # the renderer's 300-step runs halved MixGRPO's lr only (qwen_image_ocr.tiny_gpu_values)
+            half = algo == "mixgrpo" and suffix == "-tiny-gpu"
+            assert cfg.optim.lr == base.optim.lr / (2 if half else 1)
+            assert cfg.algo.window_in_range == half
+            if algo == "nft":  # beta 1 instead of the OCR recipe's 0.1 on the long GPU runs
+                assert cfg.algo.nft_beta == (1.0 if suffix == "-tiny-gpu" else 0.1)
     assert set(algorithms.ALGORITHMS) == {"grpo", "dppo", "mixgrpo", "nft", "awm"}
 
 

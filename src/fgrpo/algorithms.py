@@ -189,8 +189,8 @@ class FlowDPPO(Algorithm):
 
 class MixGRPO(Algorithm):
     """MixGRPO: one SDE window for the whole batch that slides from sampling.window_range's start over every
-    step but the last as training proceeds, and restarts at that start after the end (algo.window_roll_back,
-    the reference scripts' setting)."""
+    step but the last (or to the range's end: algo.window_in_range) as training proceeds, and restarts at that
+    start after the end (algo.window_roll_back, the reference scripts' setting)."""
 
     @classmethod
     def check(cls, cfg: TrainConfig) -> None:
@@ -216,6 +216,7 @@ class MixGRPO(Algorithm):
             iters_per_window=a.window_iters,
             stride=a.window_stride,
             lo=s.window_range[0],
+            hi=s.window_range[1] if a.window_in_range else None,
             roll_back=a.window_roll_back,
         )
         return dataclasses.replace(

@@ -126,6 +126,9 @@ class AlgoConfig:
     window_roll_back: bool = True
     """mixgrpo: after its last position (the last step that keeps it whole) the window restarts at
     sampling.window_range's start (the reference scripts' --roll_back); False keeps it at the end."""
+    window_in_range: bool = False
+    """mixgrpo: slide only inside sampling.window_range, where Flow-GRPO draws its windows; False slides over
+    every step but the last (the reference's range), whose low-noise steps have the sharpest log-probs."""
     train_steps: int = 2
     """nft/awm: K forward-process points per sample and step, one per stratum of the grid steps."""
     train_steps_lo: int = 0

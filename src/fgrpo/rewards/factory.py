@@ -8,6 +8,10 @@ A spec is one of
 - a multi-reward:         a list of member specs, or {"name": "multi", "members": [...]}; a member spec is a
                           spec plus "weight" (default 1.0), "required" (default true) and "key" (its name
                           in logs; default the member's name)
+- a model-based reward: "clip_score", "pickscore", "hps" (HPSv2/2.1), "aesthetic" (LAION's predictor),
+  "imagereward"; their
+  options (weights' directory or hub id, device, dtype, batch_size) are in their modules' docstrings:
+                          {"name": "pickscore", "model": "/ckpt/PickScore_v1", "processor": "/ckpt/CLIP-H"}
 - {"name": "audio", "scorer": "package.module:factory", ...}: an AudioReward (rewards.video; CLAP-like) built by
   that factory with the other options, scoring the waveforms an audio-video model decodes (its reward metadata)
 - "package.module:factory" (or {"name": "package.module:factory", ...}) for a reward defined elsewhere
@@ -113,7 +117,8 @@ def _multi(members: Sequence[Any]) -> Reward:
     return MultiReward(built)
 
 
-REWARDS: dict[str, Callable[..., Reward]] = {
+# Model-based rewards are named by their factory's import path: torch and the model code load only when used.
+REWARDS: dict[str, Callable[..., Reward] | str] = {
     "ocr": _ocr,
     "video_ocr": _video_ocr,
     "audio": _audio,
@@ -121,6 +126,11 @@ REWARDS: dict[str, Callable[..., Reward]] = {
     "jpeg_incompressibility": _jpeg(compressible=False),
     "http": _http,
     "multi": _multi,
+    "clip_score": "fgrpo.rewards.clip:clip_score",
+    "pickscore": "fgrpo.rewards.pickscore:pickscore",
+    "hps": "fgrpo.rewards.hps:hps",
+    "aesthetic": "fgrpo.rewards.aesthetic:aesthetic",
+    "imagereward": "fgrpo.rewards.imagereward:imagereward",
 }
 
 
@@ -152,6 +162,7 @@ def build_reward(spec: str | Mapping[str, Any] | Sequence[Any]) -> Reward:
     name = options.pop("name")
     if name in REWARDS:
         fn = REWARDS[name]
+        fn = _import(fn) if isinstance(fn, str) else fn
         if name != "ocr":  # _ocr checks against the chosen engine's options
             _check_options(name, fn, options)
         return fn(**options)
