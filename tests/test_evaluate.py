@@ -225,6 +225,7 @@ def _run(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_an_evaluation_gives_the_runs_step0_and_final_validation_bit_for_bit(tmp_path):
     """The run's validation rows (step 0: the base model; step 1: the trained LoRA) equal the evaluation of the base,
     of the exported lora/ and of the run's last checkpoint with one image a prompt and the run's settings: every
