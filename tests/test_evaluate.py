@@ -282,3 +282,37 @@ def test_an_evaluation_gives_the_runs_step0_and_final_validation_bit_for_bit(tmp
     assert [r for r in both if r["image"] == 0] == [r for r in one if r["model"] == "base"]
     assert [r["seed"] for r in both if r["image"] == 1] == validation_seeds(torch.arange(6), 1)
     assert two["base"]["reward"]["n"] == 12
+
+
+def test_the_presets_evaluate_as_their_training_presets_validate():
+    """`tiny` is the main job's validation (experiments/qwen_image_ocr.py tiny) and `ocr-test` the recipe's: the
+    same model, resolution, CFG, micro-batch, ODE steps and reward; `tiny` also its prompts."""
+    m = _experiment()
+    spec = importlib.util.spec_from_file_location(
+        "qwen_image_ocr", ROOT / "experiments" / "qwen_image_ocr.py"
+    )
+    assert spec is not None and spec.loader is not None
+    train = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = train
+    spec.loader.exec_module(train)
+    presets = m.presets()
+    assert set(presets) == {"tiny", "ocr-test"}
+    keep = ("height", "width", "guidance_scale", "negative_prompt", "micro_batch")
+    for (_, ev), run in ((presets["tiny"], train.tiny()), (presets["ocr-test"], train.Config())):
+        assert {k: getattr(ev.sampling, k) for k in keep} == {k: getattr(run.sampling, k) for k in keep}
+        assert (ev.model.kind, ev.model.path, ev.model.dtype) == (
+            run.model.kind,
+            run.model.path,
+            run.model.dtype,
+        )
+        assert (ev.steps, ev.reward, ev.device, ev.num_images) == (
+            run.run.val_num_steps,
+            run.reward.val_name or run.reward.name,
+            run.device,
+            1,
+        )
+    tiny_eval, tiny_run = presets["tiny"][1], train.tiny()
+    assert (tiny_eval.prompts, tiny_eval.num_prompts) == (
+        tiny_run.data.val_prompts,
+        tiny_run.data.val_num_prompts,
+    )
