@@ -23,20 +23,15 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_output import StableDiffusi
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import StableDiffusion3Pipeline
 from diffusers.schedulers.scheduling_utils import SchedulerOutput
 
+from fgrpo.config import SamplingConfig
 from fgrpo.core import schedule
 from fgrpo.models import tiny
-from fgrpo.models.loading import QWEN_IMAGE_LORA_TARGETS, SD3_LORA_TARGETS, MergedLora, add_lora
-from fgrpo.models.qwen_image import QwenImage, pack
-from fgrpo.models.sd3 import SD3
+from fgrpo.models.lora import MergedLora, add_lora
+from fgrpo.models.qwen_image import QWEN_IMAGE_LORA_TARGETS, QwenImage, pack
+from fgrpo.models.sd3 import SD3, SD3_LORA_TARGETS
 from fgrpo.policy import transition
-from fgrpo.rollout.base import SamplingConfig
-from fgrpo.rollout.engine import (
-    DiffusersEngine,
-    forward_units,
-    recompute_log_prob,
-    recompute_log_probs,
-    recompute_log_probs_and_means,
-)
+from fgrpo.recompute import recompute_log_prob, recompute_log_probs, recompute_log_probs_and_means
+from fgrpo.rollout.engine import DiffusersEngine, forward_units
 from fgrpo.rollout.seeds import sample_generator
 
 PROMPTS = ["a cat", "a cat", "a photo of a dog on a red square", "hello", "x"]
