@@ -66,7 +66,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import diffusers
 import torch
@@ -397,7 +397,7 @@ def main() -> None:
     modes = [m for m in ("eager", "compile") if m in modes]  # compiling is for the rest of the process
     torch.backends.cuda.matmul.allow_tf32 = True  # flow_grpo's configs set allow_tf32 too
 
-    model = build_tiny("sd3") if args.tiny else build_real_sd3(device, args.layers)
+    model = cast(sd3.SD3, build_tiny("sd3")) if args.tiny else build_real_sd3(device, args.layers)
     if args.lora:
         adapters = add_lora(
             model.transformer, rank=args.lora, alpha=2 * args.lora, target_modules=SD3_LORA_TARGETS

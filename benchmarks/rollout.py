@@ -38,7 +38,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -482,7 +482,7 @@ def main() -> None:
         torch._dynamo.config.recompile_limit = 64
 
     if args.tiny:
-        model = build_tiny(args.model)
+        model = cast(QwenImage | LTX2, build_tiny(args.model))  # the tiny version of one of these families
     elif args.model == "qwen_image":
         model = build_real(device, args.text_encoder, args.layers or 60)
     elif args.model == "qwen_image_edit":
