@@ -539,9 +539,9 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
             "run.resume_from_other needs --run.resume <checkpoint of another run>; drop --run.resume-from-other"
         )
     if cfg.rollout_engine == "vllm_omni":
-        if m.kind != "qwen_image" or not m.lora:
+        if not m.lora:  # (the families it runs: models.registry.check_config)
             raise ConfigError(
-                "rollout_engine='vllm_omni' supports model.kind='qwen_image' with model.lora=True only"
+                "rollout_engine='vllm_omni' samples with the trainer's exported LoRA: it needs model.lora=True"
             )
         if g.old_log_prob != "recompute":
             raise ConfigError(

@@ -32,6 +32,7 @@ class CheckpointError(FgrpoError, RuntimeError):
 
 
 def fsync_file(path: Path) -> None:
+    """Flush the file's data to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -40,6 +41,7 @@ def fsync_file(path: Path) -> None:
 
 
 def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries to disk where the file system allows it."""
     # The rename is only durable once the parent directory entry is on disk.
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
@@ -54,6 +56,7 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_json(path: Path, obj: Any) -> None:
+    """Write `obj` as indented, key-sorted JSON and fsync it."""
     with open(path, "w") as f:
         json.dump(obj, f, indent=2, sort_keys=True, allow_nan=True)
         f.flush()
@@ -61,6 +64,7 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def read_json(path: Path) -> Any:
+    """The JSON in `path`; CheckpointError naming the file if it cannot be read or parsed."""
     try:
         with open(path) as f:
             return json.load(f)
@@ -69,6 +73,7 @@ def read_json(path: Path) -> Any:
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file; CheckpointError naming the file if it cannot be read."""
     try:
         return load_file(str(path))
     except (OSError, SafetensorError) as e:
@@ -76,6 +81,7 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def sha256(path: Path) -> str:
+    """Hex sha256 of the file's bytes."""
     # ~1.2 GB/s with the CPU's SHA extensions: a few seconds for a real LoRA run's optimizer state.
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
@@ -120,6 +126,7 @@ def atomic_dir(final: Path) -> Iterator[Path]:
 def write_tensors(
     path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
 ) -> None:
+    """Write `tensors` (any device, views and shared storage allowed) as a safetensors file and fsync it."""
     # safetensors refuses non-contiguous tensors and tensors that share storage; copies are cheap next
     # to a checkpoint's disk write and keep this correct for views and tied weights.
     out = {}

@@ -48,7 +48,7 @@ def test_the_pixel_multiple_is_the_tiny_models_latent_patch(kind):
 
 
 def test_check_config_reads_the_family():
-    """The pixel multiple and sequence parallel come from the kind's entry (the text renderer packs 4 px)."""
+    """The pixel multiple and the abilities come from the kind's entry (the text renderer packs 4 px)."""
     import dataclasses
 
     from fgrpo.config import ParallelConfig, SamplingConfig
@@ -63,3 +63,9 @@ def test_check_config_reads_the_family():
         else:
             with pytest.raises(ValueError, match="parallel.sp>1 supports model.kind in"):
                 check_config(sp)
+        vllm = dataclasses.replace(cfg, rollout_engine="vllm_omni")
+        if family.vllm_omni:
+            check_config(vllm)
+        else:
+            with pytest.raises(ValueError, match="rollout_engine='vllm_omni' supports model.kind in"):
+                check_config(vllm)

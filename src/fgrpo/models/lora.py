@@ -322,8 +322,8 @@ def export_lora(
     survive exactly. `adapter_config.json` is PEFT's plain config, for people and tools (and the
     vLLM-Omni engine's `update_lora`); diffusers reads the header. Keys are not PEFT's `base_model.model.`
     layout, so `PeftModel.from_pretrained` needs `load_lora_adapter` instead.
-    Atomic like `save`; collective when torch.distributed is initialised: over `group` (the ranks that hold the
-    model's shards; None = all ranks), whose first rank must be rank 0. `extra_json` ({file name: object}) is
+    Atomic (`files.atomic_dir`, as a checkpoint); collective when torch.distributed is initialised: over `group`
+    (the ranks that hold the model's shards; None = all ranks), whose first rank must be rank 0. `extra_json` ({file name: object}) is
     written into the same directory before it is renamed into place, so it always describes this adapter.
     """
     from diffusers.loaders.lora_pipeline import QwenImageLoraLoaderMixin

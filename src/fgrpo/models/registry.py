@@ -43,6 +43,8 @@ class Family:
     """model.kind of its tiny random version ('' = none: it is tiny itself)."""
     sequence_parallel: bool = False
     """Its transformer declares diffusers' context-parallel plan and its prompts are padded for it (parallel.sp)."""
+    vllm_omni: bool = False
+    """The vLLM-Omni rollout engine (rollout_engine='vllm_omni') samples it."""
 
 
 def _pretrained(cls: type[QwenImage] | type[SD3]) -> Loader:
@@ -63,6 +65,7 @@ FAMILIES: dict[str, Family] = {
         "experiments/qwen_image_ocr.py",
         tiny="tiny_qwen_image",
         sequence_parallel=True,
+        vllm_omni=True,
     ),
     "qwen_image_edit": Family(
         _pretrained(QwenImageEdit),
@@ -102,6 +105,7 @@ FAMILIES: dict[str, Family] = {
 }
 
 SEQUENCE_PARALLEL_KINDS = tuple(k for k, f in FAMILIES.items() if f.sequence_parallel)
+VLLM_OMNI_KINDS = tuple(k for k, f in FAMILIES.items() if f.vllm_omni)
 
 
 def build_model(mcfg: ModelConfig, device: torch.device, seed: int) -> FlowModel:
@@ -127,8 +131,9 @@ def build_tiny(kind: str, seed: int = 0) -> FlowModel:
 def check_config(cfg: TrainConfig) -> None:
     """The checks of a run's config that need the model family or model code, each a one-line ConfigError naming the
     field (config.validate_config makes the others; run both before building anything): the resolution is a
-    multiple of the family's pixel multiple, parallel.sp > 1 runs on a family that supports it with a token count
-    it divides, the attention backend exists here, and model.init_lora's file is there with this rank and alpha."""
+    multiple of the family's pixel multiple; parallel.sp > 1 and the vLLM-Omni engine run only families that
+    support them (sp: with a token count it divides); the attention backend exists here; model.init_lora's file
+    is there with this rank and alpha."""
     m, s, p = cfg.model, cfg.sampling, cfg.parallel
     multiple = FAMILIES[m.kind].pixel_multiple
     for name, px in (("sampling.height", s.height), ("sampling.width", s.width)):
@@ -150,6 +155,10 @@ def check_config(cfg: TrainConfig) -> None:
                 f"parallel.sp={p.sp} (diffusers' Ulysses splits them evenly; its uneven split has no backward); "
                 f"e.g. --sampling.height {up}"
             )
+    if cfg.rollout_engine == "vllm_omni" and m.kind not in VLLM_OMNI_KINDS:
+        raise ConfigError(
+            f"rollout_engine='vllm_omni' supports model.kind in {VLLM_OMNI_KINDS}; use --rollout-engine diffusers"
+        )
     check_attention_backend(m.attention_backend, "model.attention_backend")
     if m.init_lora:
         check_lora_file(m.init_lora, rank=m.lora_rank, alpha=m.lora_alpha)
