@@ -43,15 +43,17 @@ def fgrpo_imports(path: Path) -> list[tuple[str, int, bool]]:
     for fn in ast.walk(tree):
         if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
             local |= {id(n) for n in ast.walk(fn) if n is not fn}
+    here = module_name(path).split(".")
+    package = here if path.name == "__init__.py" else here[:-1]
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [
-                f"{node.module}.{a.name}" if _is_module(f"{node.module}.{a.name}") else node.module
-                for a in node.names
-            ]
+        elif isinstance(node, ast.ImportFrom):
+            # a relative import names its module from this file's package
+            base = ".".join(package[: len(package) - node.level + 1] + [node.module or ""]).strip(".")
+            base = base if node.level else node.module or ""
+            names = [f"{base}.{a.name}" if _is_module(f"{base}.{a.name}") else base for a in node.names]
         else:
             continue
         found += [
