@@ -577,6 +577,7 @@ def test_exact_rollout_runs_the_training_graph_only_where_a_unit_has_a_window_ro
     rollout and the recompute use the same units (`forward_units`: rows grouped by window start), so the
     training graph runs on the union of the windows of rows that share a forward: here 8 forwards of 6 rows' steps
     against 9 for consecutive rows (by hand below)."""
+    import fgrpo.recompute as recompute_module
     import fgrpo.rollout.engine as engine_module
 
     model = models["qwen"]
@@ -595,6 +596,7 @@ def test_exact_rollout_runs_the_training_graph_only_where_a_unit_has_a_window_ro
         return real_velocity(*a, **k)
 
     monkeypatch.setattr(engine_module, "cond_index", recording)
+    monkeypatch.setattr(recompute_module, "cond_index", recording)
     model.velocity = velocity
     try:
         with torch.no_grad():
