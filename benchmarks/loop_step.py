@@ -46,13 +46,14 @@ from pathlib import Path
 
 import torch
 import tyro
-from rollout import build_real, build_tiny, recipe  # benchmarks/rollout.py: the same random models
+from rollout import build_real, recipe  # benchmarks/rollout.py: the same random models
 
 from fgrpo import parallel
 from fgrpo.config import DataConfig, ModelConfig, ParallelConfig, RewardConfig, TrainConfig, validate_config
 from fgrpo.logging import read_metrics
 from fgrpo.models.base import FlowModel
 from fgrpo.models.loading import compile_decoder, configure_transformer
+from fgrpo.models.registry import build_tiny, check_config
 
 # The loop's flags that this benchmark sets through its own (the loop's refusals name the loop's flags).
 OWN_FLAGS = {
@@ -123,7 +124,7 @@ def config(args: Args, prompts_file: str, out_dir: str) -> TrainConfig:
 
 def build(mcfg: ModelConfig, device: torch.device, seed: int, *, tiny: bool, layers: int) -> FlowModel:
     """`train`'s model_builder: the random model, the same on every rank (checked), configured as
-    `fgrpo.models.loading.build_model` configures a loaded one."""
+    `fgrpo.models.registry.build_model` configures a loaded one."""
     torch.manual_seed(seed)  # build_real draws every weight from the global RNG: equal seeds, equal weights
     model = build_tiny("qwen_image") if tiny else build_real(device, text_encoder=False, layers=layers)
     configure_transformer(
@@ -195,6 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:  # bad flags fail here, before any model is built
         validate_config(config(args, "prompts.txt", "runs"), world)
+        check_config(config(args, "prompts.txt", "runs"))
     except ValueError as e:
         msg = str(e)
         for loop_flag, flag in OWN_FLAGS.items():  # name the flag this benchmark takes

@@ -44,9 +44,12 @@ def test_config_presets_instantiate(name):
     assert recipe.exp_name == name == tiny.exp_name  # run name = file stem
     assert recipe.model.kind in ("qwen_image", "sd3", "qwen_image_edit", "ltx2") and recipe.model.lora
     from fgrpo.config import validate_config
+    from fgrpo.models.registry import check_config
 
     validate_config(recipe, world_size=1)
     validate_config(tiny, world_size=1)
+    check_config(recipe)
+    check_config(tiny)
 
 
 def test_tiny_gpu_preset_samples_like_the_cpu_preset_at_gpu_scale():
@@ -55,8 +58,10 @@ def test_tiny_gpu_preset_samples_like_the_cpu_preset_at_gpu_scale():
     m = load(ROOT / "experiments" / "qwen_image_ocr.py")
     cpu, gpu = m.tiny(), m.tiny_gpu()
     from fgrpo.config import validate_config
+    from fgrpo.models.registry import check_config
 
     validate_config(gpu, world_size=1)
+    check_config(gpu)
     keep = (
         "height",
         "width",
@@ -170,7 +175,8 @@ def test_qwen_image_edit_rows_are_deterministic_and_legible(tmp_path):
     import numpy as np
     from PIL import Image
 
-    from fgrpo.data import ImagePrompt, load_prompts
+    from fgrpo.data import load_prompts
+    from fgrpo.models.base import ImagePrompt
     from fgrpo.rewards.ocr import RapidOcrEngine, extract_target
 
     m = load(ROOT / "experiments" / "qwen_image_edit_ocr.py")
@@ -429,8 +435,10 @@ def test_sd3_renderer_gpu_preset_trains_and_reads_like_the_qwen_image_one():
     q = load(ROOT / "experiments" / "qwen_image_ocr.py").tiny_gpu()
     s = load(ROOT / "experiments" / "sd35_ocr.py").tiny_gpu()
     from fgrpo.config import validate_config
+    from fgrpo.models.registry import check_config
 
     validate_config(s, world_size=1)
+    check_config(s)
     assert (s.reward, s.optim, s.grpo, s.run, s.num_steps) == (q.reward, q.optim, q.grpo, q.run, q.num_steps)
     assert (s.model.compile, s.model.dtype, s.model.path) == (True, "bf16", "sd3")
     assert s.sampling.micro_batch == 256

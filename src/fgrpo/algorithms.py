@@ -43,21 +43,22 @@ from functools import partial
 import numpy as np
 import torch
 
-from fgrpo.config import TrainConfig
+from fgrpo.config import SamplingConfig, TrainConfig
 from fgrpo.core import awm, dppo, ema, grpo, nft, schedule, sde
 from fgrpo.models.base import FlowModel, cond_index
-from fgrpo.models.loading import adapters_disabled
+from fgrpo.models.lora import adapters_disabled
 from fgrpo.parallel import is_dtensor, world_size
 from fgrpo.policy import transition
-from fgrpo.rollout.base import SamplingConfig, Trajectory
-from fgrpo.rollout.engine import (
+from fgrpo.recompute import (
     exact_micro_batch,
     micro_batches,
     minibatch_rows,
+    off_policy_weights,
     recompute_log_prob,
     recompute_log_probs_and_means,
-    validation_sampling,
 )
+from fgrpo.rollout.base import Trajectory
+from fgrpo.rollout.engine import validation_sampling
 from fgrpo.rollout.seeds import TRAIN_POINTS, sample_generator, sample_seed
 
 Stats = dict[str, list[float]]
@@ -396,8 +397,6 @@ def window_update(
             _record_gap(gap_per_step, traj.window, recomputed, traj.log_prob)
             first_update = False  # the gap is measured; training starts from the trainer's own numbers
         if off_policy:
-            from fgrpo.async_mode import off_policy_weights
-
             old_log_prob, first_update = recomputed, False  # the gap is the staleness, not the numerics
             weight, offpolicy_stats = off_policy_weights(
                 recomputed, traj.log_prob, cfg.parallel, elements=traj.x_t[0, 0].numel()

@@ -53,8 +53,7 @@ import torch
 
 from fgrpo import logging as flog
 from fgrpo import parallel
-from fgrpo.config import ParallelConfig, TrainConfig
-from fgrpo.core import correction
+from fgrpo.config import TrainConfig
 from fgrpo.rollout.base import Trajectory
 from fgrpo.rollout.buffer import RolloutBuffer
 
@@ -174,36 +173,6 @@ class Lagging:
         """'async/behind{j}/{name}': the version j updates before the current one (filled in place on load)."""
         n = len(self.versions)
         return {f"async/behind{n - i}/{k}": t for i, ts in enumerate(self.versions) for k, t in ts.items()}
-
-
-def off_policy_weights(
-    old_log_prob: torch.Tensor, behaviour_log_prob: torch.Tensor, p: ParallelConfig, *, elements: int
-) -> tuple[torch.Tensor | None, dict[str, float]]:
-    """The configured correction's [B, W] weights (None for 'none') and their statistics ('offpolicy/...').
-
-    old_log_prob, behaviour_log_prob: [B, W] per-element mean log-probs of the transitions, whose latents have
-    `elements` elements (D) each. With p.is_log_ratio 'sum' the log-ratio is D (old - behaviour), that of the
-    transition's densities; with 'mean' it is old - behaviour. The statistics (behaviour/old gap, IS weight
-    mean/min/max, ESS, truncated and masked shares) are of that log-ratio, and are logged with every
-    correction, 'none' included (with weight 1), so the gap is visible before one turns it on.
-    """
-    log_w = correction.log_ratio(old_log_prob, behaviour_log_prob)
-    if p.is_log_ratio == "sum":
-        log_w = log_w * elements
-    lower = p.is_threshold_low or None
-    if p.correction == "none":
-        weight = None
-    else:
-        mode = "truncate" if p.correction == "tis" else "mask"
-        weight = correction.is_weights(log_w, level=p.is_level, mode=mode, upper=p.is_threshold, lower=lower)
-    stats = correction.correction_metrics(
-        log_w,
-        torch.ones_like(log_w) if weight is None else weight,
-        level=p.is_level,
-        upper=p.is_threshold,
-        lower=lower,
-    )
-    return weight, {f"offpolicy/{k}": float(v) for k, v in stats.items()}
 
 
 class Wire:

@@ -52,7 +52,8 @@ from fgrpo.core.schedule import lr_multiplier
 from fgrpo.data import load_prompts, step_prompt_indices
 from fgrpo.errors import RunCollapsed
 from fgrpo.models.base import FlowModel
-from fgrpo.models.loading import build_model, setup_trainable
+from fgrpo.models.lora import export_lora, setup_trainable
+from fgrpo.models.registry import build_model, check_config
 from fgrpo.rewards import build_reward
 from fgrpo.rewards.base import check_scores
 from fgrpo.rewards.client import HttpReward
@@ -60,11 +61,8 @@ from fgrpo.rewards.ocr import is_exact
 from fgrpo.rewards.runner import ParallelReward, RewardStream
 from fgrpo.rollout import seeds as rs
 from fgrpo.rollout.base import LoraSyncedEngine
-from fgrpo.rollout.engine import (
-    build_engine,
-    rollout,
-    validation_sampling,
-)
+from fgrpo.rollout.build import build_engine
+from fgrpo.rollout.engine import rollout, validation_sampling
 from fgrpo.runs import RunDir
 
 
@@ -85,6 +83,7 @@ def train(
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     d = parallel.init_distributed(cfg.device)
     validate_config(cfg, d.world_size)
+    check_config(cfg)
     metrics = _train(cfg, d, experiment_source, model_builder)
     # FSDP tensors and optimizer state died with _train's frame: the group can go (parallel.shutdown's rule).
     parallel.shutdown()
@@ -225,7 +224,7 @@ def _train(
         first) once run.collapse_patience validations in a row fall run.collapse_drop below the best."""
         score = val["val/reward_mean"]
         if tracker.observe(step, score) and cfg.model.lora:
-            checkpoint.export_lora(
+            export_lora(
                 run.path / guard.BEST_DIR,
                 model.transformer,
                 group=trainer_group,
@@ -274,7 +273,7 @@ def _train(
             train_metrics.update(algo.after_update(step))
         with timer("sync"):
             if isinstance(engine, LoraSyncedEngine):
-                engine.update_lora(checkpoint.export_lora(run.path / "engine_lora", model.transformer))
+                engine.update_lora(export_lora(run.path / "engine_lora", model.transformer))
         return train_metrics
 
     def checkpoint_due(step: int) -> bool:
@@ -367,7 +366,7 @@ def _train(
         metrics.update(final)
         flog.print0(f"final validation: {final}")
     if cfg.run.export_lora and cfg.model.lora:
-        checkpoint.export_lora(run.path / "lora", model.transformer)
+        export_lora(run.path / "lora", model.transformer)
     logger.finish()
     run.unlock()
     return metrics
