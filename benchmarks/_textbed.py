@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
+from fgrpo.config import SamplingConfig
 from fgrpo.models.textbed import TextbedModel, load_textbed
-from fgrpo.rollout.base import SamplingConfig
 
 EXPERIMENT = Path(__file__).resolve().parents[1] / "experiments" / "qwen_image_ocr.py"
 

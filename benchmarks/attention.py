@@ -41,11 +41,12 @@ from typing import Any
 
 import diffusers
 import torch
-from rollout import build_real, build_real_sd3, build_tiny, prompts_for, sync  # benchmarks/rollout.py
+from rollout import build_real, build_real_sd3, prompts_for, sync  # benchmarks/rollout.py
 
 from fgrpo.models.base import Cond, FlowModel
 from fgrpo.models.loading import check_attention_backend, configure_transformer
 from fgrpo.models.qwen_image import QwenImage
+from fgrpo.models.registry import build_tiny
 
 SDPA_KERNELS = {
     "flash": "FLASH_ATTENTION",

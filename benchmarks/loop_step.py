@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 import tyro
-from rollout import build_real, build_tiny, recipe  # benchmarks/rollout.py: the same random models
+from rollout import build_real, recipe  # benchmarks/rollout.py: the same random models
 
 from fgrpo import parallel
 from fgrpo.algorithms import check_config
@@ -54,6 +54,7 @@ from fgrpo.config import DataConfig, ModelConfig, ParallelConfig, RewardConfig, 
 from fgrpo.logging import read_metrics
 from fgrpo.models.base import FlowModel
 from fgrpo.models.loading import compile_decoder, configure_transformer
+from fgrpo.models.registry import build_tiny
 
 # The loop's flags that this benchmark sets through its own (the loop's refusals name the loop's flags).
 OWN_FLAGS = {
@@ -124,7 +125,7 @@ def config(args: Args, prompts_file: str, out_dir: str) -> TrainConfig:
 
 def build(mcfg: ModelConfig, device: torch.device, seed: int, *, tiny: bool, layers: int) -> FlowModel:
     """`train`'s model_builder: the random model, the same on every rank (checked), configured as
-    `fgrpo.models.loading.build_model` configures a loaded one."""
+    `fgrpo.models.registry.build_model` configures a loaded one."""
     torch.manual_seed(seed)  # build_real draws every weight from the global RNG: equal seeds, equal weights
     model = build_tiny("qwen_image") if tiny else build_real(device, text_encoder=False, layers=layers)
     configure_transformer(

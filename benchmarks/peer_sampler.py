@@ -66,18 +66,21 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import diffusers
 import torch
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import StableDiffusion3Pipeline
 from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
-from rollout import build_real_sd3, build_tiny, prompts_for, sync  # benchmarks/rollout.py: the same models
+from rollout import build_real_sd3, prompts_for, sync  # benchmarks/rollout.py: the same models
 
+from fgrpo.config import SamplingConfig
 from fgrpo.models import sd3
 from fgrpo.models.base import Cond
-from fgrpo.models.loading import SD3_LORA_TARGETS, add_lora, compile_decoder, configure_transformer
-from fgrpo.rollout.base import SamplingConfig
+from fgrpo.models.loading import compile_decoder, configure_transformer
+from fgrpo.models.lora import add_lora
+from fgrpo.models.registry import build_tiny
+from fgrpo.models.sd3 import SD3_LORA_TARGETS
 from fgrpo.rollout.engine import DiffusersEngine
 from fgrpo.rollout.seeds import sample_seed
 
@@ -394,7 +397,7 @@ def main() -> None:
     modes = [m for m in ("eager", "compile") if m in modes]  # compiling is for the rest of the process
     torch.backends.cuda.matmul.allow_tf32 = True  # flow_grpo's configs set allow_tf32 too
 
-    model = build_tiny("sd3") if args.tiny else build_real_sd3(device, args.layers)
+    model = cast(sd3.SD3, build_tiny("sd3")) if args.tiny else build_real_sd3(device, args.layers)
     if args.lora:
         adapters = add_lora(
             model.transformer, rank=args.lora, alpha=2 * args.lora, target_modules=SD3_LORA_TARGETS

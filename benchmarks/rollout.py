@@ -38,18 +38,19 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from fgrpo.data import ImagePrompt
+from fgrpo.config import SamplingConfig
+from fgrpo.models.base import ImagePrompt
 from fgrpo.models.common import module_device, module_dtype
 from fgrpo.models.loading import compile_decoder, configure_transformer
 from fgrpo.models.ltx2 import LTX2, clip_kwargs
 from fgrpo.models.qwen_image import QwenImage
 from fgrpo.models.qwen_image_edit import QwenImageEdit
+from fgrpo.models.registry import FAMILIES, build_tiny
 from fgrpo.models.sd3 import SD3
-from fgrpo.rollout.base import SamplingConfig
 from fgrpo.rollout.engine import DiffusersEngine
 from fgrpo.rollout.seeds import sample_seed
 
@@ -342,32 +343,12 @@ def _real_size_text_encoder():
     return Qwen2_5_VLForConditionalGeneration(config), tiny_qwen_tokenizer()
 
 
-def build_tiny(model: str = "qwen_image"):
-    """The tiny random model of a family (fgrpo.models.tiny): fp32 on the CPU."""
-    from fgrpo.models import tiny
-
-    build = {
-        "qwen_image": tiny.tiny_qwen_image,
-        "qwen_image_edit": tiny.tiny_qwen_image_edit,
-        "sd3": tiny.tiny_sd3,
-        "ltx2": tiny.tiny_ltx2,
-    }[model]
-    return build(seed=0)
-
-
-# The experiment file whose `recipe` preset (its Config()) fixes a family's sampling and LoRA.
-RECIPE_FILES = {
-    "qwen_image": "qwen_image_ocr.py",
-    "qwen_image_edit": "qwen_image_edit_ocr.py",
-    "ltx2": "ltx2_ocr.py",
-}
-
-
 def recipe(model: str):
-    """experiments/<file>.py's Config() for `model` (RECIPE_FILES): the values the benchmark rows use."""
+    """The Config() of family `model`'s experiment file (its registry entry's recipe): the values the benchmark rows
+    use."""
     import importlib.util
 
-    path = Path(__file__).resolve().parent.parent / "experiments" / RECIPE_FILES[model]
+    path = Path(__file__).resolve().parent.parent / FAMILIES[model].recipe
     spec = importlib.util.spec_from_file_location(path.stem, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -454,7 +435,7 @@ def main() -> None:
     ap.add_argument(
         "--model",
         default="qwen_image",
-        choices=list(RECIPE_FILES),
+        choices=["qwen_image", "qwen_image_edit", "ltx2"],  # the families with a real-size builder here
         help="qwen_image (the rows above), qwen_image_edit or ltx2 (their experiment recipes' sampling)",
     )
     ap.add_argument("--tiny", action="store_true", help="tiny random model on the CPU (script check)")
@@ -501,7 +482,7 @@ def main() -> None:
         torch._dynamo.config.recompile_limit = 64
 
     if args.tiny:
-        model = build_tiny(args.model)
+        model = cast(QwenImage | LTX2, build_tiny(args.model))  # the tiny version of one of these families
     elif args.model == "qwen_image":
         model = build_real(device, args.text_encoder, args.layers or 60)
     elif args.model == "qwen_image_edit":

@@ -64,12 +64,13 @@ from rollout import (  # benchmarks/rollout.py: the same random models
     build_real_ltx2,
     build_real_qwen_image_edit,
     build_real_sd3,
-    build_tiny,
     condition_folder,
     edit_prompts,
     forward_tflop,
     recipe,
 )
+
+from fgrpo.models.registry import build_tiny
 
 MATMUL_TFLOPS_H200 = 755.0  # bf16, measured on an H200 (RESULTS.md)
 VERL_OMNI_IMAGES_PER_GPU_S = 0.305  # published, 4xH800, LoRA + CFG, same recipe
@@ -260,16 +261,18 @@ def main() -> None:
         ParallelConfig,
         RewardConfig,
         RunConfig,
+        SamplingConfig,
         TrainConfig,
     )
     from fgrpo.logging import PhaseTimer
-    from fgrpo.models.loading import SD3_LORA_TARGETS, compile_decoder, configure_transformer
+    from fgrpo.models.loading import compile_decoder, configure_transformer
     from fgrpo.models.ltx2 import LTX2
     from fgrpo.models.qwen_image import QwenImage
     from fgrpo.models.qwen_image_edit import QwenImageEdit
+    from fgrpo.models.sd3 import SD3_LORA_TARGETS
+    from fgrpo.recompute import micro_batches, recompute_log_probs_and_means
     from fgrpo.rewards.runner import AsyncRewardRunner
-    from fgrpo.rollout.base import SamplingConfig
-    from fgrpo.rollout.engine import forward_units, micro_batches, recompute_log_probs_and_means
+    from fgrpo.rollout.engine import forward_units
     from fgrpo.train import Trainer
 
     algos = args.algo.split(",")
@@ -359,7 +362,7 @@ def main() -> None:
         grpo_cfg = rec.grpo
     if args.attention_backend:
         mcfg = dataclasses.replace(mcfg, attention_backend=args.attention_backend)
-    if mcfg.attention_backend and not args.tiny:  # the recipe's (LTX-2: 'native'), as load_model sets it
+    if mcfg.attention_backend and not args.tiny:  # the recipe's (LTX-2: 'native'), as build_model sets it
         configure_transformer(model.transformer, attention_backend=mcfg.attention_backend)
     unit = "videos" if isinstance(model, LTX2) else "images"
     # built once, before any timing; build_random_vlm forks the RNG, so the LoRA init is the stub run's

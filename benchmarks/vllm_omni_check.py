@@ -5,7 +5,7 @@ Sections (each prints its rows and never stops the others):
               through VllmOmniEngine and DiffusersEngine (bf16 both) with every step stochastic
               (noise_level > 0, window = all steps) and pure ODE (window_size 0). Per timestep:
               |x_next| gap, |log-prob| gap engine vs in-process rollout, and engine vs the trainer's
-              recomputation (fgrpo.rollout.engine.recompute_log_probs on the engine's trajectory).
+              recomputation (fgrpo.recompute.recompute_log_probs on the engine's trajectory).
   lora        a random LoRA (PEFT dir, new adapter id per version) changes the engine's output as merging
               the same LoRA into the in-process transformer changes the in-process output; a second
               version is picked up again.
@@ -39,11 +39,13 @@ from typing import Any
 
 import torch
 
+from fgrpo.config import SamplingConfig
 from fgrpo.models.base import FlowModel
 from fgrpo.models.loading import configure_transformer
 from fgrpo.models.qwen_image import QwenImage
-from fgrpo.rollout.base import SamplingConfig, Trajectory
-from fgrpo.rollout.engine import DiffusersEngine, recompute_log_probs
+from fgrpo.recompute import recompute_log_probs
+from fgrpo.rollout.base import Trajectory
+from fgrpo.rollout.engine import DiffusersEngine
 from fgrpo.rollout.seeds import sample_seed
 from fgrpo.rollout.vllm_omni_pipeline import as_flow_model
 

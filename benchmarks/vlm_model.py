@@ -27,7 +27,8 @@ import torch
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from fgrpo.models.qwen_image_edit import EDIT_PROMPT_DROP, EDIT_PROMPT_TEMPLATE, vl_processor
+from fgrpo.models.qwen_image_edit import EDIT_PROMPT_DROP, EDIT_PROMPT_TEMPLATE
+from fgrpo.models.qwen_vl import vl_processor
 from fgrpo.models.tiny import VISION_TOKENS, tiny_qwen_tokenizer
 from fgrpo.rewards.vlm import TransformersOcrEngine
 

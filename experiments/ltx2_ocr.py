@@ -31,10 +31,17 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from fgrpo.config import DataConfig, GRPOConfig, OptimConfig, RewardConfig, RunConfig, TrainConfig
+from fgrpo.config import (
+    DataConfig,
+    GRPOConfig,
+    OptimConfig,
+    RewardConfig,
+    RunConfig,
+    SamplingConfig,
+    TrainConfig,
+)
 from fgrpo.errors import cli
 from fgrpo.models.ltx2 import LTX2_LORA_TARGETS, LTX2Config
-from fgrpo.rollout.base import SamplingConfig
 
 HEIGHT, WIDTH = 256, 384  # verl-omni's pipeline.height / width
 TINY = 32  # the tiny model's clip side (its VAE compresses 8x; LTX2Pipeline wants multiples of 32)

@@ -57,6 +57,7 @@ from fgrpo.fonts import dejavu_sans
 from fgrpo.models import textbed as tb
 from fgrpo.rewards.ocr import is_exact
 from fgrpo.rewards.runner import ParallelReward
+from fgrpo.rollout.engine import render_words
 
 
 @dataclass(frozen=True)
@@ -516,7 +517,7 @@ def evaluate(cfg: Config, snapshots) -> list[dict]:
         model.to(dt)
         images.append(
             tb.upscale(
-                tb.render_words(
+                render_words(
                     model,
                     prompts,
                     seeds,

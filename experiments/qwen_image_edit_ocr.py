@@ -42,10 +42,10 @@ from fgrpo.config import (
     OptimConfig,
     RewardConfig,
     RunConfig,
+    SamplingConfig,
     TrainConfig,
 )
 from fgrpo.errors import cli
-from fgrpo.rollout.base import SamplingConfig
 
 
 @dataclass(frozen=True)

@@ -38,11 +38,11 @@ from fgrpo.config import (
     OptimConfig,
     RewardConfig,
     RunConfig,
+    SamplingConfig,
     TrainConfig,
 )
 from fgrpo.errors import cli
 from fgrpo.presets import with_algo
-from fgrpo.rollout.base import SamplingConfig
 
 
 @dataclass(frozen=True)

@@ -33,11 +33,11 @@ from fgrpo.config import (
     OptimConfig,
     RewardConfig,
     RunConfig,
+    SamplingConfig,
     TrainConfig,
 )
 from fgrpo.errors import cli
-from fgrpo.models.loading import SD3_LORA_TARGETS
-from fgrpo.rollout.base import SamplingConfig
+from fgrpo.models.sd3 import SD3_LORA_TARGETS
 
 SD3_ATTN_TARGETS = ",".join(SD3_LORA_TARGETS)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from train_entry import Config
 
-from fgrpo import algorithms, checkpoint
+from fgrpo import algorithms, checkpoint, files
 from fgrpo import train as train_mod
 from fgrpo.algorithms import check_config
 from fgrpo.core import schedule
@@ -58,7 +58,7 @@ def test_each_algorithm_trains_end_to_end(tmp_path, name, recording):
     assert all(torch.isfinite(torch.tensor(v)) for k, v in m.items() if k.startswith("train/"))
     latest = checkpoint.latest(tmp_path / "e2e" / "checkpoints")
     assert latest is not None
-    w1 = checkpoint._read_tensors(latest / "model.safetensors")
+    w1 = files.read_tensors(latest / "model.safetensors")
     assert max(t.abs().max().item() for k, t in w1.items() if "lora_B" in k) > 0  # B starts at 0: it trained
     cfgs = [c for c, _ in recording]
     if name in ("nft", "awm"):  # ODE rollouts, no window, clean latents kept
@@ -161,7 +161,7 @@ def test_ema_resume_is_exact(tmp_path, name, ema):
     b = checkpoint.latest(tmp_path / "b" / "e2e" / "checkpoints")
     assert a is not None and b is not None
     for f in ("model.safetensors", "tensors_rank0.safetensors"):
-        ta, tb = checkpoint._read_tensors(a / f), checkpoint._read_tensors(b / f)
+        ta, tb = files.read_tensors(a / f), files.read_tensors(b / f)
         assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta), f
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fgrpo import algorithms, async_mode
+from fgrpo import algorithms, async_mode, recompute
 from fgrpo.config import AlgoConfig, GRPOConfig, ParallelConfig, RunConfig, TrainConfig, validate_config
 from fgrpo.rollout.buffer import RolloutBuffer
 
@@ -65,9 +65,10 @@ def _validate_checkpoints(out_dir, steps: list[int]) -> list[float]:
     from fgrpo import logging as flog
     from fgrpo import parallel
     from fgrpo.data import load_prompts
-    from fgrpo.models.loading import build_model, setup_trainable
+    from fgrpo.models.lora import setup_trainable
+    from fgrpo.models.registry import build_model
     from fgrpo.rewards import build_reward
-    from fgrpo.rollout.engine import build_engine
+    from fgrpo.rollout.build import build_engine
     from fgrpo.train import validate
 
     spec = importlib.util.spec_from_file_location("train_entry", ENTRY)
@@ -450,17 +451,17 @@ def test_off_policy_weights_per_correction():
     none: no weight, statistics of weight 1; sequence level: r_b = prod_j r_bj = [3, 0.25] -> [2, 0.25]."""
     behaviour = torch.zeros(2, 2)
     old = torch.tensor([[0.0, math.log(3.0)], [math.log(0.25), 0.0]])
-    w, stats = algorithms.off_policy_weights(old, behaviour, ParallelConfig(correction="tis"), elements=1)
+    w, stats = recompute.off_policy_weights(old, behaviour, ParallelConfig(correction="tis"), elements=1)
     torch.testing.assert_close(w, torch.tensor([[1.0, 2.0], [0.25, 1.0]]))
     assert stats["offpolicy/gap_abs_max"] == pytest.approx(math.log(4.0))
-    w, stats = algorithms.off_policy_weights(
+    w, stats = recompute.off_policy_weights(
         old, behaviour, ParallelConfig(correction="masked_is"), elements=1
     )
     torch.testing.assert_close(w, torch.tensor([[1.0, 0.0], [0.0, 1.0]]))
     assert stats["offpolicy/is_frac_zero"] == 0.5
-    w, stats = algorithms.off_policy_weights(old, behaviour, ParallelConfig(correction="none"), elements=1)
+    w, stats = recompute.off_policy_weights(old, behaviour, ParallelConfig(correction="none"), elements=1)
     assert w is None and stats["offpolicy/is_max"] == 1.0
-    w, _ = algorithms.off_policy_weights(
+    w, _ = recompute.off_policy_weights(
         old, behaviour, ParallelConfig(correction="tis", is_level="sequence"), elements=1
     )
     torch.testing.assert_close(w, torch.tensor([[2.0, 2.0], [0.25, 0.25]]))
@@ -474,7 +475,7 @@ def test_off_policy_weights_sum_scales_the_log_ratio_by_the_element_count():
     behaviour = torch.zeros(2, 2)
     old = torch.tensor([[0.0, math.log(3.0) / D], [math.log(0.25) / D, 1e-3]])
     tis = ParallelConfig(correction="tis", is_log_ratio="mean")
-    w, stats = algorithms.off_policy_weights(
+    w, stats = recompute.off_policy_weights(
         old,
         behaviour,
         ParallelConfig(correction="tis"),
@@ -483,7 +484,7 @@ def test_off_policy_weights_sum_scales_the_log_ratio_by_the_element_count():
     torch.testing.assert_close(w, torch.tensor([[1.0, 2.0], [0.25, math.exp(0.064)]]))
     assert stats["offpolicy/gap_abs_max"] == pytest.approx(math.log(4.0))
     assert stats["offpolicy/is_frac_high"] == 0.25
-    w, stats = algorithms.off_policy_weights(old, behaviour, tis, elements=D)
+    w, stats = recompute.off_policy_weights(old, behaviour, tis, elements=D)
     torch.testing.assert_close(w, old.exp())
     assert stats["offpolicy/gap_abs_max"] == pytest.approx(math.log(4.0) / D)
     assert stats["offpolicy/is_frac_high"] == 0.0
@@ -495,9 +496,9 @@ def test_window_update_weighs_stale_entries_in_the_configured_units(unit):
     the rollout's (to rounding); the behaviour log-probs are shifted by ln 3 / D on sample 0 and ln 0.25 / D on
     sample 1 (D = one sample's latent elements). 'sum': weights min(3, 2) = 2 and 0.25, the gap ln 4;
     'mean': weights e^(ln 3 / D) and e^(ln 0.25 / D), both within 1 +- 2 / D."""
-    from fgrpo.models.loading import add_lora
+    from fgrpo.config import SamplingConfig
+    from fgrpo.models.lora import add_lora
     from fgrpo.models.tiny import tiny_qwen_image
-    from fgrpo.rollout.base import SamplingConfig
     from fgrpo.rollout.engine import DiffusersEngine
 
     s = SamplingConfig(

@@ -18,6 +18,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 from fgrpo import checkpoint as ckpt
+from fgrpo import files
+from fgrpo.models.lora import export_lora
 
 # ---------------------------------------------------------------------------------------------------------
 # a small model, optimizer and schedule; the "data" draws from every RNG the checkpoint must restore
@@ -176,7 +178,7 @@ def test_crash_mid_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
     ckpt.save(tmp_path, 1, model=model, optimizer=opt, lr_scheduler=sched, extra_state={"v": 1})
     _train(model, opt, sched, 1)
 
-    real = ckpt._write_json
+    real = files.write_json
 
     def crash_on_meta(path, obj):
         if Path(path).name == "meta.json":
@@ -184,10 +186,10 @@ def test_crash_mid_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
             raise KeyboardInterrupt("simulated kill")
         real(path, obj)
 
-    monkeypatch.setattr(ckpt, "_write_json", crash_on_meta)
+    monkeypatch.setattr(files, "write_json", crash_on_meta)
     with pytest.raises(KeyboardInterrupt):
         ckpt.save(tmp_path, 2, model=model, optimizer=opt, lr_scheduler=sched, extra_state={"v": 2})
-    monkeypatch.setattr(ckpt, "_write_json", real)
+    monkeypatch.setattr(files, "write_json", real)
 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001"]
     # A hard kill cannot clean up: a stale temp dir and a step dir without meta.json must both be ignored.
@@ -269,6 +271,7 @@ _FSDP_WORKER = _TOY + textwrap.dedent(
     from torch.distributed.fsdp import fully_shard
     from safetensors.torch import save_file
     from fgrpo import checkpoint as ckpt
+    from fgrpo.models.lora import lora_state_dict
 
     def shard(m):
         for blk in (m[0], m[2]):
@@ -291,7 +294,7 @@ _FSDP_WORKER = _TOY + textwrap.dedent(
         for k in range(2):
             step(m, opt, k)
         ckpt.save(os.path.join(out, "ck"), 2, model=m, optimizer=opt, extra_state={"world": 2})
-        lora = ckpt.lora_state_dict(m)
+        lora = lora_state_dict(m)
         step(m, opt, 2)
         after = full(m)
 
@@ -389,7 +392,8 @@ def test_export_lora_loads_in_diffusers(tmp_path):
     from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
 
     from fgrpo.models import tiny
-    from fgrpo.models.loading import QWEN_IMAGE_LORA_TARGETS, add_lora
+    from fgrpo.models.lora import add_lora
+    from fgrpo.models.qwen_image import QWEN_IMAGE_LORA_TARGETS
 
     comps = tiny.tiny_qwen_image_components(seed=0)
     trained = comps["transformer"]
@@ -399,12 +403,12 @@ def test_export_lora_loads_in_diffusers(tmp_path):
     want = trained(**_qwen_inputs())[0]
     assert not torch.allclose(want, base_out)  # the adapter changes the output, so the test can fail
 
-    out = ckpt.export_lora(tmp_path / "lora", trained)
+    out = export_lora(tmp_path / "lora", trained)
     assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     keys = load_file(out / "adapter_model.safetensors")
     assert keys and all(k.startswith("transformer.") and ".default." not in k for k in keys)
     header = json.loads(
-        ckpt.read_safetensors_metadata(out / "adapter_model.safetensors")["lora_adapter_metadata"]
+        files.read_safetensors_metadata(out / "adapter_model.safetensors")["lora_adapter_metadata"]
     )
     assert header["transformer.r"] == 4 and header["transformer.lora_alpha"] == 8
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
@@ -426,7 +430,8 @@ def test_export_lora_loads_in_sd3_pipeline(tmp_path):
     from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import StableDiffusion3Pipeline
 
     from fgrpo.models import tiny
-    from fgrpo.models.loading import SD3_LORA_TARGETS, add_lora
+    from fgrpo.models.lora import add_lora
+    from fgrpo.models.sd3 import SD3_LORA_TARGETS
 
     comps = tiny.tiny_sd3_components(seed=0)
     trained = comps["transformer"]
@@ -443,7 +448,7 @@ def test_export_lora_loads_in_sd3_pipeline(tmp_path):
     add_lora(trained, rank=4, alpha=8, target_modules=SD3_LORA_TARGETS, init=False)
     want = trained(**inputs)[0]
     assert not torch.allclose(want, base_out)
-    out = ckpt.export_lora(tmp_path / "lora", trained)
+    out = export_lora(tmp_path / "lora", trained)
     pipe = StableDiffusion3Pipeline(**{**comps, "transformer": base})
     pipe.load_lora_weights(str(out))
     assert torch.equal(pipe.transformer(**inputs)[0], want)
@@ -501,7 +506,7 @@ def test_load_refuses_a_damaged_file_and_names_it(tmp_path, damage, match):
     path = ckpt.save(tmp_path, 1, model=model, optimizer=opt, lr_scheduler=sched)
     damage(path)
     model2, opt2, sched2 = _build(0)
-    with pytest.raises(ckpt.CheckpointError, match=match):
+    with pytest.raises(files.CheckpointError, match=match):
         ckpt.load(path, model=model2, optimizer=opt2, lr_scheduler=sched2)
 
 
@@ -521,10 +526,10 @@ def test_unreadable_files_of_unverifiable_checkpoints_are_wrapped(tmp_path):
     assert torch.equal(_linear(model2, 2).weight, _linear(model, 2).weight)
 
     (path / "optimizer.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage")
-    with pytest.warns(UserWarning), pytest.raises(ckpt.CheckpointError, match=r"optimizer\.safetensors"):
+    with pytest.warns(UserWarning), pytest.raises(files.CheckpointError, match=r"optimizer\.safetensors"):
         ckpt.load(path, model=model2, optimizer=opt2)
     (path / "lr_scheduler.json").write_text("{not json")
-    with pytest.warns(UserWarning), pytest.raises(ckpt.CheckpointError, match=r"lr_scheduler\.json"):
+    with pytest.warns(UserWarning), pytest.raises(files.CheckpointError, match=r"lr_scheduler\.json"):
         ckpt.load(path, model=model2, lr_scheduler=sched2)
 
 

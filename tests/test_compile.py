@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from fgrpo import algorithms, parallel
-from fgrpo.config import GRPOConfig, ModelConfig, TrainConfig
+from fgrpo.config import GRPOConfig, ModelConfig, SamplingConfig, TrainConfig
 from fgrpo.core import grpo
-from fgrpo.models.loading import configure_transformer, setup_trainable
+from fgrpo.models.loading import configure_transformer
+from fgrpo.models.lora import setup_trainable
 from fgrpo.models.tiny import tiny_qwen_image, tiny_qwen_image_edit, tiny_sd3
-from fgrpo.rollout.base import SamplingConfig
 from fgrpo.rollout.engine import DiffusersEngine
 
 
@@ -111,17 +111,17 @@ def test_sd3_regional_compile_keeps_the_velocity():
 def test_text_renderer_takes_the_compile_flag(arch, monkeypatch):
     """model.compile reaches the text renderer as it reaches every other family (it was silently ignored): its
     blocks are compiled, and with the "eager" backend the velocity is unchanged, for both architectures."""
-    from fgrpo.models import loading
+    from fgrpo.models import loading, registry
     from fgrpo.models.textbed import load_textbed, prompt_for
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     configure = loading.configure_transformer
     monkeypatch.setattr(
-        loading, "configure_transformer", lambda t, **kw: configure(t, **kw, compile_backend="eager")
+        registry, "configure_transformer", lambda t, **kw: configure(t, **kw, compile_backend="eager")
     )
     reference = load_textbed(arch)
-    model = loading.build_model(
+    model = registry.build_model(
         ModelConfig(kind="textbed", path=arch, dtype="fp32", compile=True), torch.device("cpu"), seed=0
     )
     prompts = [prompt_for("RIVER"), prompt_for("CAT")]
@@ -217,18 +217,18 @@ def test_edit_model_compiles_its_blocks_without_comprehensive_padding(monkeypatc
 def test_model_compile_compiles_the_vae_decoder(kind, monkeypatch):
     """model.compile compiles the VAE decoder too (build_model -> compile_decoder), in place: the VAE's parameter
     names stay, and with the "eager" backend the decoded pixels are the eager decoder's bit for bit."""
-    from fgrpo.models import loading
+    from fgrpo.models import loading, registry
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     configure, compile_vae = loading.configure_transformer, loading.compile_decoder
     monkeypatch.setattr(
-        loading, "configure_transformer", lambda t, **kw: configure(t, **kw, compile_backend="eager")
+        registry, "configure_transformer", lambda t, **kw: configure(t, **kw, compile_backend="eager")
     )
-    monkeypatch.setattr(loading, "compile_decoder", lambda m: compile_vae(m, backend="eager"))
+    monkeypatch.setattr(registry, "compile_decoder", lambda m: compile_vae(m, backend="eager"))
     mcfg = ModelConfig(kind=kind, dtype="fp32", compile=True)
-    reference = loading.build_model(dataclasses.replace(mcfg, compile=False), torch.device("cpu"), seed=0)
-    model = loading.build_model(mcfg, torch.device("cpu"), seed=0)
+    reference = registry.build_model(dataclasses.replace(mcfg, compile=False), torch.device("cpu"), seed=0)
+    model = registry.build_model(mcfg, torch.device("cpu"), seed=0)
     x0 = torch.randn(2, *model.latent_shape(64, 64), generator=torch.Generator().manual_seed(0))
     expected = reference.decode(x0, 64, 64)
     try:

@@ -6,10 +6,10 @@ import dataclasses
 import pytest
 import torch
 
-from fgrpo.algorithms import check_config
-from fgrpo.config import GRPOConfig, ModelConfig, OptimConfig, TrainConfig, validate_config
+from fgrpo import algorithms
+from fgrpo.config import GRPOConfig, ModelConfig, OptimConfig, SamplingConfig, TrainConfig, validate_config
 from fgrpo.data import step_prompt_indices
-from fgrpo.rollout.base import SamplingConfig
+from fgrpo.models.registry import check_config
 
 
 @pytest.mark.parametrize(
@@ -56,7 +56,7 @@ from fgrpo.rollout.base import SamplingConfig
 def test_validate_config_names_the_field(change, match):
     cfg = dataclasses.replace(TrainConfig(), **change)
     with pytest.raises(ValueError, match=match):
-        check_config(cfg, world_size=2)
+        algorithms.check_config(cfg, world_size=2)
 
 
 def test_lr_decay_spans_the_run_by_default():
@@ -67,10 +67,13 @@ def test_lr_decay_spans_the_run_by_default():
 
 def test_validate_config_accepts_the_recipe():
     validate_config(TrainConfig(), world_size=4)
+    check_config(TrainConfig())
     compiled = TrainConfig(model=ModelConfig(compile=True), grpo=GRPOConfig(old_log_prob="recompute"))
     validate_config(compiled, world_size=4)
+    check_config(compiled)
     # compiled with the rollout's window through the training graph: the rollout's log-probs are reused
     validate_config(TrainConfig(model=ModelConfig(compile=True)), world_size=4)
+    check_config(TrainConfig(model=ModelConfig(compile=True)))
 
 
 def test_a_seed_outside_the_seed_mixers_range_is_refused_before_the_run_directory(tmp_path):
@@ -126,6 +129,7 @@ def test_nonsense_values_are_refused_naming_the_field(section, field, value):
     )
     with pytest.raises(ValueError, match=rf"^{section}\.{field}=.*--{section}\.{field.replace('_', '-')}"):
         validate_config(cfg, world_size=1)
+        check_config(cfg)
 
 
 def test_resolution_multiple_follows_the_model_kind():
@@ -133,4 +137,6 @@ def test_resolution_multiple_follows_the_model_kind():
     cfg = dataclasses.replace(TrainConfig(), sampling=SamplingConfig(height=36, width=128))
     with pytest.raises(ValueError, match="sampling.height=36.*multiple of 16"):
         validate_config(cfg, world_size=1)
+        check_config(cfg)
     validate_config(dataclasses.replace(cfg, model=ModelConfig(kind="textbed")), world_size=1)
+    check_config(dataclasses.replace(cfg, model=ModelConfig(kind="textbed")))

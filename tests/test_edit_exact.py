@@ -16,19 +16,13 @@ import torch
 from PIL import Image
 
 from fgrpo import algorithms
-from fgrpo.config import AlgoConfig, GRPOConfig, TrainConfig
+from fgrpo.config import AlgoConfig, GRPOConfig, SamplingConfig, TrainConfig
 from fgrpo.core import grpo
-from fgrpo.data import ImagePrompt
-from fgrpo.models.loading import add_lora
+from fgrpo.models.base import ImagePrompt
+from fgrpo.models.lora import add_lora
 from fgrpo.models.tiny import tiny_qwen_image_edit
-from fgrpo.rollout.base import SamplingConfig
-from fgrpo.rollout.engine import (
-    DiffusersEngine,
-    exact_micro_batch,
-    forward_units,
-    micro_batches,
-    minibatch_rows,
-)
+from fgrpo.recompute import exact_micro_batch, micro_batches, minibatch_rows
+from fgrpo.rollout.engine import DiffusersEngine, forward_units
 
 SIZE = 32
 SAMPLING = SamplingConfig(

@@ -170,7 +170,8 @@ def test_qwen_image_edit_rows_are_deterministic_and_legible(tmp_path):
     import numpy as np
     from PIL import Image
 
-    from fgrpo.data import ImagePrompt, load_prompts
+    from fgrpo.data import load_prompts
+    from fgrpo.models.base import ImagePrompt
     from fgrpo.rewards.ocr import RapidOcrEngine, extract_target
 
     m = load(ROOT / "experiments" / "qwen_image_edit_ocr.py")

@@ -13,7 +13,7 @@ import pytest
 import torch
 from train_entry import Config
 
-from fgrpo import checkpoint, guard
+from fgrpo import files, guard
 from fgrpo import train as train_mod
 from fgrpo.errors import RunCollapsed
 from fgrpo.logging import read_metrics
@@ -76,7 +76,7 @@ def _cfg(tmp_path, scores, num_steps=6, **run):
 
 
 def _lora(path):
-    return {k: t for k, t in checkpoint._read_tensors(path).items() if "lora" in k}
+    return {k: t for k, t in files.read_tensors(path).items() if "lora" in k}
 
 
 def test_a_falling_validation_stops_the_run_and_lora_best_is_the_best_adapter(tmp_path):
@@ -92,7 +92,7 @@ def test_a_falling_validation_stops_the_run_and_lora_best_is_the_best_adapter(tm
     assert str(run / "lora_best") in message
     assert not (run / "lora").exists()
     assert guard.read_best_record(run) == {"step": 1, "val/reward_mean": pytest.approx(0.9)}
-    best = checkpoint._read_tensors(run / "lora_best" / "adapter_model.safetensors")
+    best = files.read_tensors(run / "lora_best" / "adapter_model.safetensors")
     step1 = _lora(run / "checkpoints" / "step_000001" / "model.safetensors")
     assert len(best) == len(step1) > 0
     by_module = {k.removeprefix("transformer.").replace(".weight", ""): t for k, t in best.items()}

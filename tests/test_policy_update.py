@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from fgrpo import algorithms
-from fgrpo.config import GRPOConfig, OptimConfig, TrainConfig
-from fgrpo.models.loading import add_lora
+from fgrpo.config import GRPOConfig, OptimConfig, SamplingConfig, TrainConfig
+from fgrpo.models.lora import add_lora
 from fgrpo.models.tiny import tiny_qwen_image
-from fgrpo.rollout.base import SamplingConfig
-from fgrpo.rollout.engine import DiffusersEngine, minibatch_rows
+from fgrpo.recompute import minibatch_rows
+from fgrpo.rollout.engine import DiffusersEngine
 
 SAMPLING = SamplingConfig(
     height=32,

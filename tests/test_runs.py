@@ -23,6 +23,7 @@ from fgrpo import train as train_mod
 from fgrpo.config import validate_config
 from fgrpo.errors import ConfigError
 from fgrpo.logging import read_metrics
+from fgrpo.models.lora import export_lora
 from fgrpo.rewards.base import RewardOutput, check_scores
 from fgrpo.runs import RunDir, RunDirError
 
@@ -266,7 +267,8 @@ def test_config_changes_lists_every_differing_field():
 
 def test_init_lora_starts_from_an_exported_adapter(tmp_path):
     """An adapter fgrpo exported loads back bit for bit as the starting LoRA; a rank mismatch names the flag."""
-    from fgrpo.models.loading import build_model, setup_trainable
+    from fgrpo.models.lora import setup_trainable
+    from fgrpo.models.registry import build_model
 
     mcfg = Config().model
     a = build_model(mcfg, torch.device("cpu"), seed=0)
@@ -276,7 +278,7 @@ def test_init_lora_starts_from_an_exported_adapter(tmp_path):
         for n, p in a.transformer.named_parameters():
             if "lora_" in n:
                 p.normal_()
-    checkpoint.export_lora(tmp_path / "lora", a.transformer)
+    export_lora(tmp_path / "lora", a.transformer)
     b = build_model(mcfg, torch.device("cpu"), seed=0)
     setup_trainable(b.transformer, dataclasses.replace(mcfg, init_lora=str(tmp_path / "lora")))
     pa = {n: p for n, p in a.transformer.named_parameters() if "lora_" in n}
@@ -297,7 +299,8 @@ def test_init_lora_starts_from_an_exported_adapter(tmp_path):
 def test_init_lora_is_checked_before_the_model_and_a_non_finite_weight_is_refused(tmp_path):
     """The path and the header's rank are checked before the model is built (a real model takes minutes to
     load); a NaN in the adapter, which would skip every optimizer step, is refused at load naming the tensor."""
-    from fgrpo.models.loading import build_model, setup_trainable
+    from fgrpo.models.lora import setup_trainable
+    from fgrpo.models.registry import build_model
 
     def no_model(*a, **k):
         raise AssertionError("the model was built before model.init_lora was checked")
@@ -311,7 +314,7 @@ def test_init_lora_is_checked_before_the_model_and_a_non_finite_weight_is_refuse
         if lora_rank == 8:  # an adapter of rank 4 on disk
             a = build_model(c.model, torch.device("cpu"), seed=0)
             setup_trainable(a.transformer, c.model)
-            checkpoint.export_lora(tmp_path / "lora", a.transformer)
+            export_lora(tmp_path / "lora", a.transformer)
         with pytest.raises((FileNotFoundError, ValueError), match=match):
             train_mod.train(dataclasses.replace(c, model=mcfg), model_builder=no_model)
         assert not (tmp_path / "e2e").exists()  # before the run directory, too
@@ -320,7 +323,7 @@ def test_init_lora_is_checked_before_the_model_and_a_non_finite_weight_is_refuse
     name = next(n for n, _ in a.transformer.named_parameters() if "lora_B" in n)
     with torch.no_grad():
         a.transformer.get_parameter(name)[0, 0] = float("nan")
-    checkpoint.export_lora(tmp_path / "nan", a.transformer)
+    export_lora(tmp_path / "nan", a.transformer)
     mcfg = dataclasses.replace(c.model, init_lora=str(tmp_path / "nan"))
     b = build_model(mcfg, torch.device("cpu"), seed=0)
     key = name.replace(".default.", ".")

@@ -20,6 +20,7 @@ from train_entry import Config
 
 from fgrpo import parallel
 from fgrpo.config import GRPOConfig, ModelConfig, ParallelConfig, validate_config
+from fgrpo.models.registry import check_config
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 PROMPTS = ["a red apple on a wooden table", "x"]
@@ -36,10 +37,10 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _worker(out_path: str) -> None:
-    from fgrpo.models.loading import add_lora
+    from fgrpo.config import SamplingConfig
+    from fgrpo.models.lora import add_lora
     from fgrpo.models.tiny import tiny_qwen_image
     from fgrpo.policy import transition_log_prob
-    from fgrpo.rollout.base import SamplingConfig
 
     parallel.init_distributed("cpu")
     models = []
@@ -130,6 +131,7 @@ def _cfg(**parallel) -> Config:
 
 def test_sp_config_is_validated_before_any_work():
     validate_config(_cfg(sp=2), world_size=2)
+    check_config(_cfg(sp=2))
     cases = [
         (_cfg(sp=3), 2, "parallel.sp=3 must be >= 1 and divide the world size 2"),
         (_cfg(sp=0), 2, "parallel.sp=0 must be >= 1"),
@@ -145,6 +147,7 @@ def test_sp_config_is_validated_before_any_work():
     for cfg, world, message in cases:
         with pytest.raises(ValueError, match=re.escape(message)):
             validate_config(cfg, world_size=world)
+            check_config(cfg)
     # The step's samples are cut into world / sp shards: 2 samples fit 4 ranks as 2 SP groups, not as 4 ranks.
     two = GRPOConfig(group_size=2, prompts_per_step=1, optimizer_steps_per_step=1)
     validate_config(replace(_cfg(sp=2), grpo=two), world_size=4)

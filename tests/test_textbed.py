@@ -14,6 +14,7 @@ import torch
 from fgrpo.core import guidance
 from fgrpo.models import textbed as tb
 from fgrpo.models.base import FlowModel, cond_index
+from fgrpo.rollout.engine import render_words
 
 TINY = tb.TextbedConfig(
     num_layers=1, num_heads=2, head_dim=16, axes_dims_rope=(4, 6, 6), text_dim=32, text_layers=1, text_heads=2
@@ -154,7 +155,7 @@ def test_committed_checkpoint_renders_heldout_words_ocr_reads_exactly(name):
     # on the committed checkpoints: 2 of the 5 are read exactly by the Qwen-Image renderer (AGENT, AIRPORT),
     # 3 by the SD3 one (ACTORS, AGENCY, AGENT), so one float-rounding flip cannot fail this.
     words = tb.read_words("heldout")[:5]
-    images = tb.render_words(model, [tb.prompt_for(w) for w in words], seeds=range(len(words)), num_steps=10)
+    images = render_words(model, [tb.prompt_for(w) for w in words], seeds=range(len(words)), num_steps=10)
     texts = RapidOcrEngine(det_limit_side_len=64, num_threads=2).recognize(tb.upscale(images, 2).numpy())
     scores = [ocr_score(t, w) for w, t in zip(words, texts)]
     exact = [w for w, s in zip(words, scores) if is_exact(s)]
@@ -208,7 +209,7 @@ def test_sd3_renderer_has_sd35_medium_structure_and_trains_with_fgrpo(tmp_path):
     from diffusers.models.attention import JointTransformerBlock
     from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
 
-    from fgrpo.models.loading import SD3_LORA_TARGETS
+    from fgrpo.models.sd3 import SD3_LORA_TARGETS
 
     torch.manual_seed(0)
     model = tb.TextbedModel(TINY_SD3)

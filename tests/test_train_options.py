@@ -19,10 +19,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from train_entry import Config
 from train_options_entry import report
 
-from fgrpo import checkpoint, parallel
+from fgrpo import checkpoint, files, parallel
 from fgrpo import train as train_mod
 from fgrpo.config import validate_config
-from fgrpo.models.loading import MergedLora, add_lora, configure_transformer, selective_checkpoint
+from fgrpo.models.loading import configure_transformer, selective_checkpoint
+from fgrpo.models.lora import MergedLora, add_lora
 from fgrpo.models.tiny import tiny_qwen_image
 
 ENTRY = str(Path(__file__).with_name("train_options_entry.py"))
@@ -97,7 +98,7 @@ def test_the_loop_passes_both_options_on(tmp_path, monkeypatch):
         )
         m = train_mod.train(cfg)
         assert m["train/logprob_gap/max"] == 0.0
-        runs[name] = checkpoint._read_tensors(
+        runs[name] = files.read_tensors(
             checkpoint.resolve(tmp_path / name / "e2e" / "checkpoints") / "model.safetensors"
         )
 

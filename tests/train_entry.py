@@ -15,9 +15,9 @@ from fgrpo.config import (
     OptimConfig,
     RewardConfig,
     RunConfig,
+    SamplingConfig,
     TrainConfig,
 )
-from fgrpo.rollout.base import SamplingConfig
 
 
 @dataclass(frozen=True)

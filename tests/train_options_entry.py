@@ -18,10 +18,9 @@ from pathlib import Path
 import torch
 
 from fgrpo import algorithms, checkpoint, parallel
-from fgrpo.config import GRPOConfig, ModelConfig, OptimConfig, TrainConfig
-from fgrpo.models.loading import setup_trainable
+from fgrpo.config import GRPOConfig, ModelConfig, OptimConfig, SamplingConfig, TrainConfig
+from fgrpo.models.lora import setup_trainable
 from fgrpo.models.tiny import tiny_qwen_image
-from fgrpo.rollout.base import SamplingConfig
 from fgrpo.rollout.engine import DiffusersEngine
 
 SAMPLING = SamplingConfig(

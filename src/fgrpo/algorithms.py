@@ -44,22 +44,24 @@ from functools import partial
 import numpy as np
 import torch
 
-from fgrpo.config import ParallelConfig, TrainConfig, validate_config
-from fgrpo.core import awm, correction, dppo, ema, grpo, nft, schedule, sde
+from fgrpo.config import SamplingConfig, TrainConfig, validate_config
+from fgrpo.core import awm, dppo, ema, grpo, nft, schedule, sde
 from fgrpo.errors import ConfigError
+from fgrpo.models import registry
 from fgrpo.models.base import FlowModel, cond_index
-from fgrpo.models.loading import adapters_disabled
+from fgrpo.models.lora import adapters_disabled
 from fgrpo.parallel import is_dtensor, world_size
 from fgrpo.policy import transition
-from fgrpo.rollout.base import SamplingConfig, Trajectory
-from fgrpo.rollout.engine import (
+from fgrpo.recompute import (
     exact_micro_batch,
     micro_batches,
     minibatch_rows,
+    off_policy_weights,
     recompute_log_prob,
     recompute_log_probs_and_means,
-    validation_sampling,
 )
+from fgrpo.rollout.base import Trajectory
+from fgrpo.rollout.engine import validation_sampling
 from fgrpo.rollout.seeds import TRAIN_POINTS, sample_generator, sample_seed
 
 Stats = dict[str, list[float]]
@@ -412,9 +414,11 @@ def _check_ranges(ranges: list[tuple[bool, str, float]]) -> None:
 
 
 def check_config(cfg: TrainConfig, world_size: int) -> None:
-    """Every check of a run's configuration before anything is built: config.validate_config's, then the
-    configured algorithm's own (`Algorithm.check`). Raises ConfigError naming the field and the fix."""
+    """Every check of a run's configuration before anything is built: config.validate_config's, the model
+    family's (models.registry.check_config), then the configured algorithm's own (`Algorithm.check`). Raises
+    ConfigError naming the field and the fix."""
     validate_config(cfg, world_size)
+    registry.check_config(cfg)
     ALGORITHMS[cfg.algo.name].check(cfg)
 
 
@@ -493,36 +497,6 @@ def minibatch_updates(
                 after_minibatch()
             optimizer_step(params, optimizer, lr_scheduler, cfg.optim.grad_clip, stats)
     return stats
-
-
-def off_policy_weights(
-    old_log_prob: torch.Tensor, behaviour_log_prob: torch.Tensor, p: ParallelConfig, *, elements: int
-) -> tuple[torch.Tensor | None, dict[str, float]]:
-    """The configured correction's [B, W] weights (None for 'none') and their statistics ('offpolicy/...').
-
-    old_log_prob, behaviour_log_prob: [B, W] per-element mean log-probs of the transitions, whose latents have
-    `elements` elements (D) each. With p.is_log_ratio 'sum' the log-ratio is D (old - behaviour), that of the
-    transition's densities; with 'mean' it is old - behaviour. The statistics (behaviour/old gap, IS weight
-    mean/min/max, ESS, truncated and masked shares) are of that log-ratio, and are logged with every
-    correction, 'none' included (with weight 1), so the gap is visible before one turns it on.
-    """
-    log_w = correction.log_ratio(old_log_prob, behaviour_log_prob)
-    if p.is_log_ratio == "sum":
-        log_w = log_w * elements
-    lower = p.is_threshold_low or None
-    if p.correction == "none":
-        weight = None
-    else:
-        mode = "truncate" if p.correction == "tis" else "mask"
-        weight = correction.is_weights(log_w, level=p.is_level, mode=mode, upper=p.is_threshold, lower=lower)
-    stats = correction.correction_metrics(
-        log_w,
-        torch.ones_like(log_w) if weight is None else weight,
-        level=p.is_level,
-        upper=p.is_threshold,
-        lower=lower,
-    )
-    return weight, {f"offpolicy/{k}": float(v) for k, v in stats.items()}
 
 
 def window_update(

@@ -1,4 +1,6 @@
-"""Atomic checkpoints, exact resume and LoRA export, all in safetensors + JSON (no pickle on disk).
+"""A run's checkpoints and exact resume: the trainable state (FSDP2 shards gathered, optimizer state split into
+tensors and JSON) written into and read back from step directories in fgrpo.files' format (safetensors + JSON, no
+pickle on disk; the LoRA adapter export is fgrpo.models.lora's).
 
 A checkpoint is one directory `<dir>/step_000123/`:
     model.safetensors        trainable parameters only (requires_grad), full (unsharded) tensors
@@ -31,159 +33,23 @@ export the LoRA in the layout diffusers' `load_lora_weights` reads.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import json
 import os
 import re
 import shutil
 import time
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
 from torch import nn
 
-from fgrpo.errors import ConfigError, FgrpoError, MissingFileError
-from fgrpo.parallel import barrier, initialized, is_dtensor, rank, world_size
+from fgrpo import files
+from fgrpo.errors import ConfigError, MissingFileError
+from fgrpo.parallel import barrier, initialized, rank, world_size
 
-FORMAT_VERSION = 2  # 2 added the per-file sizes and sha256 to meta.json
-_READABLE_VERSIONS = (1, 2)
-META = "meta.json"
 _STEP_RE = re.compile(r"^step_(\d+)$")
-_TMP_PREFIX = ".tmp_"
-
-
-class CheckpointError(FgrpoError, RuntimeError):
-    """A checkpoint file is missing, truncated, corrupt or unreadable; the message names the file."""
-
-
-# ---------------------------------------------------------------------------------------------------------
-# small file-system helpers
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    # The rename is only durable once the parent directory entry is on disk.
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems (and Windows) refuse fsync on directories
-    finally:
-        os.close(fd)
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True, allow_nan=True)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:  # ValueError: JSONDecodeError and UnicodeDecodeError
-        raise CheckpointError(f"checkpoint: cannot read {path} ({type(e).__name__}: {e})") from e
-
-
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(str(path))
-    except (OSError, SafetensorError) as e:
-        raise CheckpointError(f"checkpoint: cannot read {path} ({type(e).__name__}: {e})") from e
-
-
-def _sha256(path: Path) -> str:
-    # ~1.2 GB/s with the CPU's SHA extensions: a few seconds for a real LoRA run's optimizer state.
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def _file_records(d: Path) -> dict[str, dict[str, Any]]:
-    """{file name: {"bytes": size, "sha256": hex}} of every file in `d` except meta.json."""
-    return {
-        p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-        for p in sorted(d.iterdir())
-        if p.name != META and p.is_file()
-    }
-
-
-@contextlib.contextmanager
-def _atomic_dir(final: Path) -> Iterator[Path]:
-    """Yield a fresh hidden sibling `.tmp_<name>_<pid>` to fill; on a clean exit fsync it and rename it to
-    `final` (an existing `final` is swapped out, then removed), on an exception remove it. A crash leaves
-    the old `final` or the new one under that name, never a half-written one."""
-    parent = final.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = parent / f"{_TMP_PREFIX}{final.name}_{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        yield tmp
-        _fsync_dir(tmp)
-        if final.exists():
-            old = parent / f"{_TMP_PREFIX}old_{final.name}_{os.getpid()}"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        _fsync_dir(parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _write_tensors(
-    path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
-) -> None:
-    # safetensors refuses non-contiguous tensors and tensors that share storage; copies are cheap next
-    # to a checkpoint's disk write and keep this correct for views and tied weights.
-    out = {}
-    seen: set[int] = set()
-    for k, v in tensors.items():
-        v = v.detach().to("cpu").contiguous()
-        if v.numel() and v.untyped_storage().data_ptr() in seen:
-            v = v.clone()
-        if v.numel():
-            seen.add(v.untyped_storage().data_ptr())
-        out[k] = v
-    save_file(out, str(path), metadata=metadata)
-    _fsync_file(path)
-
-
-def _jsonable(obj: Any, what: str, *, allow_nan: bool = True) -> Any:
-    """Tuples become lists; anything json cannot hold (NaN/inf too unless allow_nan) is a clear error
-    naming `what`."""
-    try:
-        return json.loads(json.dumps(obj, allow_nan=allow_nan))
-    except (TypeError, ValueError) as e:
-        if not allow_nan and "Out of range float" in str(e):
-            raise TypeError(
-                f"checkpoint: {what} holds NaN or inf ({e}); a run in that state is broken"
-            ) from e
-        raise TypeError(
-            f"checkpoint: {what} is not JSON-serialisable ({e}); store only plain data there"
-        ) from e
 
 
 def step_dir_name(step: int) -> str:
@@ -198,7 +64,7 @@ def list_checkpoints(ckpt_dir: str | os.PathLike) -> list[tuple[int, Path]]:
     found = []
     for p in root.iterdir():
         m = _STEP_RE.match(p.name)
-        if m and p.is_dir() and (p / META).is_file():
+        if m and p.is_dir() and (p / files.META).is_file():
             found.append((int(m.group(1)), p))
     return sorted(found)
 
@@ -209,56 +75,10 @@ def latest(ckpt_dir: str | os.PathLike) -> Path | None:
     return found[-1][1] if found else None
 
 
-def verify(step_dir: str | os.PathLike) -> dict[str, Any]:
-    """meta.json of `step_dir` after checking every file it lists against the recorded byte size and sha256.
-
-    Raises CheckpointError naming the first missing, truncated or corrupt file (or an unreadable or
-    unknown-format meta.json). A format-1 checkpoint records no checksums: a warning says so.
-    """
-    d = Path(step_dir)
-    meta_path = d / META
-    if not meta_path.is_file():
-        raise CheckpointError(f"checkpoint: {meta_path} is missing; {d} is not a complete checkpoint")
-    meta = _read_json(meta_path)
-    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
-        raise CheckpointError(f"checkpoint: {meta_path} is not a checkpoint's meta.json (no integer 'step')")
-    version = meta.get("format_version")
-    if version not in _READABLE_VERSIONS:
-        raise CheckpointError(
-            f"checkpoint: {meta_path} has format_version {version}; this fgrpo reads {_READABLE_VERSIONS}"
-        )
-    files = meta.get("files")
-    if version != 1 and files is None:
-        raise CheckpointError(f"checkpoint: {meta_path} (format_version {version}) lists no files to verify")
-    if version == 1 or files is None:
-        warnings.warn(
-            f"checkpoint: {d} (format_version {version}) records no checksums; its files cannot be verified",
-            stacklevel=2,
-        )
-        return meta
-    if not isinstance(files, dict) or not all(
-        isinstance(r, dict) and isinstance(r.get("bytes"), int) and isinstance(r.get("sha256"), str)
-        for r in files.values()
-    ):
-        raise CheckpointError(f"checkpoint: {meta_path} has a malformed 'files' record")
-    for name, rec in files.items():
-        p = d / name
-        if not p.is_file():
-            raise CheckpointError(f"checkpoint: {p} is missing (listed in {meta_path})")
-        size = p.stat().st_size
-        if size != rec["bytes"]:
-            raise CheckpointError(
-                f"checkpoint: {p} has {size} bytes, {META} records {rec['bytes']} (truncated or overwritten)"
-            )
-        if _sha256(p) != rec["sha256"]:
-            raise CheckpointError(f"checkpoint: {p} does not match the sha256 in {META} (corrupt)")
-    return meta
-
-
 def resolve(path: str | os.PathLike) -> Path:
     """A step directory as given, or the newest one that verifies (`latest_valid`) when `path` is its parent."""
     p = Path(path)
-    if (p / META).is_file():
+    if (p / files.META).is_file():
         return p
     found = latest_valid(p)
     if found is None:
@@ -275,8 +95,8 @@ def latest_valid(ckpt_dir: str | os.PathLike) -> Path | None:
     """
     for _, p in reversed(list_checkpoints(ckpt_dir)):
         try:
-            verify(p)
-        except CheckpointError as e:
+            files.verify(p)
+        except files.CheckpointError as e:
             warnings.warn(f"checkpoint: skipping {p}: {str(e).removeprefix('checkpoint: ')}", stacklevel=2)
             continue
         return p
@@ -355,7 +175,7 @@ def _split_optimizer(osd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict
                 group[k] = v
         groups.append(group)
     js = {"param_groups": groups, "state_scalars": scalars, "fresh": bool(osd.get("fresh", False))}
-    return tensors, _jsonable(js, "optimizer param_groups/state", allow_nan=False)
+    return tensors, files.jsonable(js, "optimizer param_groups/state", allow_nan=False)
 
 
 def _join_optimizer(tensors: dict[str, torch.Tensor], js: dict[str, Any]) -> dict[str, Any]:
@@ -403,7 +223,7 @@ def save(
         raise ValueError(f"checkpoint.save: step must be a non-negative int, got {step!r}")
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"checkpoint.save: keep_last must be >= 1 or None (keep all), got {keep_last}")
-    extra = _jsonable(extra_state or {}, "extra_state")  # fail before any collective or disk work
+    extra = files.jsonable(extra_state or {}, "extra_state")  # fail before any collective or disk work
     if not _trainable_names(model):
         raise ValueError("checkpoint.save: model has no parameter with requires_grad=True; nothing to save")
     root = Path(ckpt_dir)
@@ -430,26 +250,26 @@ def save(
         o_t, o_j = _split_optimizer(optim_sd) if optim_sd is not None else ({}, None)
         sched_j = None
         if lr_scheduler is not None:
-            sched_j = _jsonable(lr_scheduler.state_dict(), "lr_scheduler state", allow_nan=False)
-        with _atomic_dir(final) as tmp:  # re-saving a step (e.g. after a resume) replaces it
-            _write_tensors(tmp / "model.safetensors", model_sd, metadata={"format": "pt"})
+            sched_j = files.jsonable(lr_scheduler.state_dict(), "lr_scheduler state", allow_nan=False)
+        with files.atomic_dir(final) as tmp:  # re-saving a step (e.g. after a resume) replaces it
+            files.write_tensors(tmp / "model.safetensors", model_sd, metadata={"format": "pt"})
             if o_j is not None:
-                _write_tensors(tmp / "optimizer.safetensors", o_t, metadata={"format": "pt"})
-                _write_json(tmp / "optimizer.json", o_j)
+                files.write_tensors(tmp / "optimizer.safetensors", o_t, metadata={"format": "pt"})
+                files.write_json(tmp / "optimizer.json", o_j)
             if sched_j is not None:
-                _write_json(tmp / "lr_scheduler.json", sched_j)
+                files.write_json(tmp / "lr_scheduler.json", sched_j)
             for r, own_r in enumerate(owns):
                 if own_r:
-                    _write_tensors(tmp / f"tensors_rank{r}.safetensors", own_r)
+                    files.write_tensors(tmp / f"tensors_rank{r}.safetensors", own_r)
             meta = {
-                "format_version": FORMAT_VERSION,
+                "format_version": files.FORMAT_VERSION,
                 "step": step,
                 "world_size": world,
                 "time": time.time(),
                 "extra_state": extra,
-                "files": _file_records(tmp),
+                "files": files.file_records(tmp),
             }
-            _write_json(tmp / META, meta)  # last: a step dir without it is never trusted
+            files.write_json(tmp / files.META, meta)  # last: a step dir without it is never trusted
         _cleanup(root, keep_last)
     barrier()
     return final
@@ -473,7 +293,7 @@ def _cleanup(root: Path, keep_last: int | None) -> None:
     # Only after the new checkpoint is complete. Temp dirs of crashed saves go too, but not those of a live
     # process: a second writer into the same directory may be filling one right now.
     for p in root.iterdir():
-        if p.name.startswith(_TMP_PREFIX + "step_") or p.name.startswith(_TMP_PREFIX + "old_step_"):
+        if p.name.startswith(files.TMP_PREFIX + "step_") or p.name.startswith(files.TMP_PREFIX + "old_step_"):
             pid = p.name.rsplit("_", 1)[-1]
             if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
                 shutil.rmtree(p, ignore_errors=True)
@@ -495,7 +315,7 @@ def load(
 
     `path` is a step directory or the checkpoint root (the newest one that verifies is used: see
     `latest_valid`). Every file is checked against meta.json first; a missing, truncated, corrupt or
-    unreadable one raises CheckpointError naming it. The model (and optimizer) must be built exactly as
+    unreadable one raises files.CheckpointError naming it. The model (and optimizer) must be built exactly as
     when saving: same trainable parameters, sharded or not (the files hold full tensors, so a different
     world size or no sharding loads too; `rank_tensors` need the world size that saved them).
     Collective when torch.distributed is initialised.
@@ -503,9 +323,9 @@ def load(
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     ck = resolve(path)
-    meta = verify(ck)
+    meta = files.verify(ck)
 
-    model_sd = _read_tensors(ck / "model.safetensors")
+    model_sd = files.read_tensors(ck / "model.safetensors")
     want = _trainable_names(model)
     if set(model_sd) != want:
         missing, extra = sorted(want - set(model_sd)), sorted(set(model_sd) - want)
@@ -521,8 +341,8 @@ def load(
     if optimizer is not None:
         if not (ck / "optimizer.json").is_file():
             raise FileNotFoundError(f"checkpoint.load: {ck} has no optimizer state; pass optimizer=None")
-        o_t = _read_tensors(ck / "optimizer.safetensors")
-        o_j = _read_json(ck / "optimizer.json")
+        o_t = files.read_tensors(ck / "optimizer.safetensors")
+        o_j = files.read_json(ck / "optimizer.json")
         osd = _join_optimizer(o_t, o_j)
         tuples = [{k for k, v in g.items() if isinstance(v, tuple)} for g in optimizer.param_groups]
         if o_j.get("fresh"):  # saved before the first step: hyper-parameters only, state stays empty
@@ -547,7 +367,7 @@ def load(
             raise FileNotFoundError(
                 f"checkpoint.load: {ck} has no lr_scheduler state; pass lr_scheduler=None"
             )
-        lr_scheduler.load_state_dict(_read_json(ck / "lr_scheduler.json"))
+        lr_scheduler.load_state_dict(files.read_json(ck / "lr_scheduler.json"))
 
     if rank_tensors:
         f = ck / f"tensors_rank{rank()}.safetensors"
@@ -556,7 +376,7 @@ def load(
                 f"checkpoint.load: {ck} holds no per-rank tensors for rank {rank()} of {world_size()} (saved with world "
                 f"size {meta.get('world_size')}); resume with the world size that saved it"
             )
-        saved = _read_tensors(f)
+        saved = files.read_tensors(f)
         if set(saved) != set(rank_tensors):
             raise ValueError(
                 f"checkpoint.load: {f} holds {sorted(saved)[:3]}..., expected {sorted(rank_tensors)[:3]}..."
@@ -581,136 +401,3 @@ def _forget_made_up_state(model: nn.Module, optimizer: torch.optim.Optimizer, sa
     for name, p in model.named_parameters():
         if p in optimizer.state and not set(_get_fqns(model, name)) & saved:
             del optimizer.state[p]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# LoRA adapters: diffusers' layout (export_lora) and PEFT's (write_adapter, for vLLM-Omni)
-
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
-# Module names that wrappers insert into parameter names (activation checkpointing, torch.compile, FSDP1);
-# `base_model.model.` of a PeftModel is a prefix, dropped on its own.
-_WRAPPERS = {"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"}
-
-
-def _peft_config(model: nn.Module, adapter_name: str):
-    cfgs = getattr(model, "peft_config", None)
-    if not cfgs or adapter_name not in cfgs:
-        have = list(cfgs) if cfgs else []
-        raise ValueError(
-            f"export_lora: model has no LoRA adapter {adapter_name!r} (adapters: {have}); apply LoRA with "
-            "transformer.add_adapter(LoraConfig(...)) or peft.get_peft_model before exporting"
-        )
-    return cfgs[adapter_name]
-
-
-def _lora_config_dict(config: Any) -> dict[str, Any]:
-    """A peft.LoraConfig (or its dict) as plain JSON data: sets sorted, enums as their values."""
-    cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    cfg = {
-        k: sorted(v) if isinstance(v, set) else (v.value if hasattr(v, "value") else v)
-        for k, v in cfg.items()
-    }
-    return _jsonable(cfg, "LoraConfig", allow_nan=False)
-
-
-def lora_state_dict(model: nn.Module, *, adapter_name: str = "default") -> dict[str, torch.Tensor]:
-    """Full (unsharded, CPU) LoRA tensors keyed as diffusers expects: `<module>.lora_A.weight`.
-
-    Collective when torch.distributed is initialised; non-zero ranks get an empty dict.
-    """
-    from peft import get_peft_model_state_dict
-
-    cfg = _peft_config(model, adapter_name)
-    if getattr(cfg, "use_dora", False):
-        raise ValueError(
-            "export_lora: DoRA adapters are not loadable by diffusers; train with use_dora=False"
-        )
-    # PEFT picks (from its layers) and names (adapter name dropped) the adapter's tensors out of the
-    # parameters themselves, possibly sharded, so only those are gathered, one at a time: a state dict
-    # would gather the whole 20B base for a few MB of LoRA. Parameters, not the requires_grad ones: the
-    # adapter may be frozen at export time.
-    picked = get_peft_model_state_dict(
-        model,
-        state_dict=dict(model.named_parameters()),
-        adapter_name=adapter_name,
-        save_embedding_layers=False,
-    )
-    out = {}
-    for key, p in picked.items():
-        t = p.detach()
-        if is_dtensor(t):  # FSDP2 DTensor shard -> full tensor (collective)
-            t = t.full_tensor()
-        if rank() == 0:
-            key = ".".join(
-                part for part in key.removeprefix("base_model.model.").split(".") if part not in _WRAPPERS
-            )
-            out[key] = t.cpu().contiguous()
-    if rank() == 0 and not out:
-        raise ValueError(f"export_lora: adapter {adapter_name!r} has no lora_A/lora_B parameters")
-    return out
-
-
-def export_lora(
-    out_dir: str | os.PathLike,
-    model: nn.Module,
-    *,
-    adapter_name: str = "default",
-    group: dist.ProcessGroup | None = None,
-    extra_json: dict[str, Any] | None = None,
-) -> Path:
-    """Write a LoRA adapter that diffusers loads: `pipe.load_lora_weights(out_dir)` (Qwen-Image, SD3)
-    and `transformer.load_lora_adapter(out_dir, use_safetensors=True)` (diffusers 0.40's model-level
-    loader only tries safetensors when told so, or given `weight_name="adapter_model.safetensors"`).
-
-    Written by diffusers' own `save_lora_weights` (0.40): one safetensors file whose keys are
-    `transformer.<module>.lora_A.weight` / `lora_B.weight` (no PEFT adapter name: a `default.` in a key
-    makes diffusers treat the file as a foreign format), with the LoraConfig as JSON under the
-    `lora_adapter_metadata` header key, every field prefixed `transformer.`, so rank, alpha and targets
-    survive exactly. `adapter_config.json` is PEFT's plain config, for people and tools (and the
-    vLLM-Omni engine's `update_lora`); diffusers reads the header. Keys are not PEFT's `base_model.model.`
-    layout, so `PeftModel.from_pretrained` needs `load_lora_adapter` instead.
-    Atomic like `save`; collective when torch.distributed is initialised: over `group` (the ranks that hold the
-    model's shards; None = all ranks), whose first rank must be rank 0. `extra_json` ({file name: object}) is
-    written into the same directory before it is renamed into place, so it always describes this adapter.
-    """
-    from diffusers.loaders.lora_pipeline import QwenImageLoraLoaderMixin
-
-    cfg = _peft_config(model, adapter_name)
-    sd = lora_state_dict(model, adapter_name=adapter_name)
-    out = Path(out_dir)
-    if rank() == 0:
-        cfg_dict = _lora_config_dict(cfg)
-        with _atomic_dir(out) as tmp:
-            # A transformer-only file: SD3's loader reads the same layout (its saver writes the same keys).
-            QwenImageLoraLoaderMixin.save_lora_weights(
-                tmp,
-                # diffusers annotates this read-only argument as an invariant dict of Module | Tensor.
-                transformer_lora_layers=sd,  # pyright: ignore[reportArgumentType]
-                weight_name=ADAPTER_WEIGHTS,
-                transformer_lora_adapter_metadata=cfg_dict,
-            )
-            _fsync_file(tmp / ADAPTER_WEIGHTS)
-            _write_json(tmp / ADAPTER_CONFIG, cfg_dict)
-            for name, obj in (extra_json or {}).items():
-                _write_json(tmp / name, obj)
-    barrier(group)
-    return out
-
-
-def write_adapter(out_dir: str | os.PathLike, tensors: dict[str, torch.Tensor], config: Any) -> Path:
-    """Write a PEFT adapter directory atomically: `adapter_model.safetensors` holding `tensors` under their
-    names as given, and `adapter_config.json` from `config` (a peft.LoraConfig or its dict). Not collective:
-    the caller holds full tensors."""
-    out = Path(out_dir)
-    cfg = _lora_config_dict(config)
-    with _atomic_dir(out) as tmp:
-        _write_tensors(tmp / ADAPTER_WEIGHTS, dict(tensors), metadata={"format": "pt"})
-        _write_json(tmp / ADAPTER_CONFIG, cfg)
-    return out
-
-
-def read_safetensors_metadata(path: str | os.PathLike) -> dict[str, str]:
-    """The `__metadata__` header of a safetensors file (for inspection and tests)."""
-    with safe_open(str(path), framework="pt") as f:
-        return dict(f.metadata() or {})

@@ -13,9 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from fgrpo.core.sde import Kind
 from fgrpo.errors import ConfigError
-from fgrpo.models.qwen_image import QWEN_IMAGE_LORA_TARGETS
-from fgrpo.rollout.base import SamplingConfig
 
 
 @dataclass(frozen=True)
@@ -45,7 +44,12 @@ class ModelConfig:
     """LoRA rank r."""
     lora_alpha: int = 128
     """LoRA alpha (the update is scaled by alpha / r)."""
-    lora_targets: str = ",".join(QWEN_IMAGE_LORA_TARGETS)
+    # The default kind's targets (models.registry's `lora_targets` of qwen_image; tests/models/test_registry.py
+    # holds the two equal), spelled out so this module needs no model code.
+    lora_targets: str = (
+        "to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out,"
+        "img_mlp.net.0.proj,img_mlp.net.2,txt_mlp.net.0.proj,txt_mlp.net.2"
+    )
     """Comma-separated module names inside the transformer that get LoRA adapters."""
     gradient_checkpointing: bool = True
     """Recompute block activations in backward (less memory, ~30 % more compute)."""
@@ -77,6 +81,42 @@ class ModelConfig:
     @property
     def lora_target_list(self) -> list[str]:
         return [t.strip() for t in self.lora_targets.split(",") if t.strip()]
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How images are sampled during rollout (and how training recomputes the trained transitions)."""
+
+    height: int = 512
+    """Image height in pixels (a multiple of the model's latent patch size)."""
+    width: int = 512
+    """Image width in pixels (a multiple of the model's latent patch size)."""
+    num_steps: int = 10
+    """Number of denoising steps of the rollout."""
+    guidance_scale: float = 4.0
+    """CFG scale (true-CFG for Qwen-Image, plain CFG for SD3). 1.0 turns CFG off (one forward per step)."""
+    negative_prompt: str | None = " "
+    """Negative prompt for CFG; ignored when guidance_scale is 1.0."""
+    sde_kind: Kind = "flow_sde"
+    """Stochastic step used inside the SDE window (see fgrpo.core.sde.step_mean_std)."""
+    noise_level: float = 1.2
+    """Noise level of the SDE step (its meaning depends on sde_kind)."""
+    window_size: int = 2
+    """Number of consecutive stochastic (and trained) steps per sample."""
+    window_range: tuple[int, int] = (0, 5)
+    """Steps [lo, hi) from which each sample's window is drawn (start uniform in [lo, hi - window_size])."""
+    micro_batch: int = 8
+    """Samples per transformer forward during rollout (and training recomputation)."""
+    unit_block: int = 0
+    """Rows are grouped into micro-batches (by window start, rollout.engine.forward_units) within each run of this
+    many consecutive rows; 0: the whole batch. Set by the algorithm to a trainer's share of the rollout, which
+    differs from the batch only in the asynchronous mode (a rollout rank serving several trainers)."""
+    ode_tail: Literal["euler", "dpmpp_2m"] = "euler"
+    """Solver after the SDE window: Euler on the full grid, or MixGRPO-Flash's DPM-Solver++(2M) on a compressed
+    grid (needs one window for the whole batch; without a window every step stays Euler)."""
+    tail_compress: float = 1.0
+    """dpmpp_2m tail: fraction in (0, 1] of the steps after the window that it keeps (core.schedule.compressed_tail;
+    MixGRPO-Flash 0.4, Flash* 0.2, 1.0 keeps the model's grid)."""
 
 
 @dataclass(frozen=True)
@@ -346,23 +386,6 @@ class TrainConfig:
 # (RESULTS.md, "Compiled Flow-GRPO step"): the no-grad and the grad forward compile to different kernels.
 COMPILED_LOGPROB_GAP = 1e-4
 
-# Models whose transformer declares diffusers' context-parallel plan and whose prompts are padded for it.
-SEQUENCE_PARALLEL_KINDS = ("qwen_image", "tiny_qwen_image")
-
-# Pixels per latent token side: VAE downsampling x transformer patch (Qwen-Image(-Edit) and SD3: 8 x 2, as their
-# tiny test versions); the text renderer packs 4x4 pixel patches.
-RESOLUTION_MULTIPLE = {
-    "qwen_image": 16,
-    "qwen_image_edit": 16,
-    "sd3": 16,
-    "tiny_qwen_image": 16,
-    "tiny_qwen_image_edit": 16,
-    "tiny_sd3": 16,
-    "ltx2": 32,
-    "tiny_ltx2": 32,
-    "textbed": 4,
-}
-
 
 def _flag(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
@@ -370,7 +393,7 @@ def _flag(field_name: str) -> str:
 
 def validate_config(cfg: TrainConfig, world_size: int) -> None:
     """Raise ConfigError (a ValueError) naming the field and the fix for any value the run cannot use; nothing is
-    built yet."""
+    built yet. The checks that need the model family or model code are models.registry.check_config's."""
     g, s, o, r, m = cfg.grpo, cfg.sampling, cfg.optim, cfg.run, cfg.model
     _validate_exp_name(cfg.exp_name)
     # (holds, field, value, what it must be): plain range checks, each one line.
@@ -424,13 +447,6 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
     for ok, name, value, want in ranges:
         if not ok:
             raise ConfigError(f"{name}={value}: must be {want}; pass {_flag(name)} with a valid value")
-    multiple = RESOLUTION_MULTIPLE[m.kind]
-    for name, px in (("sampling.height", s.height), ("sampling.width", s.width)):
-        if px < multiple or px % multiple:
-            raise ConfigError(
-                f"{name}={px}: model.kind={m.kind!r} needs a positive multiple of {multiple} pixels "
-                f"(VAE x patch); e.g. {_flag(name)} {max(multiple, round(px / multiple) * multiple)}"
-            )
     _validate_parallel(cfg, world_size)
     trainers = cfg.parallel.trainer_ranks(world_size)
     n = cfg.samples_per_step
@@ -469,9 +485,6 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
             "model.lora=True, --parallel.shard adapters and rollout_engine='diffusers'; add them or drop "
             "--model.merged-rollout"
         )
-    from fgrpo.models.loading import check_attention_backend  # imports diffusers: only when validating
-
-    check_attention_backend(m.attention_backend, "model.attention_backend")
     if cfg.parallel.shard == "adapters" and not m.lora:
         raise ConfigError(
             "parallel.shard='adapters' replicates the frozen base and model.lora=False trains all of it; drop "
@@ -484,10 +497,6 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
         )
     if m.init_lora and not m.lora:
         raise ConfigError("model.init_lora needs model.lora=True; drop --model.init-lora or train LoRA")
-    if m.init_lora:
-        from fgrpo.models.loading import check_lora_file  # the file and its header, not its tensors
-
-        check_lora_file(m.init_lora, rank=m.lora_rank, alpha=m.lora_alpha)
     if o.schedule != "constant" and cfg.lr_decay_steps <= o.warmup_steps:
         raise ConfigError(
             f"optim.decay_steps={cfg.lr_decay_steps} (optimizer steps) must exceed optim.warmup_steps="
@@ -500,9 +509,9 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
             "run.resume_from_other needs --run.resume <checkpoint of another run>; drop --run.resume-from-other"
         )
     if cfg.rollout_engine == "vllm_omni":
-        if m.kind != "qwen_image" or not m.lora:
+        if not m.lora:  # (the families it runs: models.registry.check_config)
             raise ConfigError(
-                "rollout_engine='vllm_omni' supports model.kind='qwen_image' with model.lora=True only"
+                "rollout_engine='vllm_omni' samples with the trainer's exported LoRA: it needs model.lora=True"
             )
         if g.old_log_prob != "recompute":
             raise ConfigError(
@@ -535,30 +544,18 @@ def _validate_exp_name(name: str) -> None:
 
 
 def _validate_sequence_parallel(cfg: TrainConfig, world_size: int) -> None:
-    """Checks of --parallel.sp: what diffusers' equal Ulysses split needs, and the combinations not wired."""
-    p, s, m = cfg.parallel, cfg.sampling, cfg.model
+    """Checks of --parallel.sp: the combinations not wired (models.registry.check_config: the families and token
+    counts diffusers' equal Ulysses split takes)."""
+    p, m = cfg.parallel, cfg.model
     if p.sp < 1 or world_size % p.sp:
         raise ConfigError(
             f"parallel.sp={p.sp} must be >= 1 and divide the world size {world_size} (torchrun --nproc-per-node); "
             "pass --parallel.sp with a divisor"
         )
-    if m.kind not in SEQUENCE_PARALLEL_KINDS:
-        raise ConfigError(
-            f"parallel.sp>1 supports model.kind in {SEQUENCE_PARALLEL_KINDS}; drop --parallel.sp"
-        )
     if p.rollout_ranks or cfg.rollout_engine != "diffusers" or m.compile:
         raise ConfigError(
             "parallel.sp>1 runs with the synchronous in-process rollout only; drop --parallel.rollout-ranks, "
             "--rollout-engine vllm_omni and --model.compile, or --parallel.sp"
-        )
-    multiple = RESOLUTION_MULTIPLE[m.kind]
-    tokens = (s.height // multiple) * (s.width // multiple)
-    if tokens % p.sp:
-        up = -(-s.height // (multiple * p.sp)) * multiple * p.sp  # height tokens a multiple of sp
-        raise ConfigError(
-            f"sampling.height x width = {s.height}x{s.width} gives {tokens} image tokens, not divisible by "
-            f"parallel.sp={p.sp} (diffusers' Ulysses splits them evenly; its uneven split has no backward); "
-            f"e.g. --sampling.height {up}"
         )
 
 

@@ -3,31 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 
 from fgrpo.errors import ConfigError, MissingFileError
+from fgrpo.models.base import ImagePrompt
+from fgrpo.models.textbed import prompt_for, read_words
 from fgrpo.rewards.ocr import extract_target
 from fgrpo.rollout.seeds import PROMPT_ORDER, stream_generator
-
-
-class ImagePrompt(str):
-    """A prompt that names its condition image: the text itself (what rewards, logs and text-only models read)
-    carrying `image`, the path of the image file an image-conditioned model (Qwen-Image-Edit) edits."""
-
-    image: str
-
-    def __new__(cls, text: str, image: str | os.PathLike) -> ImagePrompt:
-        self = super().__new__(cls, text)
-        self.image = str(image)
-        return self
-
-    # Pickling (reward worker processes) rebuilds the prompt through __new__: pass the image too. str's own
-    # returns (text,) only, so the wider tuple is a deliberate override.
-    def __getnewargs__(self) -> tuple[str, str]:  # pyright: ignore[reportIncompatibleMethodOverride]
-        return str(self), self.image
 
 
 def load_prompts(
@@ -45,8 +29,6 @@ def load_prompts(
     a prompt without a target; MissingFileError (a FileNotFoundError) for a file that is not there.
     """
     if str(path).startswith("textbed:"):  # the bundled text renderer's word lists
-        from fgrpo.models.textbed import prompt_for, read_words
-
         split = str(path).removeprefix("textbed:")
         if split not in ("train", "heldout"):
             raise ConfigError(f"{field}: '{path}' must be 'textbed:train' or 'textbed:heldout'")

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from fgrpo.config import SamplingConfig
 from fgrpo.core import sde
 from fgrpo.models.base import Cond, VelocityModel
-from fgrpo.rollout.base import SamplingConfig
 
 
 def transition(

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from fgrpo import checkpoint, parallel
+from fgrpo import checkpoint, files, parallel
 from fgrpo import logging as flog
 from fgrpo.errors import FgrpoError
 
@@ -273,7 +273,7 @@ class RunDir:
             try:
                 path = self._start_main(cfg, say)
                 answer = (None, str(path) if path is not None else None, self.final_validation_logged)
-            except (RunDirError, checkpoint.CheckpointError, FileNotFoundError, ValueError) as e:
+            except (RunDirError, files.CheckpointError, FileNotFoundError, ValueError) as e:
                 answer = (f"{type(e).__name__}: {e}", None, False)
                 error = e
         if parallel.initialized() and parallel.world_size() > 1:

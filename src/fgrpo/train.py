@@ -45,7 +45,6 @@ import torch
 
 from fgrpo import algorithms, async_mode, checkpoint, evaluate, guard, parallel, runs
 from fgrpo import logging as flog
-from fgrpo.algorithms import check_config
 from fgrpo.async_mode import Batch
 from fgrpo.config import ModelConfig, TrainConfig
 from fgrpo.core import grpo
@@ -53,18 +52,16 @@ from fgrpo.core.schedule import lr_multiplier
 from fgrpo.data import load_prompts, step_prompt_indices
 from fgrpo.errors import RunCollapsed
 from fgrpo.models.base import FlowModel
-from fgrpo.models.loading import build_model, setup_trainable
+from fgrpo.models.lora import export_lora, setup_trainable
+from fgrpo.models.registry import build_model
 from fgrpo.rewards import build_reward
 from fgrpo.rewards.base import Reward, check_scores
 from fgrpo.rewards.client import HttpReward
 from fgrpo.rewards.runner import ParallelReward, RewardStream
 from fgrpo.rollout import seeds as rs
 from fgrpo.rollout.base import LoraSyncedEngine
-from fgrpo.rollout.engine import (
-    build_engine,
-    rollout,
-    validation_sampling,
-)
+from fgrpo.rollout.build import build_engine
+from fgrpo.rollout.engine import rollout, validation_sampling
 from fgrpo.runs import RunDir
 
 
@@ -84,7 +81,7 @@ def train(
     # (CFG and the SDE step are out-of-place), so the warning is noise in every run's console.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     d = parallel.init_distributed(cfg.device)
-    check_config(cfg, d.world_size)
+    algorithms.check_config(cfg, d.world_size)
     metrics = Trainer(cfg, d, experiment_source=experiment_source, model_builder=model_builder).train()
     # FSDP tensors and optimizer state died with the Trainer: the group can go (parallel.shutdown's rule).
     parallel.shutdown()
@@ -275,7 +272,7 @@ class Trainer:
             self.logger.log(final, step=cfg.num_steps)
             flog.print0(f"final validation: {final}")
         if cfg.run.export_lora and cfg.model.lora:
-            checkpoint.export_lora(run.path / "lora", self.model.transformer)
+            export_lora(run.path / "lora", self.model.transformer)
         self.logger.finish()
         run.unlock()
         return final
@@ -310,7 +307,7 @@ class Trainer:
         cfg, tracker = self.cfg, self.tracker
         score = val["val/reward_mean"]
         if tracker.observe(step, score) and cfg.model.lora:
-            checkpoint.export_lora(
+            export_lora(
                 self.run.path / guard.BEST_DIR,
                 self.model.transformer,
                 group=self.trainer_group,
@@ -383,7 +380,7 @@ class Trainer:
             train_metrics.update(self.algo.after_update(step))
         with timer("sync"):
             if isinstance(self.engine, LoraSyncedEngine):
-                lora = checkpoint.export_lora(self.run.path / "engine_lora", self.model.transformer)
+                lora = export_lora(self.run.path / "engine_lora", self.model.transformer)
                 self.engine.update_lora(lora)
         return train_metrics
 

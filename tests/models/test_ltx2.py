@@ -18,14 +18,15 @@ import pytest
 import torch
 from diffusers.pipelines.ltx2.pipeline_ltx2 import LTX2Pipeline
 
-from fgrpo import checkpoint, parallel
-from fgrpo.config import ModelConfig
+from fgrpo import parallel
+from fgrpo.config import ModelConfig, SamplingConfig
 from fgrpo.models import ltx2, tiny
 from fgrpo.models.base import FlowModel
-from fgrpo.models.loading import add_lora, build_model, setup_trainable
+from fgrpo.models.lora import add_lora, export_lora, setup_trainable
 from fgrpo.models.ltx2 import LTX2, LTX2_LORA_TARGETS, LTX2Config
-from fgrpo.rollout.base import SamplingConfig
-from fgrpo.rollout.engine import DiffusersEngine, forward_units, recompute_log_prob, recompute_log_probs
+from fgrpo.models.registry import build_model
+from fgrpo.recompute import recompute_log_prob, recompute_log_probs
+from fgrpo.rollout.engine import DiffusersEngine, forward_units
 from fgrpo.rollout.seeds import sample_generator
 
 SIZE = 32
@@ -281,7 +282,7 @@ def test_export_lora_loads_in_the_pipeline(tmp_path):
     add_lora(trained, rank=4, alpha=8, target_modules=LTX2_LORA_TARGETS, init=False)  # A, B random
     want = trained(**_transformer_inputs(trained))
     assert not torch.allclose(want[0], base_out[0]) and not torch.allclose(want[1], base_out[1])
-    out = checkpoint.export_lora(tmp_path / "lora", trained)
+    out = export_lora(tmp_path / "lora", trained)
     pipe = LTX2Pipeline(**{**comps, "transformer": base})
     pipe.load_lora_weights(str(out))
     got = pipe.transformer(**_transformer_inputs(pipe.transformer))

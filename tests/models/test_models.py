@@ -13,7 +13,8 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import S
 from fgrpo.core import guidance
 from fgrpo.models import qwen_image, tiny
 from fgrpo.models.base import FlowModel
-from fgrpo.models.loading import SD3_LORA_TARGETS, add_lora, configure_transformer
+from fgrpo.models.loading import configure_transformer
+from fgrpo.models.lora import add_lora
 from fgrpo.models.qwen_image import (
     PROMPT_DROP,
     PROMPT_TEMPLATE,
@@ -22,7 +23,7 @@ from fgrpo.models.qwen_image import (
     pack,
     unpack,
 )
-from fgrpo.models.sd3 import SD3
+from fgrpo.models.sd3 import SD3, SD3_LORA_TARGETS
 
 PROMPTS = ["a cat", "a photo of a dog on a red square", "x"]
 

@@ -18,15 +18,15 @@ from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import QwenImageEditPipeline
 from PIL import Image
 
-from fgrpo import checkpoint
-from fgrpo.data import ImagePrompt, load_prompts
+from fgrpo.config import SamplingConfig
+from fgrpo.data import load_prompts
 from fgrpo.models import tiny
-from fgrpo.models.base import FlowModel
-from fgrpo.models.loading import QWEN_IMAGE_LORA_TARGETS, add_lora
-from fgrpo.models.qwen_image import pack, unpack
+from fgrpo.models.base import FlowModel, ImagePrompt
+from fgrpo.models.lora import add_lora, export_lora
+from fgrpo.models.qwen_image import QWEN_IMAGE_LORA_TARGETS, pack, unpack
 from fgrpo.models.qwen_image_edit import EDIT_PROMPT_DROP, EDIT_PROMPT_TEMPLATE, QwenImageEdit
-from fgrpo.rollout.base import SamplingConfig
-from fgrpo.rollout.engine import DiffusersEngine, forward_units, recompute_log_prob, recompute_log_probs
+from fgrpo.recompute import recompute_log_prob, recompute_log_probs
+from fgrpo.rollout.engine import DiffusersEngine, forward_units
 from fgrpo.rollout.seeds import sample_generator
 
 SIZE = 64  # output and condition images, pixels a side
@@ -218,7 +218,7 @@ def test_export_lora_loads_in_the_edit_pipeline(tmp_path):
     add_lora(trained, rank=4, alpha=8, target_modules=QWEN_IMAGE_LORA_TARGETS, init=False)  # A, B random
     want = trained(**_edit_inputs(trained))[0]
     assert not torch.allclose(want, base_out)  # the adapter changes the output, so the test can fail
-    out = checkpoint.export_lora(tmp_path / "lora", trained)
+    out = export_lora(tmp_path / "lora", trained)
     pipe = QwenImageEditPipeline(**{**comps, "transformer": base})
     pipe.load_lora_weights(str(out))
     assert torch.equal(pipe.transformer(**_edit_inputs(pipe.transformer))[0], want)

@@ -121,10 +121,10 @@ def test_the_audio_reward_scores_what_the_rollout_decoded(tmp_path, monkeypatch)
     """An LTX-2 rollout hands each micro-batch's waveforms to the reward with its frames (reward_metadata, equal to
     decode_audio of the clean latents); the factory's "audio" reward, built around a user's AudioReward, scores
     them through the trainer's RewardStream; a reward call without audio metadata is refused in one line."""
+    from fgrpo.config import SamplingConfig
     from fgrpo.models import tiny
     from fgrpo.rewards.runner import RewardStream
     from fgrpo.rewards.video import AudioFromMetadata
-    from fgrpo.rollout.base import SamplingConfig
     from fgrpo.rollout.engine import DiffusersEngine
 
     (tmp_path / "my_clap.py").write_text(

@@ -23,20 +23,15 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_output import StableDiffusi
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import StableDiffusion3Pipeline
 from diffusers.schedulers.scheduling_utils import SchedulerOutput
 
+from fgrpo.config import SamplingConfig
 from fgrpo.core import schedule
 from fgrpo.models import tiny
-from fgrpo.models.loading import QWEN_IMAGE_LORA_TARGETS, SD3_LORA_TARGETS, MergedLora, add_lora
-from fgrpo.models.qwen_image import QwenImage, pack
-from fgrpo.models.sd3 import SD3
+from fgrpo.models.lora import MergedLora, add_lora
+from fgrpo.models.qwen_image import QWEN_IMAGE_LORA_TARGETS, QwenImage, pack
+from fgrpo.models.sd3 import SD3, SD3_LORA_TARGETS
 from fgrpo.policy import transition
-from fgrpo.rollout.base import SamplingConfig
-from fgrpo.rollout.engine import (
-    DiffusersEngine,
-    forward_units,
-    recompute_log_prob,
-    recompute_log_probs,
-    recompute_log_probs_and_means,
-)
+from fgrpo.recompute import recompute_log_prob, recompute_log_probs, recompute_log_probs_and_means
+from fgrpo.rollout.engine import DiffusersEngine, forward_units
 from fgrpo.rollout.seeds import sample_generator
 
 PROMPTS = ["a cat", "a cat", "a photo of a dog on a red square", "hello", "x"]
@@ -582,6 +577,7 @@ def test_exact_rollout_runs_the_training_graph_only_where_a_unit_has_a_window_ro
     rollout and the recompute use the same units (`forward_units`: rows grouped by window start), so the
     training graph runs on the union of the windows of rows that share a forward: here 8 forwards of 6 rows' steps
     against 9 for consecutive rows (by hand below)."""
+    import fgrpo.recompute as recompute_module
     import fgrpo.rollout.engine as engine_module
 
     model = models["qwen"]
@@ -600,6 +596,7 @@ def test_exact_rollout_runs_the_training_graph_only_where_a_unit_has_a_window_ro
         return real_velocity(*a, **k)
 
     monkeypatch.setattr(engine_module, "cond_index", recording)
+    monkeypatch.setattr(recompute_module, "cond_index", recording)
     model.velocity = velocity
     try:
         with torch.no_grad():

@@ -28,10 +28,11 @@ from diffusers.models.transformers.transformer_qwenimage import QwenImageTransfo
 from PIL import Image
 from torch import nn
 
+from fgrpo.config import SamplingConfig
 from fgrpo.models.tiny import save_tiny_qwen_image, tiny_qwen_image, tiny_qwen_image_components
+from fgrpo.recompute import recompute_log_probs
 from fgrpo.rollout import vllm_omni_pipeline as vop
-from fgrpo.rollout.base import SamplingConfig
-from fgrpo.rollout.engine import DiffusersEngine, recompute_log_probs
+from fgrpo.rollout.engine import DiffusersEngine
 
 CFG = SamplingConfig(
     height=32,
@@ -602,7 +603,7 @@ def test_peft_dir_write_that_fails_leaves_the_previous_adapter_and_no_temp_dir(t
     import safetensors.torch
     from safetensors.torch import load_file
 
-    from fgrpo import checkpoint
+    from fgrpo import files
     from fgrpo.rollout.vllm_omni import write_peft_dir
 
     cfg = {"r": 2, "lora_alpha": 4, "target_modules": ["to_q"], "peft_type": "LORA"}
@@ -612,7 +613,7 @@ def test_peft_dir_write_that_fails_leaves_the_previous_adapter_and_no_temp_dir(t
         raise OSError("No space left on device")
 
     monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
-    monkeypatch.setattr(checkpoint, "save_file", disk_full)
+    monkeypatch.setattr(files, "save_file", disk_full)
     with pytest.raises(OSError, match="No space left"):
         write_peft_dir(out, _lora_state(2.0), cfg)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lora"]

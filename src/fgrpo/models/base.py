@@ -6,6 +6,7 @@ The rollout and the trainer talk to a model only through this Protocol, so both 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, TypeAlias, runtime_checkable
 
@@ -24,6 +25,23 @@ if TYPE_CHECKING:
 # masks, pooled embeddings, and `neg_*` for the negative prompt when CFG is on). Keeping it a plain
 # dict of tensors makes it trivially indexable, concatenable and storable in a Trajectory.
 Cond = dict[str, torch.Tensor]
+
+
+class ImagePrompt(str):
+    """A prompt that names its condition image: the text itself (what rewards, logs and text-only models read)
+    carrying `image`, the path of the image file an image-conditioned model (Qwen-Image-Edit) edits."""
+
+    image: str
+
+    def __new__(cls, text: str, image: str | os.PathLike) -> ImagePrompt:
+        self = super().__new__(cls, text)
+        self.image = str(image)
+        return self
+
+    # Pickling (reward worker processes) rebuilds the prompt through __new__: pass the image too. str's own
+    # returns (text,) only, so the wider tuple is a deliberate override.
+    def __getnewargs__(self) -> tuple[str, str]:  # pyright: ignore[reportIncompatibleMethodOverride]
+        return str(self), self.image
 
 
 def cond_index(cond: Cond, idx: torch.Tensor | slice) -> Cond:

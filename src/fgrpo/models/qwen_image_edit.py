@@ -13,7 +13,7 @@ Mirrors diffusers' QwenImageEditPipeline (0.40):
 - True CFG: the negative prompt is encoded with the same image (so every row has its own negative embedding);
   both branches see the condition tokens; the combination is Qwen-Image's (per-token norm rescale).
 
-The condition image of a prompt is the file its `fgrpo.data.ImagePrompt` names (a .jsonl row
+The condition image of a prompt is the file its `fgrpo.models.base.ImagePrompt` names (a .jsonl row
 {"prompt": ..., "image": path}); a plain-string prompt is an error.
 
 Differs from QwenImageEditPipeline: as QwenImage (unpacked x_t, one batched CFG forward, timestep = sigma),
@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, Any, Self
 
 import torch
 
-from fgrpo.data import ImagePrompt
-from fgrpo.models.base import Cond
+from fgrpo.models.base import Cond, ImagePrompt
 from fgrpo.models.common import PromptCache, module_device, pad_stack
 from fgrpo.models.qwen_image import QwenImage, pack
+from fgrpo.models.qwen_vl import vl_processor
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -55,29 +55,13 @@ EDIT_CACHE_SIZE = 64
 
 
 def condition_image(prompt: str) -> str:
-    """The condition image file that `prompt` names (fgrpo.data.ImagePrompt), or a one-line error."""
+    """The condition image file that `prompt` names (fgrpo.models.base.ImagePrompt), or a one-line error."""
     if not isinstance(prompt, ImagePrompt):
         raise ValueError(
             f"Qwen-Image-Edit needs a condition image per prompt, but {prompt[:80]!r} names none; give the prompts "
             'as a .jsonl file with rows {"prompt": "...", "image": "path/to/image.png"}'
         )
     return prompt.image
-
-
-def vl_processor(image_processor, tokenizer):
-    """Qwen2-VL's processor (what QwenImageEditPipeline takes) for images only, without torchvision (fgrpo does not
-    depend on it): `image_processor` is transformers' PIL backend (its bicubic resize may round a VL pixel
-    differently from the torchvision one) and there is no video processor, which transformers' constructor
-    otherwise insists on (videos are never passed)."""
-    from transformers import Qwen2VLProcessor
-
-    class ImagesOnlyProcessor(Qwen2VLProcessor):
-        def check_argument_for_proper_class(self, argument_name, argument):
-            if argument_name == "video_processor" and argument is None:
-                return None
-            return super().check_argument_for_proper_class(argument_name, argument)
-
-    return ImagesOnlyProcessor(image_processor=image_processor, tokenizer=tokenizer)
 
 
 class QwenImageEdit(QwenImage):

@@ -39,6 +39,20 @@ T5_MAX_LENGTH = 256
 SCHEDULER_CONFIG: dict[str, Any] = {"shift": 3.0}
 
 
+# The transformer's Linear layers that LoRA adapts: q/k/v/out of the joint attention, image and text stream (the
+# second attention of SD3.5's first blocks, `attn2`, is left out).
+SD3_LORA_TARGETS = (
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+)
+
+
 class SD3:
     """SD3.x (two CLIPs, optional T5, transformer, VAE) as a FlowModel. Weights are frozen."""
 

@@ -335,37 +335,6 @@ class TextbedModel(nn.Module):
             )
 
 
-def render_words(
-    model: TextbedModel,
-    prompts: Sequence[str],
-    seeds: Sequence[int],
-    *,
-    num_steps: int = 20,
-    guidance_scale: float = 3.0,
-    negative_prompt: str = "",
-    micro_batch: int = 512,
-) -> torch.Tensor:
-    """Deterministic ODE sampling through fgrpo's rollout engine (no SDE window) -> uint8 [B, H, W, 3].
-
-    The measuring stick of the pretrained checkpoint (pretraining eval, tests, README): sample b starts
-    from torch.randn(latent_shape, generator=manual_seed(seeds[b])), so a result depends only on
-    (prompt, seed), not on the batch it was drawn in.
-    """
-    from fgrpo.rollout.base import SamplingConfig
-    from fgrpo.rollout.engine import DiffusersEngine
-
-    scfg = SamplingConfig(
-        height=model.cfg.height,
-        width=model.cfg.width,
-        num_steps=num_steps,
-        guidance_scale=guidance_scale,
-        negative_prompt=negative_prompt,
-        window_size=0,
-        micro_batch=micro_batch,
-    )
-    return DiffusersEngine(model).generate(list(prompts), list(seeds), scfg).images
-
-
 def state_dict_for_save(model: TextbedModel, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
     """Flat {transformer.*, text_encoder.*} parameters in `dtype`, contiguous (safetensors-ready). Buffers stay out:
     the constructor rebuilds them (SD3's fixed sin-cos positions), and a bf16 copy would replace the fp32 values

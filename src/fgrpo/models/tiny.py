@@ -37,7 +37,8 @@ from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 from fgrpo.models import ltx2, qwen_image, sd3
 from fgrpo.models.ltx2 import LTX2
 from fgrpo.models.qwen_image import PROMPT_DROP, PROMPT_TEMPLATE, QwenImage
-from fgrpo.models.qwen_image_edit import EDIT_PROMPT_DROP, EDIT_PROMPT_TEMPLATE, QwenImageEdit, vl_processor
+from fgrpo.models.qwen_image_edit import EDIT_PROMPT_DROP, EDIT_PROMPT_TEMPLATE, QwenImageEdit
+from fgrpo.models.qwen_vl import vl_processor
 from fgrpo.models.sd3 import CLIP_MAX_LENGTH, SD3
 
 # Words the tiny BPEs learn besides the template (tests' prompts tokenise into fewer, longer tokens).

@@ -35,7 +35,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from fgrpo.errors import ConfigError
+from fgrpo.rewards import vlm
 from fgrpo.rewards.base import Reward
+from fgrpo.rewards.client import HttpReward
+from fgrpo.rewards.jpeg import JpegReward
+from fgrpo.rewards.multi import Member, MultiReward
+from fgrpo.rewards.ocr import OcrReward, RapidOcrEngine
+from fgrpo.rewards.video import AudioFromMetadata, VideoOcrReward
 
 
 def _check_options(what: str, fn: Callable[..., Any], options: Mapping[str, Any]) -> None:
@@ -48,16 +54,12 @@ def _check_options(what: str, fn: Callable[..., Any], options: Mapping[str, Any]
 
 
 def _ocr(engine: str = "rapidocr", **options: Any) -> Reward:
-    from fgrpo.rewards.ocr import OcrReward, RapidOcrEngine
-
     engines = ["rapidocr", "vlm", "vllm", "transformers"]
     if engine not in engines:
         raise ConfigError(f"reward 'ocr': engine must be one of {engines}, got {engine!r}")
     if engine == "rapidocr":
         build: Callable[..., Any] = RapidOcrEngine
-    else:  # the openai client takes seconds to import: only the VLM engines pay for it
-        from fgrpo.rewards import vlm
-
+    else:
         build = {
             "vlm": vlm.VlmOcrEngine,
             "vllm": vlm.VllmOcrEngine,
@@ -69,37 +71,27 @@ def _ocr(engine: str = "rapidocr", **options: Any) -> Reward:
 
 
 def _audio(*, scorer: str, **options: Any) -> Reward:
-    from fgrpo.rewards.video import AudioFromMetadata
-
     make: Callable[..., Any] = _import(scorer)  # a factory of an AudioReward, not of a Reward
     return AudioFromMetadata(make(**options))
 
 
 def _video_ocr(*, frames: int = 4, consistency_weight: float = 0.5) -> Reward:
-    from fgrpo.rewards.video import VideoOcrReward
-
     return VideoOcrReward(frames=frames, consistency_weight=consistency_weight)
 
 
 def _jpeg(compressible: bool) -> Callable[..., Reward]:
     def build(*, scale: float = 1 / 500, quality: int = 95) -> Reward:
-        from fgrpo.rewards.jpeg import JpegReward
-
         return JpegReward(compressible=compressible, scale=scale, quality=quality)
 
     return build
 
 
 def _http(**options: Any) -> Reward:
-    from fgrpo.rewards.client import HttpReward
-
     _check_options("http", HttpReward, options)
     return HttpReward(**options)
 
 
 def _multi(members: Sequence[Any]) -> Reward:
-    from fgrpo.rewards.multi import Member, MultiReward
-
     if isinstance(members, str | Mapping) or not isinstance(members, Sequence):
         raise ConfigError("reward 'multi': members must be a list of member specs")
     built = []

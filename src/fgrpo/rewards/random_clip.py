@@ -20,6 +20,8 @@ from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processor
 from transformers import CLIPConfig, CLIPModel, CLIPProcessor, PreTrainedTokenizerFast
 
 from fgrpo.rewards.clip import clip_image_processor
+from fgrpo.rewards.hps import build_open_clip
+from fgrpo.rewards.imagereward import TEXT, TINY_TEXT, TINY_VISION, VISION, ImageRewardModel
 
 # laion/CLIP-ViT-H-14-laion2B-s32B-b79K's config.json (PickScore_v1 is this architecture): GELU towers of 32 x 1280
 # (vision, 14 px patches of 224²) and 24 x 1024 (text), projected to 1024.
@@ -145,8 +147,6 @@ def write_random_clip(path: str | Path, size: str = "tiny", **kwargs: Any) -> Pa
 
 def random_open_clip(size: str = "h14", device: torch.device | str = "cpu", *, seed: int = 0) -> Any:
     """open_clip's CLIP at ViT-H-14's configuration ("h14") or TINY_OPEN_CLIP ("tiny"), random weights (seeded)."""
-    from fgrpo.rewards.hps import build_open_clip
-
     cuda = [device] if torch.device(device).type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):
         torch.manual_seed(seed)
@@ -158,8 +158,6 @@ def random_imagereward(
     size: str = "large", device: torch.device | str = "cpu", *, seed: int = 0
 ) -> tuple[Any, Any]:
     """(ImageRewardModel, BERT-framed word tokenizer): ImageReward's BLIP at its real size ("large") or tiny."""
-    from fgrpo.rewards.imagereward import TEXT, TINY_TEXT, TINY_VISION, VISION, ImageRewardModel
-
     vision, text = (VISION, TEXT) if size == "large" else (TINY_VISION, TINY_TEXT)
     # BlipVisionConfig's default init (std 1e-10) makes every image's tokens nearly equal; BERT's 0.02 does not
     vision = {**vision, "initializer_range": 0.02}

@@ -30,14 +30,13 @@ from typing import Any, Literal
 import numpy as np
 
 from fgrpo.rewards.base import Reward, RewardOutput, check_inputs, concat_outputs
+from fgrpo.rewards.factory import build_reward
 
 _worker_reward: Reward | None = None  # the reward of a process-pool worker, built once by _init_worker
 
 
 def _init_worker(reward_or_spec: Reward | str | dict | list) -> None:
     global _worker_reward
-    from fgrpo.rewards.factory import build_reward
-
     _worker_reward = build_reward(reward_or_spec) if not callable(reward_or_spec) else reward_or_spec
 
 
@@ -77,8 +76,6 @@ class AsyncRewardRunner:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
         self.kind, self.max_workers = kind, max_workers
         if kind == "thread":
-            from fgrpo.rewards.factory import build_reward
-
             self._reward = reward if callable(reward) else build_reward(reward)
             self._pool: cf.Executor = cf.ThreadPoolExecutor(max_workers, thread_name_prefix="reward")
         elif kind == "process":

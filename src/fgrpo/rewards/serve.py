@@ -37,6 +37,7 @@ from aiohttp.typedefs import Handler, Middleware
 
 from fgrpo.errors import FgrpoError
 from fgrpo.rewards.base import Reward
+from fgrpo.rewards.factory import build_reward
 from fgrpo.rewards.transport import (
     TOKEN_ENV,
     ImageTooLarge,
@@ -242,8 +243,6 @@ def _require_token(token: str) -> Middleware:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from fgrpo.rewards.factory import build_reward
-
     p = argparse.ArgumentParser(
         prog="python -m fgrpo.rewards.serve", description=(__doc__ or "").split("\n")[0]
     )

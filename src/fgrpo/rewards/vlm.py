@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fgrpo.models.qwen_vl import vl_processor
 from fgrpo.rewards.transport import RewardServiceError, b64, encode_image
 
 if TYPE_CHECKING:
@@ -187,15 +188,13 @@ class VllmOcrEngine:
 def load_qwen_vl(path: str | Path, *, device: str = "cuda", dtype: str = "bfloat16") -> tuple[Any, Any]:
     """(model, processor) of a local Qwen2-VL or Qwen2.5-VL checkpoint directory, offline.
 
-    The processor is Qwen2-VL's for images only (`fgrpo.models.qwen_image_edit.vl_processor`: PIL image
+    The processor is Qwen2-VL's for images only (`fgrpo.models.qwen_vl.vl_processor`: PIL image
     backend, no video processor, so no torchvision) with the checkpoint's chat template; the model is
     AutoModelForImageTextToText in `dtype` on `device`.
     """
     import torch
     from transformers import AutoModelForImageTextToText, AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    from fgrpo.models.qwen_image_edit import vl_processor
 
     path = Path(path)
     if not (path / "config.json").is_file():

@@ -1,4 +1,4 @@
-"""Rollout interface: the sampling config, the Trajectory a rollout returns, and the engine Protocol."""
+"""Rollout interface: the Trajectory a rollout returns, and the engine Protocol."""
 
 from __future__ import annotations
 
@@ -6,48 +6,12 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
-from fgrpo.core.sde import Kind
+from fgrpo.config import SamplingConfig
 from fgrpo.models.base import Cond
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """How images are sampled during rollout (and how training recomputes the trained transitions)."""
-
-    height: int = 512
-    """Image height in pixels (a multiple of the model's latent patch size)."""
-    width: int = 512
-    """Image width in pixels (a multiple of the model's latent patch size)."""
-    num_steps: int = 10
-    """Number of denoising steps of the rollout."""
-    guidance_scale: float = 4.0
-    """CFG scale (true-CFG for Qwen-Image, plain CFG for SD3). 1.0 turns CFG off (one forward per step)."""
-    negative_prompt: str | None = " "
-    """Negative prompt for CFG; ignored when guidance_scale is 1.0."""
-    sde_kind: Kind = "flow_sde"
-    """Stochastic step used inside the SDE window (see fgrpo.core.sde.step_mean_std)."""
-    noise_level: float = 1.2
-    """Noise level of the SDE step (its meaning depends on sde_kind)."""
-    window_size: int = 2
-    """Number of consecutive stochastic (and trained) steps per sample."""
-    window_range: tuple[int, int] = (0, 5)
-    """Steps [lo, hi) from which each sample's window is drawn (start uniform in [lo, hi - window_size])."""
-    micro_batch: int = 8
-    """Samples per transformer forward during rollout (and training recomputation)."""
-    unit_block: int = 0
-    """Rows are grouped into micro-batches (by window start, rollout.engine.forward_units) within each run of this
-    many consecutive rows; 0: the whole batch. Set by the algorithm to a trainer's share of the rollout, which
-    differs from the batch only in the asynchronous mode (a rollout rank serving several trainers)."""
-    ode_tail: Literal["euler", "dpmpp_2m"] = "euler"
-    """Solver after the SDE window: Euler on the full grid, or MixGRPO-Flash's DPM-Solver++(2M) on a compressed
-    grid (needs one window for the whole batch; without a window every step stays Euler)."""
-    tail_compress: float = 1.0
-    """dpmpp_2m tail: fraction in (0, 1] of the steps after the window that it keeps (core.schedule.compressed_tail;
-    MixGRPO-Flash 0.4, Flash* 0.2, 1.0 keeps the model's grid)."""
 
 
 @dataclass

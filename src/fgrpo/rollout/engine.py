@@ -7,8 +7,8 @@ the steps after the window are DPM-Solver++(2M) steps on a compressed grid inste
 micro-batches of `cfg.micro_batch` rows grouped by window (`forward_units`), all steps of a micro-batch
 before the next one.
 
-Exactness contract (tested): `recompute_log_probs` - one transformer forward per (window position j,
-micro-batch of the same rows) - reproduces the rollout's log-probs bit for bit with unchanged weights. It
+Exactness contract (tested): fgrpo.recompute's `recompute_log_probs` - one transformer forward per (window
+position j, micro-batch of the same rows) - reproduces the rollout's log-probs bit for bit with unchanged weights. It
 holds because both sides call the same `model.velocity` on the same rows in the same order with the same
 (trimmed) prompt padding, and the same core step and log-prob on the result: every row's numbers depend on
 the shapes of the forward, not on the other rows' values.
@@ -18,18 +18,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
+from fgrpo.config import SamplingConfig
 from fgrpo.core import schedule, sde
-from fgrpo.models.base import Cond, FlowModel, cond_index
+from fgrpo.models.base import FlowModel, cond_index
 from fgrpo.models.common import module_device
-from fgrpo.models.loading import MergedLora
-from fgrpo.policy import transition, transition_log_prob
-from fgrpo.rollout.base import RolloutEngine, SamplingConfig, SleepingEngine, Trajectory
+from fgrpo.models.lora import MergedLora
+from fgrpo.models.textbed import TextbedModel
+from fgrpo.policy import transition
+from fgrpo.rollout.base import RolloutEngine, SleepingEngine, Trajectory
 from fgrpo.rollout.seeds import sample_generator
 
 # Receives a rollout's decoded samples block by block: (the block's batch rows: an int64 index array in the order
@@ -51,15 +52,6 @@ class _GivenVelocity:
 
     def velocity(self, x_t, sigma, cond, *, guidance_scale):
         return self.v
-
-
-def micro_batches(n: int, size: int) -> Iterator[slice]:
-    """The row slices [0, size), [size, 2 size), ... of n samples: the grouping of passes without SDE windows
-    (the forward-process algorithms' training points); windowed rollouts group by `forward_units`."""
-    if size < 1:
-        raise ValueError(f"micro_batch must be >= 1, got {size}")
-    for start in range(0, n, size):
-        yield slice(start, min(start + size, n))
 
 
 def forward_units(window: torch.Tensor, size: int, block: int = 0) -> list[torch.Tensor]:
@@ -344,95 +336,6 @@ class DiffusersEngine:
         )
 
 
-def recompute_log_prob(
-    model: FlowModel, traj: Trajectory, cfg: SamplingConfig, rows: slice | torch.Tensor, j: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(log_prob [m], mean, std) of window position j of `rows` under the current weights (with grad if on).
-
-    Pass the rollout's own micro-batches (`forward_units(traj.window, cfg.micro_batch)`) for bit-exact
-    agreement with the rollout's log-probs while the weights are unchanged.
-    """
-    steps = traj.window[rows, j]
-    cond: Cond = cond_index(traj.cond, rows)
-    return transition_log_prob(
-        model, traj.x_t[rows, j], traj.x_next[rows, j], traj.sigmas[steps], traj.sigmas[steps + 1], cond, cfg
-    )
-
-
-@torch.no_grad()
-def recompute_log_probs_and_means(
-    model: FlowModel, traj: Trajectory, cfg: SamplingConfig
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """([B, W] log-probs, [B, W, *latent] means) of the stored transitions under the current weights, in the
-    rollout's micro-batches (window position-major)."""
-    log_probs = torch.empty_like(traj.log_prob)
-    means = torch.empty_like(traj.x_next)
-    for j in range(traj.window.shape[1]):
-        for rows in forward_units(traj.window, cfg.micro_batch, cfg.unit_block):
-            rows = rows.to(traj.log_prob.device)
-            log_probs[rows, j], means[rows, j], _ = recompute_log_prob(model, traj, cfg, rows, j)
-    return log_probs, means
-
-
-def recompute_log_probs(model: FlowModel, traj: Trajectory, cfg: SamplingConfig) -> torch.Tensor:
-    """[B, W] log-probs of the stored transitions (`recompute_log_probs_and_means` without the means)."""
-    return recompute_log_probs_and_means(model, traj, cfg)[0]
-
-
-def exact_micro_batch(n: int, micro_batch: int, num_minibatches: int) -> int:
-    """Rows per forward when n samples are trained in `num_minibatches` mini-batches: at most micro_batch, and
-    no more than a mini-batch holds, so that the trainer can train every rollout micro-batch whole.
-
-    A mini-batch of m = n / num_minibatches samples takes c = ceil(m / micro_batch) forwards of ceil(m / c) rows:
-    micro_batch itself when it divides m, otherwise the same number of forwards made as equal as they can be.
-    """
-    m = max(1, n // num_minibatches)
-    forwards = math.ceil(m / micro_batch)
-    return math.ceil(m / forwards)
-
-
-def minibatch_rows(
-    window: torch.Tensor,
-    micro_batch: int,
-    rollout_micro_batch: int,
-    num_minibatches: int,
-    generator: torch.Generator,
-) -> list[list[torch.Tensor]]:
-    """Split the n = len(window) samples of a rollout ([B, W] Trajectory.window) into `num_minibatches`
-    mini-batches, each a list of micro-batch row index tensors.
-
-    With micro_batch == rollout_micro_batch the units shuffled are the rollout's own micro-batches,
-    `forward_units(window, exact_micro_batch(n, rollout_micro_batch, num_minibatches))` (what the algorithms roll
-    out with), dealt to the mini-batches in equal counts where the count of units allows (else the first ones
-    get one more), so each training forward sees exactly the rows (and prompt padding) of a rollout forward;
-    otherwise single samples are shuffled and cut into micro-batches.
-    """
-    n = len(window)
-    if micro_batch == rollout_micro_batch:
-        units = forward_units(window, exact_micro_batch(n, rollout_micro_batch, num_minibatches))
-        order = torch.randperm(len(units), generator=generator)
-        return [[units[u] for u in part.tolist()] for part in order.tensor_split(num_minibatches)]
-    perm = torch.randperm(n, generator=generator)
-    return [list(chunk.split(micro_batch)) for chunk in perm.chunk(num_minibatches)]
-
-
-def build_engine(
-    model: FlowModel,
-    engine: str,
-    model_path: str,
-    *,
-    train_graph: bool = False,
-    merged_lora: bool = False,
-) -> RolloutEngine:
-    """The configured rollout engine: this process's diffusers modules (train_graph, merged_lora: see
-    DiffusersEngine), or vLLM-Omni with its own weights."""
-    if engine == "vllm_omni":
-        from fgrpo.rollout.vllm_omni import VllmOmniEngine
-
-        return VllmOmniEngine(model_path, enable_sleep_mode=True)
-    return DiffusersEngine(model, train_graph=train_graph, merged_lora=merged_lora)
-
-
 @torch.no_grad()
 def rollout(
     engine: RolloutEngine,
@@ -465,3 +368,31 @@ def validation_sampling(s: SamplingConfig, num_steps: int) -> SamplingConfig:
     return dataclasses.replace(
         s, sde_kind="ode", noise_level=0.0, num_steps=num_steps, window_size=0, window_range=(0, 0)
     )
+
+
+def render_words(
+    model: TextbedModel,
+    prompts: Sequence[str],
+    seeds: Sequence[int],
+    *,
+    num_steps: int = 20,
+    guidance_scale: float = 3.0,
+    negative_prompt: str = "",
+    micro_batch: int = 512,
+) -> torch.Tensor:
+    """Deterministic ODE sampling through fgrpo's rollout engine (no SDE window) -> uint8 [B, H, W, 3].
+
+    The measuring stick of the pretrained checkpoint (pretraining eval, tests, README): sample b starts
+    from torch.randn(latent_shape, generator=manual_seed(seeds[b])), so a result depends only on
+    (prompt, seed), not on the batch it was drawn in.
+    """
+    scfg = SamplingConfig(
+        height=model.cfg.height,
+        width=model.cfg.width,
+        num_steps=num_steps,
+        guidance_scale=guidance_scale,
+        negative_prompt=negative_prompt,
+        window_size=0,
+        micro_batch=micro_batch,
+    )
+    return DiffusersEngine(model).generate(list(prompts), list(seeds), scfg).images

@@ -36,8 +36,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from fgrpo.config import SamplingConfig
+from fgrpo.models.lora import write_adapter
 from fgrpo.models.qwen_image import QwenImage
-from fgrpo.rollout.base import SamplingConfig, Trajectory
+from fgrpo.rollout.base import Trajectory
 from fgrpo.rollout.engine import check_request
 from fgrpo.rollout.seeds import sample_generator
 from fgrpo.rollout.vllm_omni_pipeline import (
@@ -177,13 +179,11 @@ def unpack_outputs(outputs: Sequence[Any], prompts: Sequence[str], seeds: Sequen
 
 def write_peft_dir(path: str | os.PathLike[str], state_dict: Mapping[str, torch.Tensor], config: Any) -> Path:
     """Write a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) atomically, through
-    the trainer's adapter writer (fgrpo.checkpoint.write_adapter).
+    the trainer's adapter writer (fgrpo.models.lora.write_adapter).
 
     state_dict: PEFT-named LoRA tensors (`peft.get_peft_model_state_dict(transformer)`, gathered to full
     tensors when sharded). config: a `peft.LoraConfig` or its dict.
     """
-    from fgrpo.checkpoint import write_adapter
-
     bad = [k for k in state_dict if not k.endswith((".lora_A.weight", ".lora_B.weight"))]
     if bad:
         raise ValueError(

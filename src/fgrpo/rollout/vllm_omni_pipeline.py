@@ -31,10 +31,11 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from fgrpo.config import SamplingConfig
 from fgrpo.models.base import Cond, FlowModel
 from fgrpo.models.common import pad_to
 from fgrpo.models.qwen_image import QwenImage
-from fgrpo.rollout.base import SamplingConfig, Trajectory
+from fgrpo.rollout.base import Trajectory
 from fgrpo.rollout.engine import DiffusersEngine
 
 if (

@@ -1,0 +1,362 @@
+"""A LoRA's whole life on a diffusers transformer: attach it (`add_lora`, `setup_trainable`), start from a file
+(`load_lora_weights`, `check_lora_file`), switch it off for the reference policy (`adapters_disabled`), merge it
+for the rollout (`MergedLora`), and write it out, in diffusers' layout (`export_lora`) or PEFT's
+(`write_adapter`, what vLLM-Omni reads)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fgrpo import files
+from fgrpo.errors import ConfigError, MissingFileError
+from fgrpo.models.loading import configure_transformer
+from fgrpo.models.qwen_image import QWEN_IMAGE_LORA_TARGETS
+from fgrpo.parallel import barrier, is_dtensor, rank
+
+if TYPE_CHECKING:
+    from fgrpo.config import ModelConfig
+    from fgrpo.models.base import Transformer
+
+
+def add_lora(
+    transformer: Transformer,
+    *,
+    rank: int,
+    alpha: int,
+    target_modules: Sequence[str] = QWEN_IMAGE_LORA_TARGETS,
+    init: bool | Literal["gaussian"] = "gaussian",
+    adapter_name: str = "default",
+) -> list[nn.Parameter]:
+    """Attach a peft LoRA adapter in place (diffusers' add_adapter keeps the module's class); returns its params.
+
+    Only the adapter is trainable afterwards. `init` is peft's init_lora_weights ("gaussian" and True make
+    B = 0, so the model is unchanged until the first update; False makes A and B random).
+    """
+    from peft import LoraConfig
+
+    if rank < 1:
+        raise ConfigError(f"lora rank must be >= 1, got {rank}")
+    if not target_modules:
+        raise ConfigError("lora target_modules is empty; name at least one Linear inside the transformer")
+    transformer.requires_grad_(False)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(target_modules), init_lora_weights=init)
+    transformer.add_adapter(config, adapter_name=adapter_name)
+    return [p for n, p in transformer.named_parameters() if "lora_" in n]
+
+
+def setup_trainable(transformer: Transformer, mcfg: ModelConfig) -> list[nn.Parameter]:
+    """Attach LoRA (from model.init_lora if given) or unfreeze everything. Trainable parameters become fp32
+    masters whatever the base dtype: FSDP2 casts them to the compute dtype, AdamW updates them in fp32."""
+    if mcfg.lora:
+        params = add_lora(
+            transformer, rank=mcfg.lora_rank, alpha=mcfg.lora_alpha, target_modules=mcfg.lora_target_list
+        )
+        if mcfg.init_lora:
+            load_lora_weights(transformer, mcfg.init_lora, rank=mcfg.lora_rank, alpha=mcfg.lora_alpha)
+    else:
+        params = list(transformer.requires_grad_(True).parameters())
+    for p in params:
+        p.data = p.data.float()
+    configure_transformer(
+        transformer,
+        gradient_checkpointing=mcfg.gradient_checkpointing,
+        checkpoint_policy=mcfg.checkpoint_policy,
+    )
+    return params
+
+
+def _lora_file(path: str | Path) -> Path:
+    p = Path(path)
+    f = p / "adapter_model.safetensors" if p.is_dir() else p
+    if not f.is_file():
+        raise MissingFileError(
+            f"model.init_lora: no LoRA at '{path}' (want a directory with adapter_model.safetensors, as fgrpo "
+            "exports to runs/<exp_name>/lora, or a .safetensors file)"
+        )
+    return f
+
+
+def _lora_header(f: Path) -> dict[str, Any]:
+    """The LoraConfig that fgrpo's and diffusers' exports keep in the safetensors header ({} when absent)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(f), framework="pt") as fh:
+            return json.loads((fh.metadata() or {}).get("lora_adapter_metadata", "{}"))
+    except Exception as e:  # safetensors' own errors do not say which file
+        raise ConfigError(f"model.init_lora: cannot read '{f}' as safetensors ({e})") from e
+
+
+def _check_rank(f: Path, header: dict[str, Any], rank: int, alpha: int) -> None:
+    saved_r, saved_alpha = header.get("transformer.r"), header.get("transformer.lora_alpha")
+    if saved_r is not None and (saved_r != rank or saved_alpha != alpha):
+        raise ConfigError(
+            f"model.init_lora: '{f}' has rank {saved_r} / alpha {saved_alpha}, the model lora_rank {rank} / "
+            f"lora_alpha {alpha}; pass --model.lora-rank {saved_r} --model.lora-alpha {saved_alpha}"
+        )
+
+
+def check_lora_file(path: str | Path, *, rank: int, alpha: int) -> Path:
+    """What `load_lora_weights` can check without a model, from the file's header alone (validation runs it
+    before the model is built): the adapter file is there, reads as safetensors, and has this rank and alpha.
+    Returns the file."""
+    f = _lora_file(path)
+    _check_rank(f, _lora_header(f), rank, alpha)
+    return f
+
+
+def load_lora_weights(
+    transformer: Transformer, path: str | Path, *, rank: int, alpha: int, adapter_name: str = "default"
+) -> None:
+    """Copy a diffusers-layout LoRA (keys `transformer.<module>.lora_A.weight`, the LoraConfig in the
+    `lora_adapter_metadata` header) into the transformer's existing adapter, checking rank, alpha, targets,
+    every shape and that every value is finite first (a NaN would make every update non-finite: each
+    optimizer step skipped, the NaN adapter exported again). peft's `set_peft_model_state_dict` does the key
+    mapping."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    f = check_lora_file(path, rank=rank, alpha=alpha)
+    try:
+        sd = {k.removeprefix("transformer."): v for k, v in load_file(str(f)).items()}
+    except Exception as e:  # safetensors' own errors do not say which file
+        raise ConfigError(f"model.init_lora: cannot read '{f}' as safetensors ({e})") from e
+    own = {n: p for n, p in transformer.named_parameters() if f".{adapter_name}." in n and "lora_" in n}
+    want = {n.replace(f".{adapter_name}.", "."): p for n, p in own.items()}
+    missing, unexpected = sorted(set(want) - set(sd)), sorted(set(sd) - set(want))
+    if missing or unexpected:
+        raise ConfigError(
+            f"model.init_lora: '{f}' does not fit the adapter (missing {missing[:3]}, unexpected {unexpected[:3]}); "
+            "set model.lora_targets as for the run that wrote it"
+        )
+    for k, v in sd.items():
+        if tuple(v.shape) != tuple(want[k].shape):
+            raise ConfigError(
+                f"model.init_lora: '{f}' {k} has shape {tuple(v.shape)}, the adapter {tuple(want[k].shape)}"
+            )
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            bad = int((~torch.isfinite(v)).sum())
+            raise ConfigError(
+                f"model.init_lora: '{f}' tensor {k} holds {bad} non-finite value(s) (NaN or inf) of {v.numel()}; "
+                "start from an adapter whose weights are finite (e.g. an earlier checkpoint's export)"
+            )
+    result = set_peft_model_state_dict(transformer, sd, adapter_name=adapter_name)
+    if getattr(result, "unexpected_keys", None):
+        raise ConfigError(f"model.init_lora: peft did not place {result.unexpected_keys[:3]} from '{f}'")
+
+
+@contextlib.contextmanager
+def adapters_disabled(transformer: Transformer) -> Iterator[None]:
+    """The reference policy for the KL: the same transformer with its LoRA adapters switched off."""
+    transformer.disable_adapters()
+    try:
+        yield
+    finally:
+        transformer.enable_adapters()
+
+
+class MergedLora:
+    """bf16 copies of every LoRA layer's merged weight W + (alpha / r) B A, swapped in on demand.
+
+    Inside `active()` each adapted Linear runs one matmul with its merged copy and its adapter is off, instead of
+    the base matmul plus the adapter's two (whose output, as wide as the base layer's, is written and added
+    once more). The copies are made once, from the weights as they are at construction (a rollout's weights do
+    not change while it samples); on leaving, the original weight tensors and the adapters come back untouched,
+    so forwards outside `active()` keep their bits. The merged forward differs from the unmerged one by rounding.
+
+    targets: merge only the LoRA layers whose module name is one of these or ends in "." + one of them (a model's
+    `merge_targets`: those whose inputs hold many tokens); empty: all of them.
+
+    Needs the frozen base as ordinary tensors (unsharded, or FSDP2 with `parallel.shard='adapters'`); sharded
+    adapters are gathered for the merge (a collective: every rank of the mesh must build it). Plain LoRA only
+    (no DoRA or other variant, no bias on B, no fan_in_fan_out). Memory: one bf16 copy of each adapted weight.
+    """
+
+    def __init__(self, transformer: nn.Module, targets: Sequence[str] = ()):
+        from peft.tuners.lora import Linear as LoraLinear
+        from torch.distributed.tensor import DTensor
+
+        def full(t: Any) -> torch.Tensor:
+            return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+
+        # (peft layer, its base weight's tensor, the merged copy); peft declares no attribute types, hence Any
+        self.layers: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
+        for name, module in transformer.named_modules():
+            if not isinstance(module, LoraLinear) or module.disable_adapters:
+                continue
+            if targets and not any(name == s or name.endswith("." + s) for s in targets):
+                continue
+            layer: Any = module
+            weight = layer.get_base_layer().weight
+            if isinstance(weight, DTensor):
+                raise ConfigError(
+                    f"model.merged_rollout: the base weight of '{name}' is sharded; add --parallel.shard adapters "
+                    "(the frozen base whole on every rank) or drop --model.merged-rollout"
+                )
+            (adapter,) = layer.active_adapters
+            if (
+                adapter in layer.lora_variant
+                or layer.fan_in_fan_out
+                or layer.lora_B[adapter].bias is not None
+            ):
+                raise ConfigError(
+                    f"model.merged_rollout merges plain LoRA; '{name}' has a variant, a bias or fan_in_fan_out"
+                )
+            a, b = full(layer.lora_A[adapter].weight), full(layer.lora_B[adapter].weight)
+            merged = torch.addmm(full(weight).float(), b.float(), a.float(), alpha=layer.scaling[adapter])
+            self.layers.append((layer, weight.data, merged.to(weight.dtype)))
+        if not self.layers:
+            raise ConfigError(
+                f"model.merged_rollout found no LoRA layer to merge (targets {list(targets) or 'all'}); add LoRA "
+                "or drop it"
+            )
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Forwards inside run the merged copies with the adapters off (peft's switch, which also freezes the
+        adapter; each parameter's requires_grad is restored as it was)."""
+        trainable = [[p.requires_grad for p in layer.parameters()] for layer, _, _ in self.layers]
+        for layer, _, merged in self.layers:
+            layer.get_base_layer().weight.data = merged
+            layer.enable_adapters(False)
+        try:
+            yield
+        finally:
+            for (layer, original, _), flags in zip(self.layers, trainable, strict=True):
+                layer.get_base_layer().weight.data = original
+                layer.enable_adapters(True)
+                for p, flag in zip(layer.parameters(), flags, strict=True):
+                    p.requires_grad_(flag)
+
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+# Module names that wrappers insert into parameter names (activation checkpointing, torch.compile, FSDP1);
+# `base_model.model.` of a PeftModel is a prefix, dropped on its own.
+_WRAPPERS = {"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"}
+
+
+def _peft_config(model: nn.Module, adapter_name: str):
+    cfgs = getattr(model, "peft_config", None)
+    if not cfgs or adapter_name not in cfgs:
+        have = list(cfgs) if cfgs else []
+        raise ValueError(
+            f"export_lora: model has no LoRA adapter {adapter_name!r} (adapters: {have}); apply LoRA with "
+            "transformer.add_adapter(LoraConfig(...)) or peft.get_peft_model before exporting"
+        )
+    return cfgs[adapter_name]
+
+
+def _lora_config_dict(config: Any) -> dict[str, Any]:
+    """A peft.LoraConfig (or its dict) as plain JSON data: sets sorted, enums as their values."""
+    cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    cfg = {
+        k: sorted(v) if isinstance(v, set) else (v.value if hasattr(v, "value") else v)
+        for k, v in cfg.items()
+    }
+    return files.jsonable(cfg, "LoraConfig", allow_nan=False)
+
+
+def lora_state_dict(model: nn.Module, *, adapter_name: str = "default") -> dict[str, torch.Tensor]:
+    """Full (unsharded, CPU) LoRA tensors keyed as diffusers expects: `<module>.lora_A.weight`.
+
+    Collective when torch.distributed is initialised; non-zero ranks get an empty dict.
+    """
+    from peft import get_peft_model_state_dict
+
+    cfg = _peft_config(model, adapter_name)
+    if getattr(cfg, "use_dora", False):
+        raise ValueError(
+            "export_lora: DoRA adapters are not loadable by diffusers; train with use_dora=False"
+        )
+    # PEFT picks (from its layers) and names (adapter name dropped) the adapter's tensors out of the
+    # parameters themselves, possibly sharded, so only those are gathered, one at a time: a state dict
+    # would gather the whole 20B base for a few MB of LoRA. Parameters, not the requires_grad ones: the
+    # adapter may be frozen at export time.
+    picked = get_peft_model_state_dict(
+        model,
+        state_dict=dict(model.named_parameters()),
+        adapter_name=adapter_name,
+        save_embedding_layers=False,
+    )
+    out = {}
+    for key, p in picked.items():
+        t = p.detach()
+        if is_dtensor(t):  # FSDP2 DTensor shard -> full tensor (collective)
+            t = t.full_tensor()
+        if rank() == 0:
+            key = ".".join(
+                part for part in key.removeprefix("base_model.model.").split(".") if part not in _WRAPPERS
+            )
+            out[key] = t.cpu().contiguous()
+    if rank() == 0 and not out:
+        raise ValueError(f"export_lora: adapter {adapter_name!r} has no lora_A/lora_B parameters")
+    return out
+
+
+def export_lora(
+    out_dir: str | os.PathLike,
+    model: nn.Module,
+    *,
+    adapter_name: str = "default",
+    group: dist.ProcessGroup | None = None,
+    extra_json: dict[str, Any] | None = None,
+) -> Path:
+    """Write a LoRA adapter that diffusers loads: `pipe.load_lora_weights(out_dir)` (Qwen-Image, SD3)
+    and `transformer.load_lora_adapter(out_dir, use_safetensors=True)` (diffusers 0.40's model-level
+    loader only tries safetensors when told so, or given `weight_name="adapter_model.safetensors"`).
+
+    Written by diffusers' own `save_lora_weights` (0.40): one safetensors file whose keys are
+    `transformer.<module>.lora_A.weight` / `lora_B.weight` (no PEFT adapter name: a `default.` in a key
+    makes diffusers treat the file as a foreign format), with the LoraConfig as JSON under the
+    `lora_adapter_metadata` header key, every field prefixed `transformer.`, so rank, alpha and targets
+    survive exactly. `adapter_config.json` is PEFT's plain config, for people and tools (and the
+    vLLM-Omni engine's `update_lora`); diffusers reads the header. Keys are not PEFT's `base_model.model.`
+    layout, so `PeftModel.from_pretrained` needs `load_lora_adapter` instead.
+    Atomic (`files.atomic_dir`, as a checkpoint); collective when torch.distributed is initialised: over `group`
+    (the ranks that hold the model's shards; None = all ranks), whose first rank must be rank 0. `extra_json` ({file name: object}) is
+    written into the same directory before it is renamed into place, so it always describes this adapter.
+    """
+    from diffusers.loaders.lora_pipeline import QwenImageLoraLoaderMixin
+
+    cfg = _peft_config(model, adapter_name)
+    sd = lora_state_dict(model, adapter_name=adapter_name)
+    out = Path(out_dir)
+    if rank() == 0:
+        cfg_dict = _lora_config_dict(cfg)
+        with files.atomic_dir(out) as tmp:
+            # A transformer-only file: SD3's loader reads the same layout (its saver writes the same keys).
+            QwenImageLoraLoaderMixin.save_lora_weights(
+                tmp,
+                # diffusers annotates this read-only argument as an invariant dict of Module | Tensor.
+                transformer_lora_layers=sd,  # pyright: ignore[reportArgumentType]
+                weight_name=ADAPTER_WEIGHTS,
+                transformer_lora_adapter_metadata=cfg_dict,
+            )
+            files.fsync_file(tmp / ADAPTER_WEIGHTS)
+            files.write_json(tmp / ADAPTER_CONFIG, cfg_dict)
+            for name, obj in (extra_json or {}).items():
+                files.write_json(tmp / name, obj)
+    barrier(group)
+    return out
+
+
+def write_adapter(out_dir: str | os.PathLike, tensors: dict[str, torch.Tensor], config: Any) -> Path:
+    """Write a PEFT adapter directory atomically: `adapter_model.safetensors` holding `tensors` under their
+    names as given, and `adapter_config.json` from `config` (a peft.LoraConfig or its dict). Not collective:
+    the caller holds full tensors."""
+    out = Path(out_dir)
+    cfg = _lora_config_dict(config)
+    with files.atomic_dir(out) as tmp:
+        files.write_tensors(tmp / ADAPTER_WEIGHTS, dict(tensors), metadata={"format": "pt"})
+        files.write_json(tmp / ADAPTER_CONFIG, cfg)
+    return out

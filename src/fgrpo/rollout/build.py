@@ -1,0 +1,23 @@
+"""The configured rollout engine: this process's diffusers modules, or vLLM-Omni with its own weights."""
+
+from __future__ import annotations
+
+from fgrpo.models.base import FlowModel
+from fgrpo.rollout.base import RolloutEngine
+from fgrpo.rollout.engine import DiffusersEngine
+from fgrpo.rollout.vllm_omni import VllmOmniEngine
+
+
+def build_engine(
+    model: FlowModel,
+    engine: str,
+    model_path: str,
+    *,
+    train_graph: bool = False,
+    merged_lora: bool = False,
+) -> RolloutEngine:
+    """The configured rollout engine: this process's diffusers modules (train_graph, merged_lora: see
+    DiffusersEngine), or vLLM-Omni with its own weights."""
+    if engine == "vllm_omni":
+        return VllmOmniEngine(model_path, enable_sleep_mode=True)
+    return DiffusersEngine(model, train_graph=train_graph, merged_lora=merged_lora)
