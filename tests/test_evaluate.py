@@ -162,12 +162,11 @@ def test_the_report_shows_the_summary_and_a_grid_of_every_model(tmp_path):
 
 def test_bad_input_is_refused_in_one_line_before_a_model_is_built(tmp_path, monkeypatch):
     m = _experiment()
-    import fgrpo.models.loading
 
     def no_model(*a, **k):
         raise AssertionError("a model was built")
 
-    monkeypatch.setattr(fgrpo.models.loading, "build_model", no_model)
+    monkeypatch.setattr(evaluate, "build_model", no_model)
     no_adapter = tmp_path / "empty_dir"
     no_adapter.mkdir()
     empty = tmp_path / "empty.txt"

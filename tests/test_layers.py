@@ -15,7 +15,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("models", ("fgrpo.models",)),
     ("rewards/policy", ("fgrpo.rewards", "fgrpo.policy")),
     ("rollout/data", ("fgrpo.rollout", "fgrpo.data")),
-    ("algorithms", ("fgrpo.algorithms", "fgrpo.recompute", "fgrpo.presets")),
+    ("algorithms", ("fgrpo.algorithms", "fgrpo.recompute", "fgrpo.presets", "fgrpo.evaluate")),
     ("train", ("fgrpo.train", "fgrpo.async_mode", "fgrpo.runs")),
 ]
 

@@ -29,16 +29,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fgrpo import guard, parallel
-from fgrpo.checkpoint import ADAPTER_WEIGHTS, read_safetensors_metadata
+from fgrpo import checkpoint, guard, parallel
 from fgrpo.config import ModelConfig
 from fgrpo.errors import ConfigError, MissingFileError
+from fgrpo.files import read_safetensors_metadata
 from fgrpo.models.base import FlowModel
+from fgrpo.models.lora import ADAPTER_WEIGHTS, setup_trainable
+from fgrpo.models.registry import build_model
+from fgrpo.rewards import build_reward
 from fgrpo.rewards.base import check_scores
 from fgrpo.rewards.ocr import is_exact
+from fgrpo.rewards.runner import ParallelReward
 from fgrpo.rollout import seeds as rs
 from fgrpo.rollout.base import SamplingConfig
-from fgrpo.rollout.engine import rollout
+from fgrpo.rollout.build import build_engine
+from fgrpo.rollout.engine import rollout, validation_sampling
 
 # The validation row's name of each per-image metric that validation logs (the mean over the images).
 VALIDATION_KEYS = {
@@ -269,9 +274,6 @@ def build_column(spec: EvalSpec, column: Column, device: torch.device) -> FlowMo
     """The column's model built as a training run builds its own (fgrpo.train.Trainer): the seeded build, LoRA
     (the column's adapter loaded, else a fresh one, which changes no output), FSDP2 with the run's compute dtype,
     then the column's checkpoint."""
-    from fgrpo import checkpoint
-    from fgrpo.models.loading import build_model, setup_trainable
-
     mcfg = spec.model
     if column.lora:
         mcfg = dataclasses.replace(mcfg, lora=True, init_lora=column.lora, **adapter_settings(column.lora))
@@ -298,10 +300,6 @@ def run(
 ) -> dict[str, dict[str, dict]]:
     """Evaluate every column on every rank (the prompts split over them), one model in memory at a time; rank 0
     writes the report into `out_dir` (None: not written). Returns the summary (model -> metric -> n, mean, ci95)."""
-    from fgrpo.rewards import build_reward
-    from fgrpo.rewards.runner import ParallelReward
-    from fgrpo.rollout.engine import build_engine, validation_sampling
-
     split = parallel.split(0)
     reward = (
         build_reward(spec.reward)
