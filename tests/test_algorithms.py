@@ -226,10 +226,15 @@ def test_forward_process_is_a_property_of_the_algorithm_class():
 def test_each_forward_process_algorithm_checks_its_own_fields(tmp_path):
     """NFT refuses a non-positive nft_beta and AWM a non-positive awm_p, each in one line naming the field; neither
     checks the other's field, which it never reads."""
+
+    def zero(name, field):
+        c = cfg_for(tmp_path, name)
+        return dataclasses.replace(c, algo=dataclasses.replace(c.algo, **{field: 0.0}))
+
     for name, field, other in (("nft", "nft_beta", "awm"), ("awm", "awm_p", "nft")):
         with pytest.raises(ValueError, match=rf"^algo\.{field}=0\.0 is out of range"):
-            check_config(cfg_for(tmp_path, name, **{field: 0.0}), world_size=1)
-        check_config(cfg_for(tmp_path, other, **{field: 0.0}), world_size=1)
+            check_config(zero(name, field), world_size=1)
+        check_config(zero(other, field), world_size=1)
 
 
 def _budget(c):
