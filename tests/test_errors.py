@@ -64,6 +64,7 @@ REFUSALS = [
     ("ltx2_ocr", "tiny", ["--optim.lr", "-1"], LR),
     ("toy_2d", "tiny", ["--grpo.updates-per-rollout", "7"], "grpo.updates_per_rollout=7 must divide"),
     ("pretrain_textbed", "tiny", ["--optim.min-lr-ratio", "2"], "optim.min_lr_ratio=2.0 must be in [0, 1]"),
+    ("eval_ocr", "tiny", ["--num-images", "0"], "--num-images 0: must be >= 1"),
 ]
 
 
@@ -79,7 +80,7 @@ def test_every_experiment_ends_a_refusal_in_one_line(
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.chdir(tmp_path)  # nothing may be written; if something is, not into the checkout
     path = ROOT / "experiments" / f"{name}.py"
-    out = "--run.out-dir" if name.endswith("_ocr") else "--out-dir"
+    out = {"eval_ocr": "--out"}.get(name, "--run.out-dir" if name.endswith("_ocr") else "--out-dir")
     monkeypatch.setattr(sys, "argv", [str(path), preset, *flags, out, "x"])
     with pytest.raises(SystemExit) as e:
         runpy.run_path(str(path), run_name="__main__")
