@@ -4,26 +4,20 @@ preset's rollout taken from the experiment file itself (so a preset change reach
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import sys
 from pathlib import Path
 
 import torch
 
 from fgrpo.config import SamplingConfig
 from fgrpo.models.textbed import TextbedModel, load_textbed
+from fgrpo.scripts import load_script
 
 EXPERIMENT = Path(__file__).resolve().parents[1] / "experiments" / "qwen_image_ocr.py"
 
 
 def preset_rollout(**overrides) -> SamplingConfig:
     """`experiments/qwen_image_ocr.py tiny-gpu`'s SamplingConfig with `overrides` replaced."""
-    spec = importlib.util.spec_from_file_location(EXPERIMENT.stem, EXPERIMENT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(module)
-    return dataclasses.replace(module.tiny_gpu().sampling, **overrides)
+    return dataclasses.replace(load_script(EXPERIMENT).tiny_gpu().sampling, **overrides)
 
 
 def load_renderer(checkpoint: str | None, device: torch.device, lora: str | None = None) -> TextbedModel:

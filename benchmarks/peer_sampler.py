@@ -83,6 +83,7 @@ from fgrpo.models.registry import build_tiny
 from fgrpo.models.sd3 import SD3_LORA_TARGETS
 from fgrpo.rollout.engine import DiffusersEngine
 from fgrpo.rollout.seeds import sample_seed
+from fgrpo.scripts import load_script
 
 SAMPLER_MODULE = "flow_grpo.diffusers_patch.sd3_pipeline_with_logprob"
 # flow_grpo's text encoders come as None: the conditioning is passed in as embeddings.
@@ -323,13 +324,7 @@ def profile_one(sampler: Sampler, device: torch.device, out: Path, mode: str) ->
 
 def sd3_recipe_sampling() -> SamplingConfig:
     """experiments/sd35_ocr.py's Config().sampling: the SD3.5 recipe's sampler."""
-    path = Path(__file__).resolve().parent.parent / "experiments" / "sd35_ocr.py"
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    return module.Config().sampling
+    return load_script("experiments/sd35_ocr.py").Config().sampling
 
 
 @contextlib.contextmanager

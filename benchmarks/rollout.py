@@ -33,7 +33,6 @@ import dataclasses
 import hashlib
 import math
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -53,6 +52,7 @@ from fgrpo.models.registry import FAMILIES, build_tiny
 from fgrpo.models.sd3 import SD3
 from fgrpo.rollout.engine import DiffusersEngine
 from fgrpo.rollout.seeds import sample_seed
+from fgrpo.scripts import load_script
 
 TFLOP_PER_FORWARD_512 = 16.65  # one Qwen-Image transformer forward of one 512x512 sample (1024 image tokens)
 
@@ -346,15 +346,7 @@ def _real_size_text_encoder():
 def recipe(model: str):
     """The Config() of family `model`'s experiment file (its registry entry's recipe): the values the benchmark rows
     use."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parent.parent / FAMILIES[model].recipe
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    return module.Config()
+    return load_script(FAMILIES[model].recipe).Config()
 
 
 def condition_folder() -> Path:

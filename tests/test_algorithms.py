@@ -3,8 +3,6 @@ its exactness promises (the first update's ratio is 1, Flow-DPPO needs no recomp
 policy behaves as core.ema says and resumes exactly. Tiny random Qwen-Image on the CPU (tests/train_entry.py)."""
 
 import dataclasses
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from fgrpo import train as train_mod
 from fgrpo.algorithms import check_config
 from fgrpo.core import schedule
 from fgrpo.rollout.engine import DiffusersEngine
+from fgrpo.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -252,13 +251,7 @@ def _budget(c):
 
 
 def test_every_algorithm_preset_validates_and_keeps_the_base_budget():
-    spec = importlib.util.spec_from_file_location(
-        "qwen_image_ocr", ROOT / "experiments" / "qwen_image_ocr.py"
-    )
-    assert spec is not None and spec.loader is not None
-    m = importlib.util.module_from_spec(spec)
-    sys.modules["qwen_image_ocr"] = m
-    spec.loader.exec_module(m)
+    m = load_script(ROOT / "experiments" / "qwen_image_ocr.py")
     presets = m.presets()
     for algo in ("dppo", "mixgrpo", "nft", "awm"):
         for suffix, base in (("", m.Config()), ("-tiny", m.tiny()), ("-tiny-gpu", m.tiny_gpu())):

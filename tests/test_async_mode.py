@@ -4,7 +4,6 @@ weight, and validates the trainer's weights; the trainer's drop rule and message
 config refusals."""
 
 import dataclasses
-import importlib.util
 import json
 import math
 import os
@@ -20,6 +19,7 @@ from safetensors.torch import load_file
 from fgrpo import algorithms, async_mode, recompute
 from fgrpo.config import AlgoConfig, GRPOConfig, ParallelConfig, RunConfig, TrainConfig, validate_config
 from fgrpo.rollout.buffer import RolloutBuffer
+from fgrpo.scripts import load_script
 
 ENTRY = str(Path(__file__).with_name("train_entry.py"))
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -71,10 +71,7 @@ def _validate_checkpoints(out_dir, steps: list[int]) -> list[float]:
     from fgrpo.rollout.build import build_engine
     from fgrpo.train import validate
 
-    spec = importlib.util.spec_from_file_location("train_entry", ENTRY)
-    assert spec is not None and spec.loader is not None
-    entry = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(entry)
+    entry = load_script(ENTRY)
     cfg = entry.Config()
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, val_every=2, val_num_steps=3))
     model = build_model(cfg.model, torch.device("cpu"), cfg.seed)

@@ -2,7 +2,6 @@
 memory), their stub encoders give the real conditioning shapes, and train_step.py / rollout.py run a tiny model of
 each new family end to end on the CPU."""
 
-import importlib.util
 import math
 import os
 import re
@@ -14,6 +13,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+
+from fgrpo.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
@@ -30,11 +31,7 @@ def bench():
 
     def load(name: str):
         if name not in sys.modules:
-            spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-            assert spec is not None and spec.loader is not None
-            sys.modules[name] = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(sys.modules[name])
-            loaded[name] = sys.modules[name]
+            loaded[name] = load_script(BENCH / f"{name}.py")
         return sys.modules[name]
 
     try:

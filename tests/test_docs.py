@@ -4,13 +4,13 @@ screen, every relative link lands on a file (and anchor), and every experiment c
 from __future__ import annotations
 
 import ast
-import importlib.util
 import re
-import sys
 from functools import cache
 from pathlib import Path
 
 import pytest
+
+from fgrpo.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -97,12 +97,7 @@ def experiment_presets(stem: str) -> frozenset[str] | None:
         ):
             names.update(keys)
     if re.search(r"^def presets\(", path.read_text(), re.M):
-        spec = importlib.util.spec_from_file_location(f"_docs_experiment_{stem}", path)
-        assert spec and spec.loader
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
-        spec.loader.exec_module(module)
-        names.update(module.presets())
+        names.update(load_script(path).presets())
     return frozenset(names)
 
 
@@ -191,12 +186,7 @@ def test_main_job_figure_builds_from_a_run_directory(tmp_path: Path):
 
     from fgrpo.errors import MissingFileError
 
-    spec = importlib.util.spec_from_file_location(
-        "_docs_main_job_figure", ROOT / "benchmarks" / "main_job_figure.py"
-    )
-    assert spec and spec.loader
-    figure = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(figure)
+    figure = load_script(ROOT / "benchmarks" / "main_job_figure.py")
     run = tmp_path / "run"
     (run / "images").mkdir(parents=True)
     rows = [{"step": 0, "reward/mean": 0.5, "val/reward_mean": 0.6}, {"step": 1, "reward/mean": 0.55}]

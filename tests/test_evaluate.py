@@ -3,9 +3,7 @@ the contract that an evaluation of a run's base model and of its exported LoRA g
 validation numbers bit for bit (the text renderer with the OCR reward, one training step, on the CPU)."""
 
 import dataclasses
-import importlib.util
 import json
-import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -21,17 +19,13 @@ from fgrpo.errors import FgrpoError
 from fgrpo.logging import read_metrics
 from fgrpo.rollout.base import SamplingConfig
 from fgrpo.rollout.seeds import validation_seeds
+from fgrpo.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _experiment():
-    spec = importlib.util.spec_from_file_location("eval_ocr", ROOT / "experiments" / "eval_ocr.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "experiments" / "eval_ocr.py")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -287,13 +281,7 @@ def test_the_presets_evaluate_as_their_training_presets_validate():
     """`tiny` is the main job's validation (experiments/qwen_image_ocr.py tiny) and `ocr-test` the recipe's: the
     same model, resolution, CFG, micro-batch, ODE steps and reward; `tiny` also its prompts."""
     m = _experiment()
-    spec = importlib.util.spec_from_file_location(
-        "qwen_image_ocr", ROOT / "experiments" / "qwen_image_ocr.py"
-    )
-    assert spec is not None and spec.loader is not None
-    train = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = train
-    spec.loader.exec_module(train)
+    train = load_script(ROOT / "experiments" / "qwen_image_ocr.py")
     presets = m.presets()
     assert set(presets) == {"tiny", "ocr-test"}
     keep = ("height", "width", "guidance_scale", "negative_prompt", "micro_batch")

@@ -1,6 +1,5 @@
 """Every experiment file: --help parses, its presets instantiate, the tiny presets run 2 steps end to end."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -9,18 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from fgrpo.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = sorted((ROOT / "experiments").glob("*.py"))
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
-def load(path: Path):
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+load = load_script
 
 
 def test_every_experiment_is_covered():
@@ -321,11 +316,9 @@ def test_pretrain_textbed_lr_decay_reaches_the_loop(capsys):
 
 
 PRETRAIN_DRIVER = """
-import dataclasses, importlib.util, sys, torch
-spec = importlib.util.spec_from_file_location("pretrain_textbed", sys.argv[1])
-pt = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = pt
-spec.loader.exec_module(pt)
+import dataclasses, sys, torch
+from fgrpo.scripts import load_script
+pt = load_script(sys.argv[1])
 cfg = pt.tiny()
 cfg = dataclasses.replace(cfg, max_steps=3, optim=dataclasses.replace(cfg.optim, lr=1e-3, warmup_steps=1))
 torch.manual_seed(cfg.seed)  # train() seeds the same way before it builds the model: this is its init

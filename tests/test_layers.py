@@ -9,7 +9,7 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 # Lowest first. A module's layer is that of the longest name here that is it or one of its packages; a module
 # may import its own layer and those below, never one above.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("core", ("fgrpo", "fgrpo.errors", "fgrpo.fonts", "fgrpo.core")),
+    ("core", ("fgrpo", "fgrpo.errors", "fgrpo.fonts", "fgrpo.core", "fgrpo.scripts")),
     ("config", ("fgrpo.config",)),
     ("runtime", ("fgrpo.parallel", "fgrpo.logging", "fgrpo.guard", "fgrpo.checkpoint", "fgrpo.files")),
     ("models", ("fgrpo.models",)),
@@ -110,3 +110,29 @@ def test_no_fgrpo_import_inside_a_function():
 def test_every_module_has_a_layer():
     for m in graph():
         layer_of(m)
+
+
+def test_scripts_are_leaves():
+    """Experiment and benchmark files are read only through fgrpo.scripts (one loader by path), and no file imports
+    an experiment file as a module: what two scripts share lives in the package."""
+    root = SRC.parents[1]
+    experiments = {p.stem for p in (root / "experiments").glob("*.py")}
+    loaders, imports = [], []
+    for folder in ("src", "benchmarks", "tests", "experiments"):
+        for path in sorted((root / folder).rglob("*.py")):
+            text = path.read_text()
+            if "spec_from_file_location" in text and path != SRC / "fgrpo" / "scripts.py":
+                loaders.append(str(path.relative_to(root)))
+            for node in ast.walk(ast.parse(text, str(path))):
+                names = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module or ""]
+                    if isinstance(node, ast.ImportFrom)
+                    else []
+                )
+                imports += [
+                    f"{path.relative_to(root)}:{node.lineno} imports {n}" for n in names if n in experiments
+                ]
+    assert not loaders, f"load scripts with fgrpo.scripts.load_script, not by hand: {loaders}"
+    assert not imports, "\n".join(imports)

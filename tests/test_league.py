@@ -1,22 +1,17 @@
 """benchmarks/league.py on hand-made metrics files: best, final, AUC, first crossing, the held rule, the figure."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+
+from fgrpo.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _league():
-    spec = importlib.util.spec_from_file_location("league", ROOT / "benchmarks" / "league.py")
-    assert spec is not None and spec.loader is not None
-    m = importlib.util.module_from_spec(spec)
-    sys.modules["league"] = m
-    spec.loader.exec_module(m)
-    return m
+    return load_script(ROOT / "benchmarks" / "league.py")
 
 
 def _write(root: Path, name: str, scores: dict[int, float], step_s: float = 2.0) -> None:

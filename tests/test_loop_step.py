@@ -3,7 +3,6 @@ train(model_builder=...), synchronous on one rank in this process and asynchrono
 rank) under torchrun; the table's numbers are the means of the run's own metrics.jsonl over the steps after
 the first."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from fgrpo.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
@@ -38,12 +39,8 @@ def _mean(rows: list[dict], key: str) -> float:
 def _loop_step(monkeypatch):
     """benchmarks/loop_step.py as a module."""
     monkeypatch.syspath_prepend(str(BENCH))  # loop_step imports benchmarks/rollout.py as `rollout`
-    spec = importlib.util.spec_from_file_location("loop_step", BENCH / "loop_step.py")
-    assert spec is not None and spec.loader is not None
-    loop_step = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "loop_step", loop_step)  # tyro resolves the Args annotations through it
-    spec.loader.exec_module(loop_step)
-    return loop_step
+    monkeypatch.delitem(sys.modules, "loop_step", raising=False)  # put back as it was after the test
+    return load_script(BENCH / "loop_step.py")
 
 
 def test_a_refusal_names_the_benchmarks_own_flag(monkeypatch):

@@ -1,7 +1,6 @@
 """benchmarks/peer_sampler.py runs end to end on the CPU (tiny random SD3) against a stand-in flow_grpo checkout:
 a sampler of our own with flow_grpo's module path, function name and call, so no flow_grpo code is needed."""
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -9,6 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from fgrpo.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
@@ -115,11 +116,8 @@ def test_peer_sampler_tiny(tmp_path):
 
 def test_peer_sampler_needs_a_checkout(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))
-    spec = importlib.util.spec_from_file_location("peer_sampler", BENCH / "peer_sampler.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up
-    spec.loader.exec_module(module)
+    monkeypatch.delitem(sys.modules, "peer_sampler", raising=False)  # put back as it was after the test
+    module = load_script(BENCH / "peer_sampler.py")
     with pytest.raises(SystemExit, match="pass the root of a flow_grpo checkout"):
         module.load_flow_grpo_sampler(tmp_path)
 

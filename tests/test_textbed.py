@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ from fgrpo.core import guidance
 from fgrpo.models import textbed as tb
 from fgrpo.models.base import FlowModel, cond_index
 from fgrpo.rollout.engine import render_words
+from fgrpo.scripts import load_script
 
 TINY = tb.TextbedConfig(
     num_layers=1, num_heads=2, head_dim=16, axes_dims_rope=(4, 6, 6), text_dim=32, text_layers=1, text_heads=2
@@ -163,13 +162,7 @@ def test_committed_checkpoint_renders_heldout_words_ocr_reads_exactly(name):
 
 
 def _pretraining():
-    path = Path(__file__).resolve().parents[1] / "experiments" / "pretrain_textbed.py"
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return load_script(Path(__file__).resolve().parents[1] / "experiments" / "pretrain_textbed.py")
 
 
 def test_pretraining_ema_is_the_hand_written_recipe_ema():
@@ -277,10 +270,4 @@ def test_pretraining_trains_the_sd3_renderer(capsys):
 
 
 def _load_experiment(name: str):
-    path = Path(__file__).resolve().parents[1] / "experiments" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(Path(__file__).resolve().parents[1] / "experiments" / f"{name}.py")

@@ -1,7 +1,6 @@
 """experiments/toy_2d.py learns: Flow-GRPO with the core functions raises the reward of a 2-D flow model."""
 
 import dataclasses
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -9,17 +8,14 @@ import pytest
 import torch
 import tyro
 
+from fgrpo.scripts import load_script
+
 _PATH = Path(__file__).resolve().parents[1] / "experiments" / "toy_2d.py"
 
 
 @pytest.fixture(scope="module")
 def toy():
-    spec = importlib.util.spec_from_file_location("toy_2d", _PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["toy_2d"] = module  # dataclasses resolve string annotations through sys.modules
-    spec.loader.exec_module(module)
-    yield module
+    yield load_script(_PATH)
     sys.modules.pop("toy_2d", None)
 
 

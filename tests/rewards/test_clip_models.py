@@ -263,15 +263,9 @@ def test_random_h14_has_open_clip_vit_h_14s_size():
 @pytest.fixture(scope="module")
 def bench_rewards():
     """benchmarks/rewards.py, imported: its random model rewards are what the GPU rows time."""
-    import importlib.util
-    from pathlib import Path
+    from fgrpo.scripts import load_script
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "rewards.py"
-    spec = importlib.util.spec_from_file_location("bench_rewards", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/rewards.py")
 
 
 def _batch_equals_one_by_one(reward, images: np.ndarray, atol: float) -> np.ndarray:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import importlib.util
 import json
 import socket
 import sys
@@ -23,6 +22,7 @@ from fgrpo.rewards import build_reward
 from fgrpo.rewards.ocr import OcrReward
 from fgrpo.rewards.transport import RewardServiceError, decode_image
 from fgrpo.rewards.vlm import DEFAULT_PROMPT, TransformersOcrEngine, VllmOcrEngine, VlmOcrEngine
+from fgrpo.scripts import load_script
 
 from .helpers import serve_in_thread
 
@@ -184,12 +184,7 @@ MAX_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def vlm_model():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "vlm_model.py"
-    spec = importlib.util.spec_from_file_location("vlm_model", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(Path(__file__).resolve().parents[2] / "benchmarks" / "vlm_model.py")
 
 
 @pytest.fixture(scope="module")
