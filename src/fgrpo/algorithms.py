@@ -337,9 +337,12 @@ class AWM(ForwardProcessAlgorithm):
     """Advantage Weighted Matching: PPO's clipped surrogate on a flow-matching log-weight of fresh
     forward-process points, one set of grid times for the batch, plus the KL to an EMA of the policy.
 
-    The EMA term is the reference's trust region (its ema_beta): the surrogate alone lets a sample with a
-    negative advantage raise its flow-matching error without bound (the ratio is clipped only above 1 + eps =
-    2). On the text renderer it delays the wash-out to white but does not prevent it (RESULTS.md, stability)."""
+    The surrogate alone lets a sample with a negative advantage raise its flow-matching error without bound (the
+    ratio is clipped only above 1 + eps = 2). The EMA term (the reference's ema_beta; decay at most 0.3, refreshed
+    every optimizer step) trails the policy by less than a step: it damps step-to-step jitter and moves with a slow
+    drift. What anchors is the KL to the frozen model (grpo.kl_coef, the reference's train.beta, without which the
+    reference code does not run); the tiny presets leave it off. The renderer's images darkened with it at 3e-3 as
+    without it (RESULTS.md, stability-changed and stability-partial)."""
 
     shared_steps = True
 

@@ -60,7 +60,8 @@ def with_algo(base: C, name: str, *, size: str) -> C:
         grpo = dataclasses.replace(g, kl_coef=0.0 if tiny_size else 1e-4)
     elif name == "awm":
         # The first grid step (sigma = 1: x_t is pure noise) is left out, as in the reference. The KL to the
-        # policy's EMA (weight 1, decay ramping to 0.3) is the reference's trust region, on in every preset.
+        # policy's EMA (weight 1, decay ramping to 0.3) damps each step, on in every preset; the KL to the frozen
+        # model anchors (the reference always runs with it; the tiny presets without, as the other algorithms').
         algo = dataclasses.replace(
             a,
             name="awm",
