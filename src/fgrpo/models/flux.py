@@ -93,6 +93,10 @@ def image_ids(h: int, w: int, device: torch.device | str | None = None) -> torch
 class Flux:
     """FLUX.1 (CLIP-L, T5, transformer, VAE) as a FlowModel. Weights are frozen; LoRA goes on later."""
 
+    # Transformer passes a step takes with guidance_scale > 1 (true CFG's families: 2); the benchmarks' FLOP counts
+    # read it.
+    cfg_forwards = 1
+
     def __init__(
         self,
         transformer: FluxTransformer2DModel,
