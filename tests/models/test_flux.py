@@ -17,6 +17,7 @@ from fgrpo.config import SamplingConfig
 from fgrpo.models import tiny
 from fgrpo.models.base import FlowModel
 from fgrpo.models.flux import FLUX_LORA_TARGETS, Flux, image_ids, pack
+from fgrpo.models.loading import configure_transformer, dispatching_processors
 from fgrpo.models.lora import add_lora, export_lora
 from fgrpo.models.registry import build_tiny
 from fgrpo.recompute import recompute_log_prob, recompute_log_probs
@@ -162,6 +163,19 @@ def test_velocity_is_one_forward_with_the_guidance_embedding(model, monkeypatch)
         x, torch.tensor([0.9, 0.4]), model.encode(PROMPTS[:2], negative_prompt=" "), guidance_scale=3.5
     )
     assert len(calls) == 1 and calls[0][0] == 2 and calls[0][1].tolist() == [3.5, 3.5]
+
+
+def test_attention_backend_and_checkpointing_keep_the_velocity():
+    """FLUX's processors go through diffusers' dispatcher (unlike SD3's), so model.attention_backend reaches every
+    block, joint and single; the switches keep the numbers."""
+    m = tiny.tiny_flux(seed=1)
+    x = torch.randn(1, *m.latent_shape(SIZE, SIZE), generator=torch.Generator().manual_seed(0))
+    cond = m.encode(PROMPTS[:1])
+    before = m.velocity(x, torch.tensor([0.7]), cond, guidance_scale=3.5)
+    configure_transformer(m.transformer, attention_backend="native", gradient_checkpointing=True)
+    assert len(dispatching_processors(m.transformer)) == 3  # 1 joint + 2 single blocks
+    assert m.transformer.is_gradient_checkpointing
+    assert torch.equal(m.velocity(x, torch.tensor([0.7]), cond, guidance_scale=3.5), before)
 
 
 @pytest.mark.parametrize("guidance_scale", [1.0, 3.5])
