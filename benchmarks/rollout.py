@@ -13,10 +13,11 @@ rollout minus VAE decode, per sample per single non-CFG forward: compare with th
 whole rollout time); peak memory. Modes: eager, then model.compile's: regional torch.compile of the transformer
 blocks and the compiled VAE decoder.
 
-`--model qwen_image_edit` / `--model ltx2`: the same rows for real-size random Qwen-Image-Edit
-(`build_real_qwen_image_edit`) and LTX-2.3 (`build_real_ltx2`) at their experiment recipes' sampling
-(experiments/qwen_image_edit_ocr.py: 512², 12 steps, true CFG 4, window 3 of [0, 6), a 1024² condition image;
-experiments/ltx2_ocr.py: 81-frame 256x384 clips, 24 steps, CFG 4, CPS window 3 of [0, 10)); TFLOP/s then
+`--model qwen_image_edit` / `--model ltx2` / `--model flux`: the same rows for real-size random Qwen-Image-Edit
+(`build_real_qwen_image_edit`), LTX-2.3 (`build_real_ltx2`) and FLUX.1-dev (`build_real_flux`) at their experiment
+recipes' sampling (experiments/qwen_image_edit_ocr.py: 512², 12 steps, true CFG 4, window 3 of [0, 6), a 1024²
+condition image; experiments/ltx2_ocr.py: 81-frame 256x384 clips, 24 steps, CFG 4, CPS window 3 of [0, 10);
+experiments/flux_ocr.py: 512², 6 steps, embedded guidance 3.5 in one forward, CPS window 3 of [0, 3)); TFLOP/s then
 uses the forward's FLOPs counted on the model as built (`forward_tflop`), and LTX-2's rows count videos.
 
 GPU:  python benchmarks/rollout.py                   (about 5 min on one H200)
@@ -44,6 +45,7 @@ import torch
 from fgrpo.config import SamplingConfig
 from fgrpo.models.base import ImagePrompt
 from fgrpo.models.common import module_device, module_dtype
+from fgrpo.models.flux import Flux
 from fgrpo.models.loading import compile_decoder, configure_transformer
 from fgrpo.models.ltx2 import LTX2, clip_kwargs
 from fgrpo.models.qwen_image import QwenImage
@@ -322,6 +324,48 @@ def build_real_sd3(device: torch.device, layers: int = 24) -> SD3:
     return StubTextSD3.from_modules(transformer, vae, unused, [None, None, None], device=device)
 
 
+class StubTextFlux(Flux):
+    """FLUX.1 whose prompt encoder returns random embeddings of the real shapes (no CLIP-L, no T5-XXL): 512 T5
+    tokens of width 4096 and CLIP's pooled vector of 768, as FluxPipeline makes."""
+
+    def _encode_one(self, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(sample_seed(len(prompt), *map(ord, prompt[:32])))
+        cfg: Any = self.transformer.config
+        embeds = torch.randn(self.max_sequence_length, cfg.joint_attention_dim, generator=gen)
+        pooled = torch.randn(cfg.pooled_projection_dim, generator=gen)
+        return embeds.to(self.device, self.dtype), pooled.to(self.device, self.dtype)
+
+
+def build_real_flux(device: torch.device | str, layers: int = 19) -> Flux:
+    """FLUX.1-dev at real size with random bf16 weights (black-forest-labs/FLUX.1-dev's transformer and VAE configs:
+    19 joint and 38 single-stream blocks of 24 heads x 128, the guidance embedding; 16-channel VAE without quant
+    convs) and stub text encoders. `layers` joint blocks come with twice as many single ones."""
+    from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
+    from diffusers.models.transformers.transformer_flux import FluxTransformer2DModel
+
+    with real_size(device):
+        # diffusers' defaults are FLUX.1's sizes; FLUX.1-dev adds the guidance embedding
+        transformer = FluxTransformer2DModel(
+            num_layers=layers, num_single_layers=2 * layers, guidance_embeds=True
+        )
+        vae_config: dict[str, Any] = dict(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4,
+            block_out_channels=(128, 256, 512, 512),
+            layers_per_block=2,
+            latent_channels=16,
+            scaling_factor=0.3611,
+            shift_factor=0.1159,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+        )
+        vae = AutoencoderKL(**vae_config)
+    unused = [torch.nn.Identity(), torch.nn.Identity()]  # the stub encodes; CLIP and T5 are never called
+    return StubTextFlux.from_modules(transformer, vae, unused, [None, None], device=device)
+
+
 def _real_size_text_encoder():
     """Random Qwen2.5-VL-7B text tower (the vision tower shrunk: it is never run) + the offline tokenizer."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -427,8 +471,13 @@ def main() -> None:
     ap.add_argument(
         "--model",
         default="qwen_image",
-        choices=["qwen_image", "qwen_image_edit", "ltx2"],  # the families with a real-size builder here
-        help="qwen_image (the rows above), qwen_image_edit or ltx2 (their experiment recipes' sampling)",
+        choices=[
+            "qwen_image",
+            "qwen_image_edit",
+            "ltx2",
+            "flux",
+        ],  # the families with a real-size builder here
+        help="qwen_image (the rows above), qwen_image_edit, ltx2 or flux (their experiment recipes' sampling)",
     )
     ap.add_argument("--tiny", action="store_true", help="tiny random model on the CPU (script check)")
     ap.add_argument("--batch-sizes", default="", help="comma-separated B (default 8,16,32; tiny: 2,4)")
@@ -446,7 +495,10 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="", help="diffusers attention backend name; '' = SDPA")
     ap.add_argument("--text-encoder", action="store_true", help="random real-size Qwen2.5-VL instead of stub")
     ap.add_argument(
-        "--layers", type=int, default=0, help="transformer blocks of the real-size model (0 = all: 60 / 48)"
+        "--layers",
+        type=int,
+        default=0,
+        help="transformer blocks of the real-size model (0 = all: 60 / 48 / FLUX 19 joint)",
     )
     ap.add_argument("--device", default="", help="default: cuda (tiny: cpu)")
     ap.add_argument(
@@ -474,11 +526,15 @@ def main() -> None:
         torch._dynamo.config.recompile_limit = 64
 
     if args.tiny:
-        model = cast(QwenImage | LTX2, build_tiny(args.model))  # the tiny version of one of these families
+        model = cast(
+            QwenImage | LTX2 | Flux, build_tiny(args.model)
+        )  # the tiny version of one of these families
     elif args.model == "qwen_image":
         model = build_real(device, args.text_encoder, args.layers or 60)
     elif args.model == "qwen_image_edit":
         model = build_real_qwen_image_edit(device, args.layers or 60)
+    elif args.model == "flux":
+        model = build_real_flux(device, args.layers or 19)
     else:
         model = build_real_ltx2(device, args.layers or 48)
     if args.attention_backend:
@@ -517,7 +573,9 @@ def main() -> None:
             f"G={args.group}, {tflop_per_forward:.2f} TFLOP per forward, device={device_name}, "
             f"torch {torch.__version__}, built in {time.perf_counter() - start:.0f}s"
         )
-    forwards = 2 if guidance > 1 else 1
+    forwards = (
+        getattr(model, "cfg_forwards", 2) if guidance > 1 else 1
+    )  # FLUX.1-dev: the guidance is an input
 
     per_s = "vid/s" if isinstance(model, LTX2) else "img/s"
     header = f"{'mode':8} {'B':>3} {per_s:>7} {'ms/sample-step':>15} {'ms/forward':>11} {'TFLOP/s':>8} {'decode s':>9} {'peak GiB':>9} {'total s':>8}"

@@ -1,13 +1,14 @@
-"""One full training step of the Qwen-Image (SD3.5-M, Qwen-Image-Edit, LTX-2.3) OCR LoRA recipe at real size, phase by phase (any --algo).
+"""One full training step of the Qwen-Image (SD3.5-M, Qwen-Image-Edit, LTX-2.3, FLUX.1-dev) OCR LoRA recipe at real size, phase by phase (any --algo).
 
 Real-size QwenImageTransformer2DModel (20 B) and AutoencoderKLQwenImage with random weights built on
 the GPU by benchmarks/rollout.py's `build_real` (`--model sd3`: SD3.5-Medium's 2.2 B transformer and VAE,
 `build_real_sd3`; `--model qwen_image_edit`: Qwen-Image-Edit, `build_real_qwen_image_edit`, with a synthesised
 condition image per prompt; `--model ltx2`: LTX-2.3's transformer, connectors, video and audio VAEs and vocoder,
-`build_real_ltx2`, whose rows count videos); the text encoders are replaced by fixed random prompt embeddings of
-the real shapes (their cost is one forward per distinct prompt, cached over the group). Qwen-Image-Edit and
-LTX-2.3 sample, train their LoRA and batch by their experiment files' `recipe` presets
-(experiments/qwen_image_edit_ocr.py, experiments/ltx2_ocr.py). The reward is a stub (each image's mean pixel value), or with
+`build_real_ltx2`, whose rows count videos; `--model flux`: FLUX.1-dev's 12 B transformer and VAE,
+`build_real_flux`); the text encoders are replaced by fixed random prompt embeddings of
+the real shapes (their cost is one forward per distinct prompt, cached over the group). Qwen-Image-Edit,
+LTX-2.3 and FLUX.1-dev sample, train their LoRA and batch by their experiment files' `recipe` presets
+(experiments/qwen_image_edit_ocr.py, experiments/ltx2_ocr.py, experiments/flux_ocr.py). The reward is a stub (each image's mean pixel value), or with
 `--reward vlm` the OCR reward read by a Qwen2.5-VL at the 3B's widths with random weights (benchmarks/vlm_model.py;
 the tiny one with --tiny) on the same GPU, unsharded and uncompiled: OcrReward (LTX-2.3: VideoOcrReward) over
 TransformersOcrEngine, each rollout micro-batch's images in one generate call of at most 16 new tokens; its seconds
@@ -30,6 +31,7 @@ prompts, rollout, reward, gathered rewards -> advantages; its "rollout" and "rew
     python benchmarks/train_step.py --compile --model sd3           # SD3.5-M: flow_grpo's SD3 LoRA recipe
     python benchmarks/train_step.py --compile --model qwen_image_edit   # 2 prompts x 16 edits, micro-batch 4
     python benchmarks/train_step.py --compile --model ltx2          # 2 prompts x 8 videos (81 x 256x384)
+    python benchmarks/train_step.py --compile --model flux          # 2 prompts x 24 images, guidance 3.5 embedded
     python benchmarks/train_step.py --tiny --model ltx2 --iters 0   # CPU wiring check of a family
     torchrun --nproc-per-node 2 benchmarks/train_step.py --prompts 4   # 2 GPUs, 32 images per GPU
     python benchmarks/train_step.py --opt-steps 1 --iters 0 --save-update /tmp/u.safetensors
@@ -61,6 +63,7 @@ import numpy as np
 import torch
 from rollout import (  # benchmarks/rollout.py: the same random models
     build_real,
+    build_real_flux,
     build_real_ltx2,
     build_real_qwen_image_edit,
     build_real_sd3,
@@ -91,10 +94,10 @@ def main() -> None:
     ap.add_argument(
         "--model",
         default="qwen_image",
-        choices=["qwen_image", "sd3", "qwen_image_edit", "ltx2"],
+        choices=["qwen_image", "sd3", "qwen_image_edit", "ltx2", "flux"],
         help="qwen_image: the OCR LoRA recipe (r64, true CFG 4, flow_sde window 2 of [0, 5)); sd3: SD3.5-M with "
         "flow_grpo's SD3 LoRA recipe (r32 on attention, CFG 4.5, CPS noise 0.8 in a 3-step window of [0, 5)); "
-        "qwen_image_edit, ltx2: their experiment files' recipe presets (sampling, LoRA, optimizer)",
+        "qwen_image_edit, ltx2, flux: their experiment files' recipe presets (sampling, LoRA, optimizer)",
     )
     ap.add_argument(
         "--cfg", type=float, default=0.0, help="CFG scale (0 = the recipe's: 4 / 4.5; 1 = no CFG)"
@@ -121,7 +124,7 @@ def main() -> None:
         "--layers",
         type=int,
         default=0,
-        help="transformer blocks of the real-size model (0 = all: 60 / 24 / 60 / 48)",
+        help="transformer blocks of the real-size model (0 = all: 60 / 24 / 60 / 48 / FLUX 19 joint)",
     )
     ap.add_argument(
         "--compile",
@@ -281,7 +284,7 @@ def main() -> None:
         raise SystemExit(f"--algo: unknown {unknown}; choose from {' '.join(algorithms.ALGORITHMS)}")
     d = parallel.init_distributed("cpu" if args.tiny else "cuda")
     rec = (
-        recipe(args.model) if args.model in ("qwen_image_edit", "ltx2") else None
+        recipe(args.model) if args.model in ("qwen_image_edit", "ltx2", "flux") else None
     )  # experiments/*.py's recipe
     group = args.group or (rec.grpo.group_size if rec is not None else 16)
     micro_batch = args.micro_batch or (rec.sampling.micro_batch if rec is not None else 8)
@@ -291,7 +294,10 @@ def main() -> None:
     n_local = n // d.world_size
     torch.manual_seed(0)  # the same random weights and LoRA init on every rank and in every run
     sd3 = args.model == "sd3"
-    layers = args.layers or {"qwen_image": 60, "sd3": 24, "qwen_image_edit": 60, "ltx2": 48}[args.model]
+    layers = (
+        args.layers
+        or {"qwen_image": 60, "sd3": 24, "qwen_image_edit": 60, "ltx2": 48, "flux": 19}[args.model]
+    )
     if args.tiny:
         model = build_tiny(args.model)
     elif args.model == "qwen_image":
@@ -300,6 +306,8 @@ def main() -> None:
         model = build_real_sd3(d.device, layers)
     elif args.model == "qwen_image_edit":
         model = build_real_qwen_image_edit(d.device, layers)
+    elif args.model == "flux":
+        model = build_real_flux(d.device, layers)
     else:
         model = build_real_ltx2(d.device, layers)
     lr = 3e-5 if args.full else 3e-4
@@ -560,7 +568,7 @@ def main() -> None:
 
         roll, rew, old, train, peak, gap = (sum(r[k] for r in rows) / len(rows) for k in range(6))
         W, steps = sampling.window_size, sampling.num_steps
-        forwards = 2 if sampling.guidance_scale > 1 else 1
+        forwards = getattr(model, "cfg_forwards", 2) if sampling.guidance_scale > 1 else 1  # FLUX.1-dev: 1
         fwd_roll = n_local * steps * forwards
         # window algorithms: W steps x CFG sequences x (forward + input-grad backward + checkpoint recompute);
         # NFT/AWM: K points x (the old policy's no-grad forward + the same 3), one sequence (no CFG in training)

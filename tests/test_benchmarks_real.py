@@ -125,6 +125,25 @@ def test_real_ltx2_widths(rollout):
     )
 
 
+def test_real_flux_widths(rollout):
+    model = rollout.build_real_flux("meta")
+    t = model.transformer
+    p = next(t.parameters())
+    assert (p.device.type, p.dtype) == ("meta", torch.bfloat16)
+    # black-forest-labs/FLUX.1-dev's transformer/config.json: 19 joint and 38 single-stream blocks of 24 heads x 128
+    # = 3072, 64 input channels (16 latent channels x 2x2 packing), T5-XXL's 4096 and CLIP-L's pooled 768 as text
+    # widths, the guidance embedding: 11.9 B parameters, FLUX.1-dev's published size.
+    assert (len(t.transformer_blocks), len(t.single_transformer_blocks)) == (19, 38)
+    assert t.x_embedder.in_features == 64 and t.x_embedder.out_features == 24 * 128
+    assert t.context_embedder.in_features == 4096 and t.config.pooled_projection_dim == 768
+    assert model.guidance_embeds and model.cfg_forwards == 1
+    assert round(sum(q.numel() for q in t.parameters()) / 1e9, 1) == 11.9
+    # vae/config.json: 16 latent channels, 8x spatial compression; a 512² image is 32 x 32 = 1024 tokens
+    assert model.latent_shape(512, 512) == (16, 64, 64)
+    embeds, pooled = model._encode_one('A storefront sign that says "WORD0"')
+    assert tuple(embeds.shape) == (512, 4096) and tuple(pooled.shape) == (768,)
+
+
 TRAIN_ARGS = ("--iters", "0", "--prompts", "1", "--group", "2", "--opt-steps", "1")
 
 
@@ -227,7 +246,7 @@ def test_train_step_tiny_ltx2(train_step, monkeypatch, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model,per_s", [("qwen_image_edit", "img/s"), ("ltx2", "vid/s")])
+@pytest.mark.parametrize("model,per_s", [("qwen_image_edit", "img/s"), ("ltx2", "vid/s"), ("flux", "img/s")])
 def test_rollout_tiny(rollout, monkeypatch, capsys, model, per_s):
     out = run_main(
         rollout, monkeypatch, capsys, "--model", model, "--batch-sizes", "2", "--group", "2", "--steps", "4"

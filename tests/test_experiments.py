@@ -32,12 +32,14 @@ def test_help_parses(path):
     assert "usage:" in res.stdout
 
 
-@pytest.mark.parametrize("name", ["qwen_image_ocr", "sd35_ocr", "qwen_image_edit_ocr", "ltx2_ocr"])
+@pytest.mark.parametrize(
+    "name", ["qwen_image_ocr", "sd35_ocr", "qwen_image_edit_ocr", "ltx2_ocr", "flux_ocr"]
+)
 def test_config_presets_instantiate(name):
     module = load(ROOT / "experiments" / f"{name}.py")
     recipe, tiny = module.Config(), module.tiny()
     assert recipe.exp_name == name == tiny.exp_name  # run name = file stem
-    assert recipe.model.kind in ("qwen_image", "sd3", "qwen_image_edit", "ltx2") and recipe.model.lora
+    assert recipe.model.kind in ("qwen_image", "sd3", "qwen_image_edit", "ltx2", "flux") and recipe.model.lora
     from fgrpo.algorithms import check_config
 
     check_config(recipe, world_size=1)
@@ -104,6 +106,7 @@ RENDERER_FLAGS = ["--grpo.prompts-per-step", "1", "--data.val-num-prompts", "2",
         ("sd35_ocr", "tiny-random", []),
         ("qwen_image_edit_ocr", "tiny", []),
         ("ltx2_ocr", "tiny", []),
+        ("flux_ocr", "tiny", []),
     ],
 )
 def test_tiny_preset_runs_two_steps(tmp_path, name, preset, flags):
@@ -428,3 +431,38 @@ def test_sd3_renderer_gpu_preset_trains_and_reads_like_the_qwen_image_one():
     assert (s.reward, s.optim, s.grpo, s.run, s.num_steps) == (q.reward, q.optim, q.grpo, q.run, q.num_steps)
     assert (s.model.compile, s.model.dtype, s.model.path) == (True, "bf16", "sd3")
     assert s.sampling.micro_batch == 256
+
+
+def test_flux_recipe_matches_flow_grpo():
+    """flow_grpo's `geneval_flux_fast` (config/grpo.py; 32 GPUs x 3 images x 12 batches = 48 prompts x 24 images a
+    step, gradient accumulation 6 = 2 updates) with config/base.py's optimizer and scripts/train_flux.py's LoRA:
+    512², 6 steps, guidance 3.5 as the embedding, CPS noise 0.8 in a 3-step window within [0, 3), global std,
+    clip 1e-5, no KL, lr 3e-4, wd 1e-4, grad clip 1, r64/a128 on its 12 targets, 28 validation steps every 30."""
+    m = load(ROOT / "experiments" / "flux_ocr.py")
+    c = m.Config()
+    s, g, mc = c.sampling, c.grpo, c.model
+    assert (mc.kind, mc.path, mc.lora_rank, mc.lora_alpha) == (
+        "flux",
+        "black-forest-labs/FLUX.1-dev",
+        64,
+        128,
+    )
+    assert len(mc.lora_target_list) == 12 and "ff_context.net.2" in mc.lora_target_list
+    assert (s.height, s.width, s.num_steps, s.guidance_scale, s.sde_kind, s.noise_level) == (
+        512,
+        512,
+        6,
+        3.5,
+        "cps",
+        0.8,
+    )
+    assert (s.window_size, s.window_range, g.group_size, g.prompts_per_step, g.optimizer_steps_per_step) == (
+        3,
+        (0, 3),
+        24,
+        48,
+        2,
+    )
+    assert (g.adv_std, g.adv_clip_max, g.clip_range, g.kl_coef) == ("global", 5.0, 1e-5, 0.0)
+    assert (c.optim.lr, c.optim.weight_decay, c.optim.grad_clip) == (3e-4, 1e-4, 1.0)
+    assert (c.run.val_num_steps, c.run.val_every, c.run.ckpt_every, c.reward.name) == (28, 30, 30, "ocr")

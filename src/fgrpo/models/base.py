@@ -1,4 +1,4 @@
-"""The one small interface every generator implements (Qwen-Image, SD3.5, the tiny textbed).
+"""The one small interface every generator implements (Qwen-Image, SD3.5, FLUX.1, LTX-2, the tiny textbed).
 
 The rollout and the trainer talk to a model only through this Protocol, so both call the *same*
 `velocity` (each formula exists once).
@@ -13,13 +13,19 @@ from typing import TYPE_CHECKING, Protocol, TypeAlias, runtime_checkable
 import torch
 
 if TYPE_CHECKING:
+    from diffusers.models.transformers.transformer_flux import FluxTransformer2DModel
     from diffusers.models.transformers.transformer_ltx2 import LTX2VideoTransformer3DModel
     from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
     from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
 
     # Every model's transformer is a diffusers model: an nn.Module with diffusers' switches (gradient
     # checkpointing, attention backend, regional compile) and peft's adapter methods (add/disable adapters).
-    Transformer: TypeAlias = QwenImageTransformer2DModel | SD3Transformer2DModel | LTX2VideoTransformer3DModel
+    Transformer: TypeAlias = (
+        QwenImageTransformer2DModel
+        | SD3Transformer2DModel
+        | LTX2VideoTransformer3DModel
+        | FluxTransformer2DModel
+    )
 
 # Conditioning is a flat dict of batch-first tensors (model-specific keys, e.g. prompt embeddings,
 # masks, pooled embeddings, and `neg_*` for the negative prompt when CFG is on). Keeping it a plain

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
+
+if TYPE_CHECKING:
+    from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
 
 Key = TypeVar("Key", bound=Hashable)
 
@@ -105,6 +108,14 @@ def to_uint8(images: torch.Tensor) -> torch.Tensor:
     """VAE output in [-1, 1], [B, 3, H, W] -> uint8 [B, H, W, 3] on the CPU (diffusers' postprocess rounding)."""
     x = (images.float() / 2 + 0.5).clamp(0, 1)
     return (x * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
+
+
+def decode_scaled_latents(vae: AutoencoderKL, x0: torch.Tensor) -> torch.Tensor:
+    """Clean latents [B, C, h, w] of an AutoencoderKL scaled as (z - shift_factor) * scaling_factor (SD3's, FLUX's)
+    -> uint8 [B, H, W, 3]: the pipelines' unscaling, the VAE's decode, diffusers' pixel rounding."""
+    cfg: Any = vae.config
+    z = x0.to(module_dtype(vae)) / cfg.scaling_factor + cfg.shift_factor
+    return to_uint8(vae.decode(z, return_dict=False)[0])
 
 
 def freeze(*modules: torch.nn.Module | None, device: torch.device | str | None = None) -> None:

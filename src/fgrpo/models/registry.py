@@ -14,6 +14,7 @@ from fgrpo.config import ModelConfig, TrainConfig
 from fgrpo.errors import ConfigError
 from fgrpo.models import tiny
 from fgrpo.models.base import FlowModel
+from fgrpo.models.flux import FLUX_LORA_TARGETS, Flux
 from fgrpo.models.loading import check_attention_backend, compile_decoder, configure_transformer
 from fgrpo.models.lora import check_lora_file
 from fgrpo.models.ltx2 import LTX2, LTX2_LORA_TARGETS, clip_kwargs
@@ -47,7 +48,7 @@ class Family:
     """The vLLM-Omni rollout engine (rollout_engine='vllm_omni') samples it."""
 
 
-def _pretrained(cls: type[QwenImage] | type[SD3]) -> Loader:
+def _pretrained(cls: type[QwenImage] | type[SD3] | type[Flux]) -> Loader:
     return lambda mcfg, device, dtype, seed: cls.from_pretrained(mcfg.path, dtype=dtype, device=device)
 
 
@@ -55,7 +56,7 @@ def _tiny(build: Callable[..., FlowModel]) -> Loader:
     return lambda mcfg, device, dtype, seed: build(seed=seed, device=device, dtype=dtype, **clip_kwargs(mcfg))
 
 
-# Pixel multiples: Qwen-Image(-Edit) and SD3 8 x 2, as their tiny versions; LTX-2 32 x 1; the text renderer packs
+# Pixel multiples: Qwen-Image(-Edit), SD3 and FLUX 8 x 2, as their tiny versions; LTX-2 32 x 1; the text renderer packs
 # 4x4 pixel patches.
 FAMILIES: dict[str, Family] = {
     "qwen_image": Family(
@@ -75,6 +76,7 @@ FAMILIES: dict[str, Family] = {
         tiny="tiny_qwen_image_edit",
     ),
     "sd3": Family(_pretrained(SD3), SD3_LORA_TARGETS, 16, "experiments/sd35_ocr.py", tiny="tiny_sd3"),
+    "flux": Family(_pretrained(Flux), FLUX_LORA_TARGETS, 16, "experiments/flux_ocr.py", tiny="tiny_flux"),
     "ltx2": Family(
         lambda mcfg, device, dtype, seed: LTX2.from_pretrained(
             mcfg.path, dtype=dtype, device=device, **clip_kwargs(mcfg)
@@ -101,6 +103,7 @@ FAMILIES: dict[str, Family] = {
         _tiny(tiny.tiny_qwen_image_edit), QWEN_IMAGE_LORA_TARGETS, 16, "experiments/qwen_image_edit_ocr.py"
     ),
     "tiny_sd3": Family(_tiny(tiny.tiny_sd3), SD3_LORA_TARGETS, 16, "experiments/sd35_ocr.py"),
+    "tiny_flux": Family(_tiny(tiny.tiny_flux), FLUX_LORA_TARGETS, 16, "experiments/flux_ocr.py"),
     "tiny_ltx2": Family(_tiny(tiny.tiny_ltx2), LTX2_LORA_TARGETS, 32, "experiments/ltx2_ocr.py"),
 }
 

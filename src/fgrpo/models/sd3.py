@@ -26,10 +26,10 @@ from fgrpo.models.common import (
     PromptCache,
     check_resolution,
     complete_scheduler_config,
+    decode_scaled_latents,
     freeze,
     module_device,
     module_dtype,
-    to_uint8,
 )
 
 CLIP_MAX_LENGTH = 77
@@ -227,6 +227,4 @@ class SD3:
     @torch.no_grad()
     def decode(self, x0: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """Clean latents [B, C, h, w] -> uint8 [B, H, W, 3]."""
-        cfg: Any = self.vae.config
-        z = x0.to(module_dtype(self.vae)) / cfg.scaling_factor + cfg.shift_factor
-        return to_uint8(self.vae.decode(z, return_dict=False)[0])
+        return decode_scaled_latents(self.vae, x0)

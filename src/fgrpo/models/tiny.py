@@ -1,4 +1,4 @@
-"""Tiny random-init Qwen-Image, SD3 and LTX-2 (every component, tokenizers included), built offline in code.
+"""Tiny random-init Qwen-Image, SD3, FLUX.1 and LTX-2 (every component, tokenizers included), built offline in code.
 
 Same diffusers / transformers classes as the real models, shrunk until a 64x64 denoising step takes
 milliseconds on a CPU. Used by the tests (parity with diffusers' own pipelines), the experiments' tiny
@@ -18,12 +18,14 @@ from pathlib import Path
 import torch
 from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
 from diffusers.models.autoencoders.autoencoder_kl_qwenimage import AutoencoderKLQwenImage
+from diffusers.models.transformers.transformer_flux import FluxTransformer2DModel
 from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
 from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
 from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
     CLIPTextConfig,
+    CLIPTextModel,
     CLIPTextModelWithProjection,
     PreTrainedTokenizerFast,
     Qwen2_5_VLConfig,
@@ -34,7 +36,8 @@ from transformers import (
 )
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-from fgrpo.models import ltx2, qwen_image, sd3
+from fgrpo.models import flux, ltx2, qwen_image, sd3
+from fgrpo.models.flux import Flux
 from fgrpo.models.ltx2 import LTX2
 from fgrpo.models.qwen_image import PROMPT_DROP, PROMPT_TEMPLATE, QwenImage
 from fgrpo.models.qwen_image_edit import EDIT_PROMPT_DROP, EDIT_PROMPT_TEMPLATE, QwenImageEdit
@@ -340,6 +343,102 @@ def tiny_sd3(
     tokenizers = [c["tokenizer"], c["tokenizer_2"], c["tokenizer_3"]]
     kwargs.setdefault("max_sequence_length", T5_MAX_LENGTH_TINY)
     return SD3.from_modules(c["transformer"], c["vae"], encoders, tokenizers, device=device, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------
+# FLUX.1
+
+
+def tiny_flux_components(seed: int = 0) -> dict:
+    """Random-init tiny FLUX.1-dev parts, keyed like FluxPipeline's constructor (fp32, CPU): the guidance embedding
+    on (FLUX.1-dev's), one joint and two single-stream blocks, a 4-channel VAE with FLUX's latent scale and shift."""
+    clip_tok, t5_tok = tiny_clip_tokenizer(), tiny_t5_tokenizer()
+    joint, pooled = 32, 16
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        clip = CLIPTextModel(
+            CLIPTextConfig(
+                vocab_size=len(clip_tok),
+                hidden_size=pooled,
+                intermediate_size=2 * pooled,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                max_position_embeddings=CLIP_MAX_LENGTH,
+                # ints here; transformers types a tokenizer's *_token_id as int | str | list | None
+                bos_token_id=clip_tok.bos_token_id,  # pyright: ignore[reportArgumentType]
+                eos_token_id=clip_tok.eos_token_id,  # pyright: ignore[reportArgumentType]
+                pad_token_id=clip_tok.pad_token_id,  # pyright: ignore[reportArgumentType]
+            )
+        )
+        t5 = T5EncoderModel(
+            T5Config(
+                vocab_size=len(t5_tok),
+                d_model=joint,
+                d_kv=8,
+                d_ff=32,
+                num_layers=2,
+                num_heads=4,
+                pad_token_id=t5_tok.pad_token_id,  # pyright: ignore[reportArgumentType]
+                eos_token_id=t5_tok.eos_token_id,  # pyright: ignore[reportArgumentType]
+            )
+        )
+        transformer = FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=16,  # 4 latent channels x the pipeline's 2x2 packing
+            num_layers=1,
+            num_single_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=joint,
+            pooled_projection_dim=pooled,
+            guidance_embeds=True,
+            axes_dims_rope=(4, 6, 6),
+        )
+        vae = AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            # diffusers annotates these as tuple[str] / tuple[int] (one element); any length is meant
+            down_block_types=("DownEncoderBlock2D",) * 4,  # pyright: ignore[reportArgumentType]
+            up_block_types=("UpDecoderBlock2D",) * 4,  # pyright: ignore[reportArgumentType]
+            block_out_channels=(8, 8, 16, 16),  # pyright: ignore[reportArgumentType]
+            layers_per_block=1,
+            latent_channels=4,
+            norm_num_groups=4,
+            sample_size=64,
+            scaling_factor=0.3611,  # black-forest-labs/FLUX.1-dev's vae/config.json
+            shift_factor=0.1159,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+        )
+    for m in (clip, t5, transformer, vae):
+        m.eval()
+    return dict(
+        transformer=transformer,
+        vae=vae,
+        text_encoder=clip,
+        text_encoder_2=t5,
+        tokenizer=clip_tok,
+        tokenizer_2=t5_tok,
+        scheduler=FlowMatchEulerDiscreteScheduler.from_config(flux.SCHEDULER_CONFIG),
+    )
+
+
+def tiny_flux(
+    seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, **kwargs
+) -> Flux:
+    """A tiny random FLUX.1-dev FlowModel (64x64 images take a few ms per step on a CPU)."""
+    c = tiny_flux_components(seed)
+    if dtype != torch.float32:
+        c["transformer"].to(dtype)
+    kwargs.setdefault("max_sequence_length", T5_MAX_LENGTH_TINY)
+    return Flux.from_modules(
+        c["transformer"],
+        c["vae"],
+        [c["text_encoder"], c["text_encoder_2"]],
+        [c["tokenizer"], c["tokenizer_2"]],
+        device=device,
+        **kwargs,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
