@@ -292,3 +292,23 @@ def test_training_points_do_not_depend_on_the_batch_a_sample_is_in(shared):
     )
     assert torch.equal(part.noise, full.noise[3:]) and torch.equal(part.sigma, full.sigma[3:])
     assert not torch.equal(full.noise[0], full.noise[1])  # different samples, different noise
+
+
+def test_rollout_fields_for_vllm_omni_are_what_the_update_reads(tmp_path):
+    """An engine in another process sends back only these: the clean latents for NFT and AWM; the rollout's
+    transition means for a loss that reads them (Flow-DPPO, --grpo.ratio-norm) while the rollout's log-probs are
+    kept, and none once the old log-probs are recomputed (the recompute pass gives the old means too)."""
+
+    def fields(name, **grpo):
+        c = cfg_for(tmp_path, name)
+        c = dataclasses.replace(c, grpo=dataclasses.replace(c.grpo, **grpo))
+        return algorithms.build(c, []).rollout_fields()
+
+    assert fields("nft") == fields("awm") == ("x0",)
+    assert fields("dppo") == fields("grpo", ratio_norm=True) == ("mean",)
+    assert fields("grpo") == fields("mixgrpo") == ()
+    assert (
+        fields("dppo", old_log_prob="recompute")
+        == fields("grpo", ratio_norm=True, old_log_prob="recompute")
+        == ()
+    )

@@ -10,6 +10,7 @@ from fgrpo import algorithms
 from fgrpo.config import GRPOConfig, ModelConfig, OptimConfig, SamplingConfig, TrainConfig, validate_config
 from fgrpo.data import step_prompt_indices
 from fgrpo.models.registry import check_config
+from fgrpo.presets import with_algo
 
 
 @pytest.mark.parametrize(
@@ -23,7 +24,6 @@ from fgrpo.models.registry import check_config
         ),
         ({"sampling": SamplingConfig(window_range=(0, 12))}, "window_range"),
         ({"sampling": SamplingConfig(sde_kind="ode")}, "nothing to train"),
-        ({"rollout_engine": "vllm_omni"}, "old-log-prob recompute"),
         (
             {"rollout_engine": "vllm_omni", "grpo": GRPOConfig(old_log_prob="recompute")},
             "one trainer process",
@@ -36,14 +36,6 @@ from fgrpo.models.registry import check_config
             "grpo.group_init_noise",
         ),
         ({"optim": OptimConfig(min_lr_ratio=1.5)}, "optim.min_lr_ratio"),
-        (
-            {
-                "rollout_engine": "vllm_omni",
-                "grpo": GRPOConfig(old_log_prob="recompute"),
-                "sampling": SamplingConfig(ode_tail="dpmpp_2m"),
-            },
-            "sampling.ode_tail",
-        ),
         ({"model": ModelConfig(compile=True, exact_rollout=False)}, "--grpo.old-log-prob recompute"),
         (
             {"model": ModelConfig(attention_backend="flash3")},
@@ -57,6 +49,45 @@ def test_validate_config_names_the_field(change, match):
     cfg = dataclasses.replace(TrainConfig(), **change)
     with pytest.raises(ValueError, match=match):
         algorithms.check_config(cfg, world_size=2)
+
+
+def _on_vllm_omni(name: str, **grpo) -> TrainConfig:
+    """The recipe trained by algorithm `name` (preset values) with the vLLM-Omni rollout engine."""
+    cfg = TrainConfig() if name == "grpo" else with_algo(TrainConfig(), name, size="recipe")
+    return dataclasses.replace(cfg, rollout_engine="vllm_omni", grpo=dataclasses.replace(cfg.grpo, **grpo))
+
+
+def test_vllm_omni_serves_every_algorithm():
+    """The window algorithms (MixGRPO-Flash's DPM-Solver++ tail too) with recomputed old log-probs, and NFT (rolling
+    out theta) and AWM, whose losses read the clean latents the engine now returns."""
+    recompute = {"old_log_prob": "recompute"}
+    for cfg in (
+        _on_vllm_omni("grpo", **recompute),
+        _on_vllm_omni("dppo", **recompute),
+        _on_vllm_omni("mixgrpo", **recompute),
+        _on_vllm_omni("mixgrpo-flash", **recompute),
+        _on_vllm_omni("awm"),
+        dataclasses.replace(
+            _on_vllm_omni("nft"), algo=dataclasses.replace(_on_vllm_omni("nft").algo, sample_from_ema=False)
+        ),
+    ):
+        algorithms.check_config(cfg, world_size=1)
+
+
+@pytest.mark.parametrize(
+    ("name", "match"),
+    [
+        ("grpo", r"^rollout_engine='vllm_omni' needs --grpo.old-log-prob recompute \(its kernels differ\)$"),
+        ("dppo", "needs --grpo.old-log-prob recompute"),
+        ("nft", r"^algo.sample_from_ema rolls out the EMA policy, .*pass --algo.no-sample-from-ema"),
+    ],
+)
+def test_vllm_omni_refuses_what_it_cannot_serve_in_one_line(name, match):
+    """The window algorithms' log-probs come from the engine's kernels, which are not the trainer's; NFT's default
+    rollout policy is its EMA, which the engine never holds."""
+    with pytest.raises(ValueError, match=match) as e:
+        algorithms.check_config(_on_vllm_omni(name), world_size=1)
+    assert "\n" not in str(e.value)
 
 
 def test_lr_decay_spans_the_run_by_default():

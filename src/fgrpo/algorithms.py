@@ -128,6 +128,19 @@ class Algorithm:
                 f"sampling.window_range={s.window_range} with window_size={s.window_size} must satisfy "
                 f"0 <= lo, lo + window_size <= hi <= num_steps={s.num_steps}"
             )
+        if cfg.rollout_engine == "vllm_omni" and cfg.grpo.old_log_prob != "recompute":
+            raise ConfigError(
+                "rollout_engine='vllm_omni' needs --grpo.old-log-prob recompute (its kernels differ)"
+            )
+
+    def rollout_fields(self) -> tuple[str, ...]:
+        """The Trajectory's optional fields (`mean`, `x0`) that `update` reads, which an engine in another process
+        then sends back (the in-process engine fills them all). The window algorithms read the rollout's
+        transition means only when their loss does and they keep the rollout's log-probs: a recompute pass
+        recomputes the means with them."""
+        g = self.cfg.grpo
+        reads_mean = self.needs_old_mean or g.ratio_norm
+        return ("mean",) if reads_mean and g.old_log_prob == "rollout" else ()
 
     def sampling(self, step: int) -> SamplingConfig:
         """How this step's rollout samples: sampling.micro_batch capped so that no forward holds rows of two of
@@ -237,8 +250,7 @@ class ForwardProcessAlgorithm(Algorithm):
 
     @classmethod
     def check(cls, cfg: TrainConfig) -> None:
-        """The training points lie on the schedule's grid; no setting that reads transition log-probs or needs an
-        engine without clean latents."""
+        """The training points lie on the schedule's grid; no setting that reads transition log-probs."""
         a, s, g = cfg.algo, cfg.sampling, cfg.grpo
         hi = a.train_steps_hi or s.num_steps
         if not 0 <= a.train_steps_lo < hi <= s.num_steps or not 1 <= a.train_steps <= hi - a.train_steps_lo:
@@ -253,15 +265,14 @@ class ForwardProcessAlgorithm(Algorithm):
                 f"algo.name={a.name!r} has no transition log-probs: drop --grpo.old-log-prob, "
                 "--grpo.ratio-norm and --grpo.group-init-noise"
             )
-        if cfg.rollout_engine != "diffusers":
-            raise ConfigError(
-                f"algo.name={a.name!r} needs the rollout's clean latents: use rollout_engine='diffusers'"
-            )
 
     @classmethod
     def ranges(cls, cfg: TrainConfig) -> list[tuple[bool, str, float]]:
         """(holds, field, value) of the algorithm's own numeric fields."""
         return []
+
+    def rollout_fields(self) -> tuple[str, ...]:
+        return ("x0",)  # the final clean latents, noised afresh at the training points
 
     def sampling(self, step: int) -> SamplingConfig:
         return validation_sampling(super().sampling(step), self.cfg.sampling.num_steps)
@@ -309,6 +320,16 @@ class DiffusionNFT(ForwardProcessAlgorithm):
             (a.ema_rate >= 0, "algo.ema_rate", a.ema_rate),
             (a.ema_delay >= 0, "algo.ema_delay", a.ema_delay),
         ]
+
+    @classmethod
+    def check(cls, cfg: TrainConfig) -> None:
+        super().check(cfg)
+        if cfg.rollout_engine == "vllm_omni" and cfg.algo.sample_from_ema:
+            # The engine holds one adapter, the trained LoRA that validation also samples with.
+            raise ConfigError(
+                "algo.sample_from_ema rolls out the EMA policy, which rollout_engine='vllm_omni' is never sent; "
+                "pass --algo.no-sample-from-ema or use rollout_engine='diffusers'"
+            )
 
     def __init__(self, cfg: TrainConfig, params: list[torch.nn.Parameter]):
         super().__init__(cfg, params)

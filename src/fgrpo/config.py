@@ -359,7 +359,8 @@ class TrainConfig:
     """'auto' (cuda if available), 'cuda' or 'cpu'."""
     rollout_engine: Literal["diffusers", "vllm_omni"] = "diffusers"
     """Rollout engine: in-process diffusers (the trainer's own kernels) or vLLM-Omni (extra `vllm`; Qwen-Image
-    + LoRA only; needs grpo.old_log_prob='recompute' because its kernels differ from the trainer's)."""
+    + LoRA only; the window algorithms need grpo.old_log_prob='recompute' because its kernels differ from the
+    trainer's)."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -515,17 +516,9 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
             raise ConfigError(
                 "rollout_engine='vllm_omni' samples with the trainer's exported LoRA: it needs model.lora=True"
             )
-        if g.old_log_prob != "recompute":
-            raise ConfigError(
-                "rollout_engine='vllm_omni' needs --grpo.old-log-prob recompute (its kernels differ)"
-            )
         if g.group_init_noise:
             raise ConfigError(
                 "grpo.group_init_noise is in-process only; drop --grpo.group-init-noise or use diffusers"
-            )
-        if s.ode_tail != "euler":
-            raise ConfigError(
-                "sampling.ode_tail='dpmpp_2m' is in-process only; drop --sampling.ode-tail or use diffusers"
             )
         if world_size > 1:
             raise ConfigError(

@@ -151,14 +151,15 @@ class Trainer:
                 min_ratio=o.min_lr_ratio,
             ),
         )
+        self.algo = algorithms.build(cfg, self.params)
         self.engine = build_engine(
             model,
             cfg.rollout_engine,
             cfg.model.path,
             train_graph=cfg.model.compile and cfg.model.exact_rollout,
             merged_lora=cfg.model.merged_rollout,
+            keep=self.algo.rollout_fields(),
         )
-        self.algo = algorithms.build(cfg, self.params)
         # The asynchronous mode's weights the rollout still samples with, checkpointed (empty when synchronous).
         self.lagging = async_mode.Lagging.of(self.rollout_weights, split, cfg.parallel.max_staleness)
 

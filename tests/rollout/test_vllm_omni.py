@@ -28,7 +28,8 @@ from diffusers.models.transformers.transformer_qwenimage import QwenImageTransfo
 from PIL import Image
 from torch import nn
 
-from fgrpo.config import SamplingConfig
+from fgrpo import algorithms
+from fgrpo.config import GRPOConfig, SamplingConfig
 from fgrpo.models.tiny import save_tiny_qwen_image, tiny_qwen_image, tiny_qwen_image_components
 from fgrpo.recompute import recompute_log_probs
 from fgrpo.rollout import vllm_omni_pipeline as vop
@@ -620,3 +621,103 @@ def test_peft_dir_write_that_fails_leaves_the_previous_adapter_and_no_temp_dir(t
     key = next(iter(_lora_state(0.0)))
     assert torch.equal(load_file(out / "adapter_model.safetensors")[key], torch.full((2, 8), 1.0))
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# What each algorithm reads beyond the window: the optional fields, and a training step on the engine's rollouts
+# ---------------------------------------------------------------------------------------------
+def test_optional_fields_travel_when_asked_and_equal_the_in_process_engines(fake_vllm, tiny_dir, tmp_path):
+    """Flow-DPPO's transition means and NFT/AWM's final latents: bit-equal where the forwards are (worker batches of
+    the reference's micro-batch); an engine not asked for them returns None, as nothing else is sent."""
+    both = fake_vllm.VllmOmniEngine(str(tiny_dir), max_batch=2, work_dir=tmp_path / "a", keep=("mean", "x0"))
+    got, want = both.generate(PROMPTS, SEEDS, CFG), _reference()
+    _assert_same(got, want, exact=True)
+    assert got.mean is not None and want.mean is not None and got.x0 is not None and want.x0 is not None
+    assert (
+        got.mean.shape == (len(PROMPTS), CFG.window_size, 4, 32 // 8, 48 // 8)
+        and got.mean.dtype == torch.float32
+    )
+    assert torch.equal(got.mean, want.mean) and torch.equal(got.x0, want.x0)
+    plain = fake_vllm.VllmOmniEngine(str(tiny_dir), max_batch=2, work_dir=tmp_path / "b").generate(
+        PROMPTS, SEEDS, CFG
+    )
+    assert plain.mean is None and plain.x0 is None
+    with pytest.raises(ValueError, match=r"^keep=\['x_t'\]: \['x_t'\] not among \('mean', 'x0'\)"):
+        fake_vllm.VllmOmniEngine(str(tiny_dir), work_dir=tmp_path / "c", keep=("x_t",))
+
+
+@pytest.fixture
+def tiny_on_vllm(monkeypatch):
+    """The config check lets the tiny Qwen-Image stand in for the real one (whose directory the engine loads)."""
+    from fgrpo.models import registry
+
+    monkeypatch.setattr(registry, "VLLM_OMNI_KINDS", (*registry.VLLM_OMNI_KINDS, "tiny_qwen_image"))
+
+
+def _algo_cfg(name: str, **base):
+    """The tiny end-to-end config trained by `name` (preset values) on the vLLM-Omni engine."""
+    from train_entry import Config
+
+    from fgrpo.presets import with_algo
+
+    cfg = with_algo(dataclasses.replace(Config(), **base), name, size="tiny")
+    window = not algorithms.ALGORITHMS[cfg.algo.name].forward_process
+    return dataclasses.replace(
+        cfg,
+        rollout_engine="vllm_omni",
+        grpo=dataclasses.replace(cfg.grpo, old_log_prob="recompute" if window else "rollout"),
+        algo=dataclasses.replace(cfg.algo, sample_from_ema=False),  # the engine holds theta (check_config)
+    )
+
+
+@pytest.mark.parametrize("name", ["nft", "awm", "mixgrpo-flash"])
+def test_each_algorithms_rollout_equals_the_in_process_engines(
+    fake_vllm, tiny_on_vllm, tiny_dir, tmp_path, name
+):
+    """The rollout an algorithm asks for (its SamplingConfig: NFT/AWM's ODE, MixGRPO-Flash's DPM-Solver++ tail) with
+    the fields it reads (`rollout_fields`): the whole trajectory bit for bit, worker batches = micro-batches."""
+    sampling = dataclasses.replace(CFG, num_steps=6, window_range=(0, 6))
+    grpo = GRPOConfig(group_size=2, prompts_per_step=2, optimizer_steps_per_step=1, clip_range=0.2)
+    cfg = _algo_cfg(name, sampling=sampling, grpo=grpo)
+    algorithms.check_config(cfg, world_size=1)
+    algo = algorithms.build(cfg, [])
+    s, keep = algo.sampling(0), algo.rollout_fields()
+    assert s.micro_batch == 2 and keep == (("x0",) if algo.forward_process else ())
+    engine = fake_vllm.VllmOmniEngine(str(tiny_dir), max_batch=2, work_dir=tmp_path, keep=keep)
+    got, want = engine.generate(PROMPTS, SEEDS, s), _reference(s)
+    _assert_same(got, want, exact=True)
+    for f in vop.OPTIONAL_FIELDS:
+        value = getattr(got, f)
+        assert (value is not None) == (f in keep), f
+        assert value is None or torch.equal(value, getattr(want, f)), f
+
+
+@pytest.mark.parametrize("name", ["dppo", "nft", "awm", "mixgrpo-flash"])
+def test_each_algorithm_trains_on_the_engines_rollouts(fake_vllm, tiny_on_vllm, tmp_path, monkeypatch, name):
+    """One training step through train(): rollout on the engine (woken, then slept), the update on its trajectory
+    (moved to the trainer's device), the LoRA sent back; the trajectory holds exactly the fields the update reads."""
+    import tempfile
+
+    import fgrpo.train as train_mod
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the engine's LoRA versions
+    seen = []
+    real_rollout = train_mod.rollout
+    monkeypatch.setattr(train_mod, "rollout", lambda *a, **k: seen.append(real_rollout(*a, **k)) or seen[-1])
+    cfg = _algo_cfg(name)
+    cfg = dataclasses.replace(
+        cfg, num_steps=1, run=dataclasses.replace(cfg.run, out_dir=str(tmp_path / "runs"))
+    )
+    m = train_mod.train(cfg)
+    assert m["train/skipped_steps"] == 0 and m["train/optimizer_steps"] == cfg.grpo.optimizer_steps_per_step
+    assert all(torch.isfinite(torch.tensor(v)) for k, v in m.items() if k.startswith("train/"))
+    (traj,) = seen
+    forward_process = algorithms.ALGORITHMS[cfg.algo.name].forward_process
+    assert [f for f in vop.OPTIONAL_FIELDS if getattr(traj, f) is not None] == (
+        ["x0"] if forward_process else []
+    )
+    log = [e[0] if e[0] == "generate" else e[1] for e in FakeOmni.instances[-1].log]
+    assert log == [
+        "generate",
+        "sleep",
+    ]  # the rollout ran here (an engine starts awake; a LoRA sync is no RPC)

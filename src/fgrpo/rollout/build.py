@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from fgrpo.models.base import FlowModel
 from fgrpo.rollout.base import RolloutEngine
 from fgrpo.rollout.engine import DiffusersEngine
@@ -15,9 +17,11 @@ def build_engine(
     *,
     train_graph: bool = False,
     merged_lora: bool = False,
+    keep: Sequence[str] = (),
 ) -> RolloutEngine:
     """The configured rollout engine: this process's diffusers modules (train_graph, merged_lora: see
-    DiffusersEngine), or vLLM-Omni with its own weights."""
+    DiffusersEngine), or vLLM-Omni with its own weights. keep: the Trajectory's optional fields the run reads
+    (`Algorithm.rollout_fields`), which vLLM-Omni then sends back; the in-process engine fills them all."""
     if engine == "vllm_omni":
-        return VllmOmniEngine(model_path, enable_sleep_mode=True)
+        return VllmOmniEngine(model_path, enable_sleep_mode=True, keep=keep)
     return DiffusersEngine(model, train_graph=train_graph, merged_lora=merged_lora)

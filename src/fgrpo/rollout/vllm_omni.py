@@ -46,6 +46,8 @@ from fgrpo.rollout.vllm_omni_pipeline import (
     CFG_KEY,
     COND_PAIRS,
     INFO_KEY,
+    KEEP_KEY,
+    OPTIONAL_FIELDS,
     PIPELINE_QUALNAME,
     TRAJ_KEY,
     WORKER_EXTENSION_QUALNAME,
@@ -83,6 +85,14 @@ def import_vllm_omni() -> ModuleType:
     return vllm_omni
 
 
+def check_keep(keep: Sequence[str]) -> tuple[str, ...]:
+    """`keep` as a tuple, or a one-line error naming a field the worker cannot send."""
+    unknown = sorted(set(keep) - set(OPTIONAL_FIELDS))
+    if unknown:
+        raise ValueError(f"keep={list(keep)}: {unknown} not among {OPTIONAL_FIELDS}; name only those")
+    return tuple(keep)
+
+
 def build_requests(
     prompts: Sequence[str],
     seeds: Sequence[int],
@@ -90,6 +100,7 @@ def build_requests(
     lora_request: Any = None,
     lora_scale: float = 1.0,
     spec: QwenImage | None = None,
+    keep: Sequence[str] = (),
 ) -> tuple[list[Any], Any]:
     """vllm-omni prompts (one per sample, carrying its seed and index) and the shared sampling params.
 
@@ -97,7 +108,9 @@ def build_requests(
     differs per sample rides in the prompt's `additional_information`. The worker draws the sample's
     window and noise from `fgrpo.rollout.seeds.sample_generator(seed)`, as the in-process engine does.
     With `spec` (the checkpoint's configs), every check of the in-process engine runs here first.
+    keep: the Trajectory's optional fields (`mean`, `x0`) the worker sends back besides the window's.
     """
+    check_keep(keep)
     if spec is not None:
         check_request(as_flow_model(spec), prompts, seeds, cfg)
     elif len(prompts) == 0 or len(prompts) != len(seeds):
@@ -124,7 +137,7 @@ def build_requests(
         output_type="pil",
         lora_request=lora_request,
         lora_scale=lora_scale,
-        extra_args={CFG_KEY: config_to_dict(cfg)},
+        extra_args={CFG_KEY: config_to_dict(cfg), KEEP_KEY: list(keep)},
     )
     return requests, params
 
@@ -164,6 +177,8 @@ def unpack_outputs(outputs: Sequence[Any], prompts: Sequence[str], seeds: Sequen
             raise RuntimeError(f"sample {i}: engine used seed {t['seed']}, expected {seed}")
     cond_keys = [k for pair in COND_PAIRS for k in pair]
     conds = [{k: t[k] for k in cond_keys if k in t} for t in trajs]
+    # the optional fields the request asked for (build_requests' keep); the others stay None
+    optional = {k: torch.stack([t[k] for t in trajs]).float() for k in OPTIONAL_FIELDS if k in trajs[0]}
     return Trajectory(
         prompts=list(prompts),
         seeds=torch.tensor([int(s) for s in seeds], dtype=torch.int64),
@@ -174,6 +189,7 @@ def unpack_outputs(outputs: Sequence[Any], prompts: Sequence[str], seeds: Sequen
         log_prob=torch.stack([t["log_probs"] for t in trajs]).float(),
         cond=merge_cond(conds),
         images=torch.stack([_image_u8(by_index[i][1]) for i in range(len(prompts))]),
+        **optional,
     )
 
 
@@ -244,6 +260,10 @@ class VllmOmniEngine:
         dtype: the engine's weight dtype.
         work_dir: where LoRA versions and full-weight files are written (the worker reads them by path).
         omni_kwargs: any further `vllm_omni.Omni` keyword (e.g. diffusion_attention_backend="TORCH_SDPA").
+        keep: the Trajectory's optional fields every rollout returns, in the in-process engine's shapes: `mean`
+            ([B, W, *latent], the window's transition means) and `x0` ([B, *latent], the final latents); the
+            trainer passes its algorithm's `rollout_fields()`. The others stay None, so they never cross the
+            process boundary.
     """
 
     def __init__(
@@ -257,9 +277,11 @@ class VllmOmniEngine:
         dtype: str = "bfloat16",
         work_dir: str | os.PathLike[str] | None = None,
         omni_kwargs: Mapping[str, Any] | None = None,
+        keep: Sequence[str] = (),
     ):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.keep = check_keep(keep)
         import_vllm_omni()
         from vllm_omni.entrypoints.omni import Omni  # pyright: ignore[reportMissingImports] - the optional `vllm` extra
 
@@ -291,7 +313,9 @@ class VllmOmniEngine:
     def generate(self, prompts: Sequence[str], seeds: Sequence[int], cfg: SamplingConfig) -> Trajectory:
         if self.asleep:
             raise RuntimeError("VllmOmniEngine.generate() while asleep: call wake() after the training step")
-        requests, params = build_requests(prompts, seeds, cfg, self.lora_request, self.lora_scale, self.spec)
+        requests, params = build_requests(
+            prompts, seeds, cfg, self.lora_request, self.lora_scale, self.spec, self.keep
+        )
         outputs = self.omni.generate(requests, params, use_tqdm=False)
         return unpack_outputs(list(outputs), prompts, seeds)
 

@@ -18,10 +18,19 @@ Per-request data travels in the prompt's `additional_information` dict (vllm-omn
 request; one sampling-params object serves all prompts of an `Omni.generate` call): the sample's seed
 and index. The trajectory returns in the output envelope's `payload["trajectory"]`, which vllm-omni
 passes through to `OmniRequestOutput.multimodal_output["trajectory"]`.
+
+What travels back per sample (fp32 unless said; `latent` = QwenImage.latent_shape, [16, H/8, W/8] for
+Qwen-Image, 64 KiB per 256 px squared: 256 KiB at 512², 1 MiB at 1024²): the window's x_t and x_next
+([W, *latent] each), its log-probs [W], the window's step indices, the sigmas [T + 1], the prompt embeddings
+and masks (and the negative pair with CFG), and only those of the Trajectory's optional fields that the
+request names in `sampling_params.extra_args[KEEP_KEY]`, which the trainer sets to what its algorithm reads
+(`Algorithm.rollout_fields`): `mean` [W, *latent] (Flow-DPPO's old means, when it reuses the rollout's
+log-probs) and `x0` [*latent] (the clean latents DiffusionNFT and AWM train on).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -46,6 +55,7 @@ if (
 # Keys shared with the engine (fgrpo.rollout.vllm_omni); the engine side imports them from here.
 INFO_KEY = "fgrpo"  # prompt["additional_information"][INFO_KEY] = {"seed", "index"}
 CFG_KEY = "fgrpo_cfg"  # sampling_params.extra_args[CFG_KEY] = SamplingConfig fields
+KEEP_KEY = "fgrpo_keep"  # sampling_params.extra_args[KEEP_KEY] = names of OPTIONAL_FIELDS to send back
 TRAJ_KEY = "trajectory"  # payload key that vllm-omni forwards to multimodal_output
 # QwenImage.encode's keys, as (embeds, mask) pairs; the negative pair exists only with CFG.
 COND_PAIRS = (("prompt_embeds", "prompt_mask"), ("neg_prompt_embeds", "neg_prompt_mask"))
@@ -53,23 +63,16 @@ COND_PAIRS = (("prompt_embeds", "prompt_mask"), ("neg_prompt_embeds", "neg_promp
 PIPELINE_QUALNAME = f"{__name__}.FgrpoQwenImagePipeline"
 WORKER_EXTENSION_QUALNAME = f"{__name__}.FgrpoWorkerExtension"
 QWEN_IMAGE_PATCH = 2  # 2x2 latent packing; vllm-omni's pipeline hard-codes it as well
+# The Trajectory's per-sample fields an engine may leave None ("mean", "x0"): sent only when asked for.
+OPTIONAL_FIELDS = tuple(f.name for f in dataclasses.fields(Trajectory) if f.default is None)
 
 
 def config_to_dict(cfg: SamplingConfig) -> dict[str, Any]:
-    """SamplingConfig as plain JSON-able values (it crosses a process boundary inside extra_args)."""
-    return {
-        "height": cfg.height,
-        "width": cfg.width,
-        "num_steps": cfg.num_steps,
-        "guidance_scale": cfg.guidance_scale,
-        "negative_prompt": cfg.negative_prompt,
-        "sde_kind": cfg.sde_kind,
-        "noise_level": cfg.noise_level,
-        "window_size": cfg.window_size,
-        "window_range": list(cfg.window_range),
-        "micro_batch": cfg.micro_batch,
-        "unit_block": cfg.unit_block,
-    }
+    """SamplingConfig as plain JSON-able values (it crosses a process boundary inside extra_args). Every field
+    travels: one left out would silently sample with its default on the worker (MixGRPO-Flash's tail as Euler)."""
+    d = dataclasses.asdict(cfg)
+    d["window_range"] = list(cfg.window_range)
+    return d
 
 
 def config_from_dict(d: dict[str, Any]) -> SamplingConfig:
@@ -161,10 +164,13 @@ def request_info(prompt: Any) -> dict[str, Any]:
     return info
 
 
-def split_trajectory(traj: Trajectory, indices: Sequence[int]) -> list[dict[str, Any]]:
+def split_trajectory(
+    traj: Trajectory, indices: Sequence[int], keep: Sequence[str] = ()
+) -> list[dict[str, Any]]:
     """One plain dict of CPU tensors per sample (what crosses vllm-omni's process boundary).
 
-    Latents, log-probs, sigmas and prompt embeddings travel in fp32; masks as bool.
+    Latents, log-probs, sigmas and prompt embeddings travel in fp32; masks as bool. keep: the optional fields
+    (OPTIONAL_FIELDS) to send as well, each under its Trajectory name.
     """
     out = []
     for b, index in enumerate(indices):
@@ -179,6 +185,10 @@ def split_trajectory(traj: Trajectory, indices: Sequence[int]) -> list[dict[str,
         }
         for k, v in traj.cond.items():
             d[k] = (v[b].float() if v.is_floating_point() else v[b]).cpu()
+        for name in keep:
+            value = getattr(traj, name)
+            assert value is not None, f"the in-process engine fills Trajectory.{name}"
+            d[name] = value[b].float().cpu()
         out.append(d)
     return out
 
@@ -220,12 +230,13 @@ def plain_request(params: Any, prompts: Sequence[Any]) -> tuple[SamplingConfig, 
 
 
 def run_batch(
-    flow: QwenImage, prompts: Sequence[Any], cfg: SamplingConfig
+    flow: QwenImage, prompts: Sequence[Any], cfg: SamplingConfig, keep: Sequence[str] = ()
 ) -> tuple[torch.Tensor, list[dict[str, Any]]]:
     """One vllm-omni request batch through fgrpo's in-process engine.
 
     Returns images [B, 3, H, W] in [-1, 1] (vllm-omni's Qwen-Image post-processing turns them into
-    PIL; they are QwenImage.decode's uint8 pixels, mapped back exactly) and one trajectory per request.
+    PIL; they are QwenImage.decode's uint8 pixels, mapped back exactly) and one trajectory per request,
+    with the optional fields named in `keep`.
     """
     infos = [request_info(p) for p in prompts]
     texts = [p["prompt"] for p in prompts]
@@ -233,7 +244,7 @@ def run_batch(
     images = (
         traj.images.permute(0, 3, 1, 2).float() / 255 * 2 - 1
     )  # uint8 -> [-1, 1], inverted by postprocess
-    return images, split_trajectory(traj, [int(i["index"]) for i in infos])
+    return images, split_trajectory(traj, [int(i["index"]) for i in infos], keep)
 
 
 _CLASSES: dict[str, type] = {}
@@ -260,9 +271,10 @@ def _build_classes() -> dict[str, type]:
             if self._fgrpo_flow is None:  # built once: its prompt cache then lives as long as the engine
                 self._fgrpo_flow = flow_model(self)
             params = req.sampling_params_list[0]
-            if CFG_KEY in (params.extra_args or {}):
+            extra = params.extra_args or {}
+            if CFG_KEY in extra:
                 images, trajs = run_batch(
-                    self._fgrpo_flow, req.prompts, config_from_dict(params.extra_args[CFG_KEY])
+                    self._fgrpo_flow, req.prompts, config_from_dict(extra[CFG_KEY]), extra.get(KEEP_KEY, ())
                 )
                 payloads = [{"image": images[b : b + 1], TRAJ_KEY: t} for b, t in enumerate(trajs)]
             else:  # vllm-omni's start-up warm-up request (and any plain request): same model path, ODE
