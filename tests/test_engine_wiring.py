@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_entry import Config  # noqa: E402
@@ -23,6 +24,7 @@ class RecordingEngine:
         self.inner = DiffusersEngine(model)
         self.calls: list[str] = []
         self.adapters: list[dict] = []
+        self.weights: list[dict[str, torch.Tensor]] = []
 
     def wake(self):
         self.calls.append("wake")
@@ -38,6 +40,7 @@ class RecordingEngine:
     def update_lora(self, peft_dir):
         self.calls.append("update_lora")
         self.adapters.append(json.loads((Path(peft_dir) / "adapter_config.json").read_text()))
+        self.weights.append(load_file(Path(peft_dir) / "adapter_model.safetensors"))
 
 
 def test_out_of_process_engine_is_woken_synced_and_slept(tmp_path, monkeypatch):
@@ -60,6 +63,28 @@ def test_out_of_process_engine_is_woken_synced_and_slept(tmp_path, monkeypatch):
     assert calls == rollout * 2 + ["update_lora"] + rollout + ["update_lora"] + rollout
     assert all(a["r"] == cfg.model.lora_rank for a in engines[0].adapters)
     assert torch.distributed.is_initialized() is False  # the loop left the process group cleanly
+
+
+def test_a_resumed_run_sends_the_engine_its_adapter_before_the_first_rollout(tmp_path, monkeypatch):
+    """The engine starts from the base weights: a resume must send it the checkpoint's adapter before it samples
+    (without it, the first rollout after a resume samples the untrained model)."""
+    engines = []
+
+    def build(model, engine, path, **kw):
+        engines.append(RecordingEngine(model))
+        return engines[-1]
+
+    monkeypatch.setattr(train_mod, "build_engine", build)
+    base = Config()
+    run = dataclasses.replace(base.run, out_dir=str(tmp_path), val_every=0, ckpt_every=1)
+    train_mod.train(dataclasses.replace(base, num_steps=1, run=run))
+    trained = engines[0].weights[-1]  # the adapter after step 0, the one its checkpoint holds
+    assert any(t.abs().sum() > 0 for k, t in trained.items() if "lora_B" in k)  # not the starting adapter
+    train_mod.train(dataclasses.replace(base, num_steps=2, run=dataclasses.replace(run, resume="auto")))
+    calls = engines[1].calls
+    assert calls[: calls.index("generate")] == ["update_lora", "wake"]
+    sent = engines[1].weights[0]
+    assert sent.keys() == trained.keys() and all(torch.equal(sent[k], trained[k]) for k in sent)
 
 
 def test_group_init_noise_reaches_the_engine(tmp_path, monkeypatch):

@@ -173,6 +173,8 @@ class Trainer:
                 rank_tensors=self.algo.state() | self.lagging.state(),
             )
             flog.print0(f"resumed from {resume_from} at step {self.start_step}")
+        if resume_from is not None or cfg.model.init_lora:
+            self.sync_engine()  # else its first rollout would sample the adapter it was started with
         # Rows of the steps after the checkpoint are redone below: move them aside, so the file keeps one row a
         # step (a finished run resumed has nothing to redo and keeps its final validation's row).
         if d.is_main and self.start_step < cfg.num_steps:
@@ -380,10 +382,13 @@ class Trainer:
             )
             train_metrics.update(self.algo.after_update(step))
         with timer("sync"):
-            if isinstance(self.engine, LoraSyncedEngine):
-                lora = export_lora(self.run.path / "engine_lora", self.model.transformer)
-                self.engine.update_lora(lora)
+            self.sync_engine()
         return train_metrics
+
+    def sync_engine(self) -> None:
+        """An engine with its own weights (vLLM-Omni) gets the trained adapter; the in-process one shares it."""
+        if isinstance(self.engine, LoraSyncedEngine):
+            self.engine.update_lora(export_lora(self.run.path / "engine_lora", self.model.transformer))
 
     def record(
         self,
