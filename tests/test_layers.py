@@ -124,15 +124,11 @@ def test_scripts_are_leaves():
             if "spec_from_file_location" in text and path != SRC / "fgrpo" / "scripts.py":
                 loaders.append(str(path.relative_to(root)))
             for node in ast.walk(ast.parse(text, str(path))):
-                names = (
-                    [a.name for a in node.names]
-                    if isinstance(node, ast.Import)
-                    else [node.module or ""]
-                    if isinstance(node, ast.ImportFrom)
-                    else []
-                )
-                imports += [
-                    f"{path.relative_to(root)}:{node.lineno} imports {n}" for n in names if n in experiments
-                ]
+                if isinstance(node, ast.Import | ast.ImportFrom):
+                    names = (
+                        [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                    )
+                    where = f"{path.relative_to(root)}:{node.lineno}"
+                    imports += [f"{where} imports {n}" for n in names if n in experiments]
     assert not loaders, f"load scripts with fgrpo.scripts.load_script, not by hand: {loaders}"
     assert not imports, "\n".join(imports)
