@@ -174,11 +174,16 @@ def tiny_gpu_values(algo: str, cfg: Config) -> Config:
       extrapolation: at 0.1 the images washed out at any lr tried; at 1 no run fell, but it learns less.
     - MixGRPO: half the lr, and the window only where Flow-GRPO draws its windows: the runs that fell did so while
       the shared window sat on the low-noise steps (the largest gradients), and recovered or fell there.
-    AWM keeps the base's values: half its lr did not stop its darkening. The CPU presets run 20 steps and keep the
-    references' values.
+    - AWM: forward-process points only on grid steps 1-4 (sigma 0.9-0.6, where Flow-GRPO draws its windows; the
+      reference trains sigma 0.36-0.97, most above 0.65): over all steps the images darkened at the base's lr, at
+      half of it and with the reference's KL to the frozen model; on steps 1-4 it darkened about half as fast and
+      scored higher (RESULTS.md, stability-hi: a partial run, not yet to 300 steps).
+    The CPU presets run 20 steps and keep the references' values.
     """
     if algo == "nft":
         return dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, nft_beta=1.0))
+    if algo == "awm":
+        return dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, train_steps_hi=5))
     if algo in ("mixgrpo", "mixgrpo-flash"):
         return dataclasses.replace(
             cfg,

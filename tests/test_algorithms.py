@@ -265,6 +265,8 @@ def test_every_algorithm_preset_validates_and_keeps_the_base_budget():
             assert cfg.algo.window_in_range == half
             if algo == "nft":  # beta 1 instead of the OCR recipe's 0.1 on the long GPU runs
                 assert cfg.algo.nft_beta == (1.0 if suffix == "-tiny-gpu" else 0.1)
+            # AWM's long GPU runs train grid steps 1-4 only (sigma 0.9-0.6), the CPU and recipe presets every step
+            assert (cfg.algo.train_steps_hi == 5) == (algo == "awm" and suffix == "-tiny-gpu")
     assert set(algorithms.ALGORITHMS) == {"grpo", "dppo", "mixgrpo", "nft", "awm"}
 
 

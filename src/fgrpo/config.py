@@ -191,7 +191,8 @@ class AlgoConfig:
     """awm: power of the generalised-Huber log-weight (core.awm.awm_log_weight)."""
     ema_kl_coef: float = 1.0
     """awm: weight of the KL to an EMA of the trained policy, mean((v - v_ema)^2) at every training point
-    (the reference's ema_beta: its trust region; 0 turns the EMA and its extra forward off)."""
+    (the reference's ema_beta; the EMA follows the policy, so it damps each step, not a slow drift; 0 turns the
+    EMA and its extra forward off)."""
     kl_ema_rate: float = 0.001
     """awm: ramp per optimizer step of that EMA's decay (core.ema.ema_decay, no delay; the reference's 'linear')."""
     kl_ema_max_decay: float = 0.3
