@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from fgrpo.errors import ConfigError
-from fgrpo.rewards.base import RewardOutput
+from fgrpo.rewards.base import RewardOutput, weights_file
 from fgrpo.rewards.clip import ClipEmbedder, check_images, first_line, load_clip
 
 HIDDEN = (1024, 128, 64, 16)  # the published head's widths
@@ -54,13 +54,11 @@ class AestheticHead(nn.Module):
 
 
 def _head_file(path: str) -> Path:
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise ConfigError(
-            f"reward 'aesthetic': head={path!r} is not a file; give the local path of the predictor's weights "
-            "(sac+logos+ava1-l14-linearMSE.pth from LAION's improved-aesthetic-predictor)"
-        )
-    return file
+    hint = (
+        "give the local path of the predictor's weights (sac+logos+ava1-l14-linearMSE.pth from LAION's "
+        "improved-aesthetic-predictor)"
+    )
+    return weights_file("aesthetic", "head", path, hint)
 
 
 def load_head(path: str, embed_dim: int) -> AestheticHead:

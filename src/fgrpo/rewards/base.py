@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
-from fgrpo.errors import FgrpoError
+from fgrpo.errors import ConfigError, FgrpoError
 
 
 @dataclass
@@ -95,3 +96,31 @@ def concat_outputs(outputs: Sequence[RewardOutput]) -> RewardOutput:
         vals = np.array([o.metrics.get(k, np.nan) for o in outputs], dtype=np.float64)
         metrics[k] = float(vals.sum()) if k.endswith("_count") else float((vals * sizes).sum() / sizes.sum())
     return RewardOutput(scores=scores, components=components, metrics=metrics)
+
+
+def weights_file(reward: str, field: str, value: str, hint: str, hub: tuple[str, str] | None = None) -> Path:
+    """The local file of a reward model's weights: `value` is a path, or the name that stands for `hub` (repo,
+    filename), taken from the Hugging Face cache and downloaded only when the cache lacks it and HF_HUB_OFFLINE is
+    unset. A missing file is a one-line ConfigError naming the reward, the field and the fix (`hint`), raised
+    before any model is built."""
+    if hub is not None:
+        import huggingface_hub
+        from huggingface_hub.errors import HFValidationError
+
+        repo, name = hub
+        try:
+            try:
+                return Path(huggingface_hub.hf_hub_download(repo, name, local_files_only=True))
+            except (OSError, HFValidationError):
+                if huggingface_hub.constants.HF_HUB_OFFLINE:
+                    raise
+                return Path(huggingface_hub.hf_hub_download(repo, name))
+        except (OSError, HFValidationError):
+            raise ConfigError(
+                f"reward {reward!r}: {field}={value!r} ({repo}/{name}) is not in the local Hugging Face cache and "
+                f"cannot be downloaded; fetch it (hf download {repo} {name}) or give the file's path"
+            ) from None
+    file = Path(value).expanduser()
+    if not file.is_file():
+        raise ConfigError(f"reward {reward!r}: {field}={value!r} is not a file; {hint}")
+    return file

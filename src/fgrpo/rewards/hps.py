@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from fgrpo.errors import ConfigError
-from fgrpo.rewards.base import RewardOutput
+from fgrpo.rewards.base import RewardOutput, weights_file
 from fgrpo.rewards.clip import (
     check_images,
     clip_image_processor,
@@ -67,32 +67,9 @@ def build_open_clip(architecture: str | Mapping[str, Any]) -> Any:
 
 def _checkpoint_file(checkpoint: str) -> Path:
     """The local file of `checkpoint` (a version name fetched through the Hugging Face cache, or a path)."""
-    if checkpoint in VERSIONS:
-        import huggingface_hub
-        from huggingface_hub.errors import HFValidationError
-
-        try:
-            try:
-                return Path(
-                    huggingface_hub.hf_hub_download(HUB_REPO, VERSIONS[checkpoint], local_files_only=True)
-                )
-            except (OSError, HFValidationError):
-                if huggingface_hub.constants.HF_HUB_OFFLINE:
-                    raise
-                return Path(huggingface_hub.hf_hub_download(HUB_REPO, VERSIONS[checkpoint]))
-        except (OSError, HFValidationError):
-            raise ConfigError(
-                f"reward 'hps': checkpoint={checkpoint!r} ({HUB_REPO}/{VERSIONS[checkpoint]}) is not in the local "
-                f"Hugging Face cache and cannot be downloaded; fetch it (hf download {HUB_REPO} "
-                f"{VERSIONS[checkpoint]}) or give the file's path"
-            ) from None
-    file = Path(checkpoint).expanduser()
-    if not file.is_file():
-        raise ConfigError(
-            f"reward 'hps': checkpoint={checkpoint!r} is not a file nor one of {sorted(VERSIONS)}; give the path of "
-            "HPS_v2.1_compressed.pt (or HPS_v2_compressed.pt)"
-        )
-    return file
+    hint = f"give the path of HPS_v2.1_compressed.pt (or HPS_v2_compressed.pt) or one of {sorted(VERSIONS)}"
+    hub = (HUB_REPO, VERSIONS[checkpoint]) if checkpoint in VERSIONS else None
+    return weights_file("hps", "checkpoint", checkpoint, hint, hub)
 
 
 def load_hps(checkpoint: str, architecture: str | Mapping[str, Any] = "ViT-H-14") -> Any:

@@ -35,7 +35,7 @@ from torch import nn
 
 from fgrpo.errors import ConfigError
 from fgrpo.rewards.aesthetic import AestheticHead
-from fgrpo.rewards.base import RewardOutput
+from fgrpo.rewards.base import RewardOutput, weights_file
 from fgrpo.rewards.clip import (
     check_images,
     check_name,
@@ -155,22 +155,11 @@ def convert_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Ten
 
 
 def _checkpoint_file(checkpoint: str) -> Path:
-    if checkpoint == "hub":
-        import huggingface_hub
-
-        try:
-            return Path(huggingface_hub.hf_hub_download(HUB_REPO, HUB_FILE, local_files_only=True))
-        except OSError:
-            raise ConfigError(
-                f"reward 'imagereward': checkpoint='hub' but {HUB_REPO}/{HUB_FILE} is not in the local Hugging Face "
-                f"cache; fetch it (hf download {HUB_REPO} {HUB_FILE}) or give the file's path"
-            ) from None
-    file = Path(checkpoint).expanduser()
-    if not file.is_file():
-        raise ConfigError(
-            f"reward 'imagereward': checkpoint={checkpoint!r} is not a file; give the path of {HUB_FILE} ({HUB_REPO})"
-        )
-    return file
+    """The local file of `checkpoint` ('hub': THUDM's file through the Hugging Face cache, or a path)."""
+    hint = f"give the path of {HUB_FILE} ({HUB_REPO}) or 'hub'"
+    return weights_file(
+        "imagereward", "checkpoint", checkpoint, hint, (HUB_REPO, HUB_FILE) if checkpoint == "hub" else None
+    )
 
 
 def load_imagereward(
