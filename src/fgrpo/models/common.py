@@ -134,3 +134,18 @@ def module_device(module: torch.nn.Module) -> torch.device:
 
 def module_dtype(module: torch.nn.Module) -> torch.dtype:
     return next(module.parameters()).dtype
+
+
+class OnTransformer:
+    """A model's device and dtype: its transformer's (the module LoRA wraps and FSDP shards). The families' one
+    definition of both."""
+
+    transformer: torch.nn.Module
+
+    @property
+    def device(self) -> torch.device:
+        return module_device(self.transformer)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return module_dtype(self.transformer)

@@ -32,12 +32,12 @@ import torch
 from fgrpo.core import schedule
 from fgrpo.models.base import Cond
 from fgrpo.models.common import (
+    OnTransformer,
     PromptCache,
     check_resolution,
     decode_scaled_latents,
     freeze,
     module_device,
-    module_dtype,
 )
 from fgrpo.models.qwen_image import pack, schedule_kwargs, unpack
 
@@ -90,7 +90,7 @@ def image_ids(h: int, w: int, device: torch.device | str | None = None) -> torch
     return ids.reshape(-1, 3).to(device=device, dtype=torch.float32)
 
 
-class Flux:
+class Flux(OnTransformer):
     """FLUX.1 (CLIP-L, T5, transformer, VAE) as a FlowModel. Weights are frozen; LoRA goes on later."""
 
     # Transformer passes a step takes with guidance_scale > 1 (true CFG's families: 2); the benchmarks' FLOP counts
@@ -166,14 +166,6 @@ class Flux:
         """Freeze the modules (eval mode, no grads), move them to `device`, wrap them."""
         freeze(transformer, vae, *text_encoders, device=device)
         return cls(transformer, vae, text_encoders, tokenizers, **kwargs)
-
-    @property
-    def device(self) -> torch.device:
-        return module_device(self.transformer)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return module_dtype(self.transformer)
 
     # ------------------------------------------------------------------------------------------------
     @torch.no_grad()

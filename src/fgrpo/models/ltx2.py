@@ -38,7 +38,15 @@ import torch
 from fgrpo.config import ModelConfig
 from fgrpo.core import guidance, schedule
 from fgrpo.models.base import Cond
-from fgrpo.models.common import PromptCache, check_resolution, freeze, module_device, module_dtype, to_uint8
+from fgrpo.models.common import (
+    OnTransformer,
+    PromptCache,
+    check_resolution,
+    freeze,
+    module_device,
+    module_dtype,
+    to_uint8,
+)
 from fgrpo.models.qwen_image import schedule_kwargs
 
 if TYPE_CHECKING:
@@ -81,7 +89,7 @@ class LTX2Config(ModelConfig):
     """Clip width in pixels; must equal sampling.width."""
 
 
-class LTX2:
+class LTX2(OnTransformer):
     """LTX-2 (Gemma 3, connectors, audio-video transformer, video VAE, audio VAE, vocoder) as a FlowModel.
 
     Weights are frozen; LoRA goes on later. `num_frames` (8k + 1), `frame_rate`, `height` and `width` fix the clip
@@ -189,14 +197,6 @@ class LTX2:
         """Freeze the modules (eval mode, no grads), move them to `device`, wrap them."""
         freeze(transformer, vae, audio_vae, vocoder, connectors, text_encoder, device=device)
         return cls(transformer, vae, audio_vae, vocoder, connectors, text_encoder, tokenizer, **kwargs)
-
-    @property
-    def device(self) -> torch.device:
-        return module_device(self.transformer)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return module_dtype(self.transformer)
 
     # ------------------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -31,6 +31,7 @@ from einops import rearrange
 from fgrpo.core import guidance, schedule
 from fgrpo.models.base import Cond
 from fgrpo.models.common import (
+    OnTransformer,
     PromptCache,
     check_resolution,
     complete_scheduler_config,
@@ -127,7 +128,7 @@ def unpack(x: torch.Tensor, h: int, w: int) -> torch.Tensor:
     return rearrange(x, "b (h w) (c p q) -> b c (h p) (w q)", h=h // 2, w=w // 2, p=2, q=2)
 
 
-class QwenImage:
+class QwenImage(OnTransformer):
     """Qwen-Image (text encoder, transformer, VAE) as a FlowModel. Weights are frozen; LoRA goes on later."""
 
     merge_targets = (
@@ -210,14 +211,6 @@ class QwenImage:
         """Freeze the modules (eval mode, no grads), move them to `device`, wrap them."""
         freeze(transformer, vae, text_encoder, device=device)
         return cls(transformer, vae, text_encoder, tokenizer, **kwargs)
-
-    @property
-    def device(self) -> torch.device:
-        return module_device(self.transformer)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return module_dtype(self.transformer)
 
     # ------------------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -23,13 +23,13 @@ from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchE
 from fgrpo.core import guidance, schedule
 from fgrpo.models.base import Cond
 from fgrpo.models.common import (
+    OnTransformer,
     PromptCache,
     check_resolution,
     complete_scheduler_config,
     decode_scaled_latents,
     freeze,
     module_device,
-    module_dtype,
 )
 
 CLIP_MAX_LENGTH = 77
@@ -53,7 +53,7 @@ SD3_LORA_TARGETS = (
 )
 
 
-class SD3:
+class SD3(OnTransformer):
     """SD3.x (two CLIPs, optional T5, transformer, VAE) as a FlowModel. Weights are frozen."""
 
     def __init__(
@@ -129,14 +129,6 @@ class SD3:
         """Freeze the modules (eval mode, no grads), move them to `device`, wrap them."""
         freeze(transformer, vae, *text_encoders, device=device)
         return cls(transformer, vae, text_encoders, tokenizers, **kwargs)
-
-    @property
-    def device(self) -> torch.device:
-        return module_device(self.transformer)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return module_dtype(self.transformer)
 
     # ------------------------------------------------------------------------------------------------
     def _clip(self, i: int, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:

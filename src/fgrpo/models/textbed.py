@@ -41,6 +41,7 @@ from transformers import BertConfig, BertModel
 
 from fgrpo.core import guidance, schedule
 from fgrpo.models.base import Cond
+from fgrpo.models.common import OnTransformer
 
 ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "textbed"
 # The bundled renderers by the name `model.path` gives them ('' = the Qwen-Image architecture's, the default).
@@ -211,7 +212,7 @@ def upscale(images: torch.Tensor, factor: int = 2) -> torch.Tensor:
     return x.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
 
 
-class TextbedModel(nn.Module):
+class TextbedModel(OnTransformer, nn.Module):
     """FlowModel for the tiny text renderer. Cond keys: prompt_embeds [B, L, D], prompt_mask [B, L] bool,
     and neg_prompt_embeds / neg_prompt_mask when a negative prompt is given.
 
@@ -229,14 +230,6 @@ class TextbedModel(nn.Module):
         self.cfg = cfg
         self.transformer = transformer if transformer is not None else build_transformer(cfg)
         self.text_encoder = text_encoder if text_encoder is not None else build_text_encoder(cfg)
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.transformer.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.transformer.parameters()).dtype
 
     # -- pieces shared by pretraining and the FlowModel methods (one formula each) --
 
