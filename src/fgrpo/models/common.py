@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import torch
+
+from fgrpo.core import schedule
 
 if TYPE_CHECKING:
     from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
@@ -149,3 +151,30 @@ class OnTransformer:
     @property
     def dtype(self) -> torch.dtype:
         return module_dtype(self.transformer)
+
+
+class PatchedLatents(OnTransformer):
+    """Latents [C, H / vae_scale, W / vae_scale] that the transformer reads as (h / patch) x (w / patch) tokens,
+    sampled on the dynamically shifted schedule of their token count (core.schedule.qwen_image_sigmas): the
+    families whose latents, resolution rule and schedule are these (Qwen-Image, FLUX.1) set the attributes."""
+
+    family: ClassVar[str]  # the name a resolution error gives
+    vae_scale: int
+    patch: int
+    latent_channels: int
+    schedule_kwargs: dict[str, Any]
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
+        check_resolution(self.family, height, width, self.vae_scale * self.patch)
+        return (self.latent_channels, height // self.vae_scale, width // self.vae_scale)
+
+    def _tokens(self, height: int, width: int) -> int:
+        _, h, w = self.latent_shape(height, width)
+        return (h // self.patch) * (w // self.patch)
+
+    def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
+        return schedule.qwen_image_sigmas(num_steps, self._tokens(height, width), **self.schedule_kwargs)
+
+    def sigmas_at(self, num_steps: int, height: int, width: int, positions: torch.Tensor) -> torch.Tensor:
+        seq_len = self._tokens(height, width)
+        return schedule.qwen_image_sigmas_at(positions, num_steps, seq_len, **self.schedule_kwargs)

@@ -29,12 +29,10 @@ from typing import TYPE_CHECKING, Any, Self
 
 import torch
 
-from fgrpo.core import schedule
 from fgrpo.models.base import Cond
 from fgrpo.models.common import (
-    OnTransformer,
+    PatchedLatents,
     PromptCache,
-    check_resolution,
     decode_scaled_latents,
     freeze,
     module_device,
@@ -90,8 +88,10 @@ def image_ids(h: int, w: int, device: torch.device | str | None = None) -> torch
     return ids.reshape(-1, 3).to(device=device, dtype=torch.float32)
 
 
-class Flux(OnTransformer):
+class Flux(PatchedLatents):
     """FLUX.1 (CLIP-L, T5, transformer, VAE) as a FlowModel. Weights are frozen; LoRA goes on later."""
+
+    family = "FLUX"
 
     # Transformer passes a step takes with guidance_scale > 1 (true CFG's families: 2); the benchmarks' FLOP counts
     # read it.
@@ -197,20 +197,6 @@ class Flux(OnTransformer):
             raise ValueError("prompts is empty; pass at least one prompt")
         enc = [self.prompt_cache(p) for p in prompts]
         return {"prompt_embeds": torch.stack([e for e, _ in enc]), "pooled": torch.stack([p for _, p in enc])}
-
-    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
-        check_resolution("FLUX", height, width, self.vae_scale * self.patch)
-        return (self.latent_channels, height // self.vae_scale, width // self.vae_scale)
-
-    def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
-        _, h, w = self.latent_shape(height, width)
-        seq_len = (h // self.patch) * (w // self.patch)
-        return schedule.qwen_image_sigmas(num_steps, seq_len, **self.schedule_kwargs)
-
-    def sigmas_at(self, num_steps: int, height: int, width: int, positions: torch.Tensor) -> torch.Tensor:
-        _, h, w = self.latent_shape(height, width)
-        seq_len = (h // self.patch) * (w // self.patch)
-        return schedule.qwen_image_sigmas_at(positions, num_steps, seq_len, **self.schedule_kwargs)
 
     def velocity(
         self, x_t: torch.Tensor, sigma: torch.Tensor, cond: Cond, *, guidance_scale: float

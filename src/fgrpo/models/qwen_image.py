@@ -28,12 +28,11 @@ from typing import TYPE_CHECKING, Any, Self
 import torch
 from einops import rearrange
 
-from fgrpo.core import guidance, schedule
+from fgrpo.core import guidance
 from fgrpo.models.base import Cond
 from fgrpo.models.common import (
-    OnTransformer,
+    PatchedLatents,
     PromptCache,
-    check_resolution,
     complete_scheduler_config,
     freeze,
     module_device,
@@ -128,8 +127,10 @@ def unpack(x: torch.Tensor, h: int, w: int) -> torch.Tensor:
     return rearrange(x, "b (h w) (c p q) -> b c (h p) (w q)", h=h // 2, w=w // 2, p=2, q=2)
 
 
-class QwenImage(OnTransformer):
+class QwenImage(PatchedLatents):
     """Qwen-Image (text encoder, transformer, VAE) as a FlowModel. Weights are frozen; LoRA goes on later."""
+
+    family = "Qwen-Image"
 
     merge_targets = (
         QWEN_IMAGE_IMAGE_STREAM_LORA  # what model.merged_rollout merges (rollout.engine.MergedLora)
@@ -241,20 +242,6 @@ class QwenImage(OnTransformer):
             cond["neg_prompt_embeds"] = neg[None].expand(B, -1, -1)
             cond["neg_prompt_mask"] = torch.ones(B, neg.shape[0], dtype=torch.bool, device=neg.device)
         return cond
-
-    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
-        check_resolution("Qwen-Image", height, width, self.vae_scale * self.patch)
-        return (self.latent_channels, height // self.vae_scale, width // self.vae_scale)
-
-    def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
-        _, h, w = self.latent_shape(height, width)
-        seq_len = (h // self.patch) * (w // self.patch)
-        return schedule.qwen_image_sigmas(num_steps, seq_len, **self.schedule_kwargs)
-
-    def sigmas_at(self, num_steps: int, height: int, width: int, positions: torch.Tensor) -> torch.Tensor:
-        _, h, w = self.latent_shape(height, width)
-        seq_len = (h // self.patch) * (w // self.patch)
-        return schedule.qwen_image_sigmas_at(positions, num_steps, seq_len, **self.schedule_kwargs)
 
     def velocity(
         self, x_t: torch.Tensor, sigma: torch.Tensor, cond: Cond, *, guidance_scale: float
