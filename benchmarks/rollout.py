@@ -408,14 +408,17 @@ def audio_sink(model):
 
 def forward_tflop(model, prompt: str, height: int, width: int) -> float:
     """TFLOP of one transformer forward of one sample (no CFG) at height x width (LTX-2: one clip of the model's
-    frames) with `prompt`'s conditioning, counted by torch's flop counter (matmuls and attention) on the model."""
+    frames) with `prompt`'s conditioning, counted by torch's flop counter (matmuls and attention) on the model.
+
+    The count runs eagerly: dynamo does not trace under the counter (a dispatch mode), and a compiled block it is
+    asked to trace there is skipped for the rest of the process, so every later no-grad forward would run eager."""
     from torch.utils.flop_counter import FlopCounterMode
 
     device = module_device(model.transformer)
     x = torch.zeros(1, *model.latent_shape(height, width), device=device)
     cond = model.encode([prompt])
     counter = FlopCounterMode(display=False)
-    with torch.no_grad(), counter:
+    with torch.compiler.set_stance("force_eager"), torch.no_grad(), counter:
         model.velocity(x, torch.full((1,), 0.5, device=device), cond, guidance_scale=1.0)
     return counter.get_total_flops() / 1e12
 

@@ -361,3 +361,37 @@ def test_train_step_times_the_trainers_own_phases(train_step, monkeypatch, capsy
     assert calls == [("experience", 0), ("update", 0), ("experience", 1), ("update", 1)]
     assert "| rollout | 1.25 | 1.600 |" in out and "| train | 2.50 | 0.800 |" in out
     assert "| total (rollout + train) | 3.75 | 0.533 |" in out
+
+
+def test_counting_the_flops_of_compiled_blocks_leaves_them_compiled(rollout):
+    """forward_tflop runs the model under torch's flop counter (a dispatch mode dynamo will not trace); counted on
+    blocks already compiled, dynamo marked their code as skipped for the rest of the process, and every later
+    no-grad forward of the headline step ran eager (its rollout 4 s slower). Counted eagerly, they stay compiled."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    backend = CompileCounter()
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.relu(self.proj(x)) + x
+
+    block = Block()
+    block.compile(backend=backend)
+    model = SimpleNamespace(
+        transformer=block,
+        latent_shape=lambda h, w: (4,),
+        encode=lambda prompts: {},
+        velocity=lambda x, sigma, cond, guidance_scale: block(x),
+    )
+    assert rollout.forward_tflop(model, "a", 8, 8) == pytest.approx(
+        2 * 4 * 4 / 1e12
+    )  # one [1, 4] x [4, 4] matmul
+    with torch.no_grad():
+        block(torch.ones(2, 4))
+    assert backend.frame_count == 1
+    torch._dynamo.reset()
