@@ -33,14 +33,21 @@ PROMPTS = ['"stop"', '"sale"', '"Hello World"', '"x"', '"closed"']
 SCORES = [1, 1, 1, 0, 1 - 4 / 6]  # ocr_score of TEXTS against PROMPTS' targets
 
 
-def fake_openai(log: dict, *, fail_first: int = 0, status: int = 500, reply=None, delay_s: float = 0.0):
+def fake_openai(
+    log: dict, *, fail_first: int = 0, status: int = 500, reply=None, delay_s: float = 0.0, die_after: int = 0
+):
     """A chat-completions endpoint that validates the request and transcribes by looking the image up.
-    Its first `fail_first` requests get `status`, with Retry-After 1 ms so the client's retry is quick."""
+    Its first `fail_first` requests get `status`, with Retry-After 1 ms so the client's retry is quick. With
+    `die_after` N, every request after the N-th has its connection dropped unanswered, as a killed server's."""
     log.update(requests=0, in_flight=0, max_in_flight=0, auth=set())
 
     async def chat(request: web.Request) -> web.Response:
         log["requests"] += 1
         log["auth"].add(request.headers.get("Authorization"))
+        if die_after and log["requests"] > die_after:
+            assert request.transport is not None
+            request.transport.abort()
+            return web.Response()  # never sent: the connection is gone
         if log["requests"] <= fail_first:
             return web.json_response({"error": "overloaded"}, status=status, headers={"retry-after-ms": "1"})
         body = await request.json()
@@ -132,6 +139,24 @@ def test_vlm_engine_malformed_reply_is_a_clear_error(reply):
         with pytest.raises(RewardServiceError, match="malformed response"):
             engine.recognize(IMAGES[:1])
     assert log["requests"] == 1  # the same request would get the same answer
+
+
+def test_vlm_engine_server_killed_mid_batch_is_a_clear_error_within_its_retries():
+    """The server dies after reading 2 of the 5 images: the client retries the dropped request max_retries times
+    and stops with one error naming the server, in well under a timeout (no hang on a dead connection)."""
+    import time
+
+    log: dict = {}
+    with serve_in_thread(fake_openai(log, die_after=2)) as url:
+        engine = VlmOcrEngine(url, "test-vlm", max_concurrency=1, max_retries=2, timeout_s=30)
+        start = time.monotonic()
+        with pytest.raises(RewardServiceError, match=r"unreachable after 3 attempt\(s\)") as e:
+            engine.recognize(IMAGES)
+        assert time.monotonic() - start < 10
+    assert "\n" not in str(e.value)
+    # the third image's 3 attempts, each at most 2 requests (httpx resends once when a kept-alive connection drops
+    # unanswered); the images after it are not tried (Executor.map cancels them on the error)
+    assert 2 + 3 <= log["requests"] <= 2 + 2 * 3
 
 
 def test_vlm_engine_down_is_a_clear_error():
