@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
 
@@ -138,18 +138,21 @@ def module_dtype(module: torch.nn.Module) -> torch.dtype:
     return next(module.parameters()).dtype
 
 
+class _HasTransformer(Protocol):
+    @property
+    def transformer(self) -> torch.nn.Module: ...
+
+
 class OnTransformer:
     """A model's device and dtype: its transformer's (the module LoRA wraps and FSDP shards). The families' one
-    definition of both."""
-
-    transformer: torch.nn.Module
+    definition of both; a family keeps its own type of `transformer`."""
 
     @property
-    def device(self) -> torch.device:
+    def device(self: _HasTransformer) -> torch.device:
         return module_device(self.transformer)
 
     @property
-    def dtype(self) -> torch.dtype:
+    def dtype(self: _HasTransformer) -> torch.dtype:
         return module_dtype(self.transformer)
 
 
