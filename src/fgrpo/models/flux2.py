@@ -189,7 +189,8 @@ class Flux2(PatchedLatents):
         tokenizer = AutoTokenizer.from_pretrained(path, subfolder="tokenizer")
         scheduler_config = FlowMatchEulerDiscreteScheduler.load_config(path, subfolder="scheduler")
         # model_index.json records whether the klein checkpoint is step-distilled (guidance ignored).
-        is_distilled = bool(DiffusionPipeline.load_config(path).get("is_distilled", False))
+        index: Any = DiffusionPipeline.load_config(path)
+        is_distilled = bool(index.get("is_distilled", False))
         kwargs.setdefault("is_distilled", is_distilled)
         return cls.from_modules(
             transformer, vae, encoder, tokenizer, device=device, scheduler_config=scheduler_config, **kwargs

@@ -106,7 +106,9 @@ FAMILIES: dict[str, Family] = {
     "tiny_sd3": Family(_tiny(tiny.tiny_sd3), SD3_LORA_TARGETS, 16, "experiments/sd35_ocr.py"),
     "tiny_flux": Family(_tiny(tiny.tiny_flux), FLUX_LORA_TARGETS, 16, "experiments/flux_ocr.py"),
     "tiny_ltx2": Family(_tiny(tiny.tiny_ltx2), LTX2_LORA_TARGETS, 32, "experiments/ltx2_ocr.py"),
-    "flux2": Family(_pretrained(Flux2), FLUX2_LORA_TARGETS, 16, "experiments/flux2_ocr.py", tiny="tiny_flux2"),
+    "flux2": Family(
+        _pretrained(Flux2), FLUX2_LORA_TARGETS, 16, "experiments/flux2_ocr.py", tiny="tiny_flux2"
+    ),
     "tiny_flux2": Family(_tiny(tiny.tiny_flux2), FLUX2_LORA_TARGETS, 16, "experiments/flux2_ocr.py"),
 }
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
@@ -635,7 +636,7 @@ def tiny_flux2_components(seed: int = 0) -> dict:
                 num_key_value_heads=1,
                 head_dim=8,
                 max_position_embeddings=128,
-                pad_token_id=tokenizer.pad_token_id,
+                pad_token_id=tokenizer.pad_token_id,  # pyright: ignore[reportArgumentType]
             )
         )
         transformer = Flux2Transformer2DModel(
@@ -658,8 +659,9 @@ def tiny_flux2_components(seed: int = 0) -> dict:
             use_quant_conv=False,
             use_post_quant_conv=False,
         )
-        vae.bn.running_mean.normal_(0, 0.5)
-        vae.bn.running_var.uniform_(0.5, 2.0)
+        bn: Any = vae.bn  # BatchNorm2d annotates its running statistics as optional
+        bn.running_mean.normal_(0, 0.5)
+        bn.running_var.uniform_(0.5, 2.0)
     for m in (text_encoder, transformer, vae):
         m.eval()
     return dict(
