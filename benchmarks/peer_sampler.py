@@ -121,7 +121,11 @@ def sd3_pipeline(model: sd3.SD3) -> StableDiffusion3Pipeline:
     scheduler SD3.5-Medium ships (sd3.SCHEDULER_CONFIG, the one fgrpo's SD3 draws its sigmas from)."""
     scheduler = FlowMatchEulerDiscreteScheduler(**sd3.SCHEDULER_CONFIG)
     pipe = StableDiffusion3Pipeline(
-        transformer=model.transformer, scheduler=scheduler, vae=model.vae, **NO_TEXT_ENCODERS
+        # an SD3's transformer is an SD3Transformer2DModel; the shared attribute is typed as any family's
+        transformer=model.transformer,  # pyright: ignore[reportArgumentType]
+        scheduler=scheduler,
+        vae=model.vae,
+        **NO_TEXT_ENCODERS,
     )
     pipe.set_progress_bar_config(disable=True)
     return pipe

@@ -13,6 +13,8 @@ from fgrpo.core import schedule
 if TYPE_CHECKING:
     from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
 
+    from fgrpo.models.base import Transformer
+
 Key = TypeVar("Key", bound=Hashable)
 
 
@@ -142,7 +144,7 @@ class OnTransformer:
     """A model's device and dtype: its transformer's (the module LoRA wraps and FSDP shards). The families' one
     definition of both."""
 
-    transformer: torch.nn.Module
+    transformer: Transformer
 
     @property
     def device(self) -> torch.device:
