@@ -121,8 +121,9 @@ class Flux2(PatchedLatents):
 
     family = "FLUX.2"
 
-    # Transformer passes a step takes with guidance_scale > 1 (true CFG; the benchmarks' FLOP counts read it).
-    cfg_forwards = 2
+    # Transformer passes a step takes with guidance_scale > 1 (the benchmarks' FLOP counts read it): 2 for true CFG,
+    # 1 where the guidance is an embedding or ignored (set per model in __init__).
+    cfg_forwards: int
 
     def __init__(
         self,
@@ -158,6 +159,7 @@ class Flux2(PatchedLatents):
                 "the transformer and VAE do not belong together"
             )
         self.guidance_embeds = bool(tcfg.guidance_embeds)
+        self.cfg_forwards = 1 if self.guidance_embeds or is_distilled else 2
         self.prompt_cache = PromptCache(self._encode_one, prompt_cache_size)
 
     # ------------------------------------------------------------------------------------------------
