@@ -146,7 +146,7 @@ class Flux2(PatchedLatents):
         self.is_distilled = is_distilled
         self.max_sequence_length = max_sequence_length
         self.text_layers = tuple(text_layers)
-        self.schedule_kwargs = {}
+        self.schedule_kwargs = {}  # PatchedLatents' Qwen-Image keywords; FLUX.2 overrides sigmas and sigmas_at
         tcfg: Any = transformer.config
         vcfg: Any = vae.config
         # x_t is the patchified latent: one token per position, so the VAE's 8x and the 2x2 patchify make 16 px.
