@@ -17,7 +17,9 @@ blocks and the compiled VAE decoder.
 (`build_real_qwen_image_edit`), LTX-2.3 (`build_real_ltx2`) and FLUX.1-dev (`build_real_flux`) at their experiment
 recipes' sampling (experiments/qwen_image_edit_ocr.py: 512², 12 steps, true CFG 4, window 3 of [0, 6), a 1024²
 condition image; experiments/ltx2_ocr.py: 81-frame 256x384 clips, 24 steps, CFG 4, CPS window 3 of [0, 10);
-experiments/flux_ocr.py: 512², 6 steps, embedded guidance 3.5 in one forward, CPS window 3 of [0, 3)); TFLOP/s then
+experiments/flux_ocr.py: 512², 6 steps, embedded guidance 3.5 in one forward, CPS window 3 of [0, 3));
+`--model flux2`: FLUX.2's transformer at diffusers' default ([dev]) size run as klein base (`build_real_flux2`) at
+experiments/flux2_ocr.py's sampling (384², 8 steps, true CFG 4, Flow-SDE window 1 of [1, 4)); TFLOP/s then
 uses the forward's FLOPs counted on the model as built (`forward_tflop`), and LTX-2's rows count videos.
 
 GPU:  python benchmarks/rollout.py                   (about 5 min on one H200)
@@ -46,6 +48,7 @@ from fgrpo.config import SamplingConfig
 from fgrpo.models.base import ImagePrompt
 from fgrpo.models.common import module_device, module_dtype
 from fgrpo.models.flux import Flux
+from fgrpo.models.flux2 import Flux2
 from fgrpo.models.loading import compile_decoder, configure_transformer
 from fgrpo.models.ltx2 import LTX2, clip_kwargs
 from fgrpo.models.qwen_image import QwenImage
@@ -366,6 +369,33 @@ def build_real_flux(device: torch.device | str, layers: int = 19) -> Flux:
     return StubTextFlux.from_modules(transformer, vae, unused, [None, None], device=device)
 
 
+class StubTextFlux2(Flux2):
+    """FLUX.2 whose prompt encoder returns random embeddings of the transformer's text width (no Qwen3): the
+    pipeline's 512 padded tokens."""
+
+    def _encode_one(self, prompt: str) -> tuple[torch.Tensor]:
+        gen = torch.Generator().manual_seed(sample_seed(len(prompt), *map(ord, prompt[:32])))
+        cfg: Any = self.transformer.config
+        embeds = torch.randn(self.max_sequence_length, cfg.joint_attention_dim, generator=gen)
+        return (embeds.to(self.device, self.dtype),)
+
+
+def build_real_flux2(device: torch.device | str, layers: int = 8) -> Flux2:
+    """FLUX.2's transformer at diffusers' default size (FLUX.2 [dev]'s: 8 joint and 48 single-stream blocks of 48
+    heads x 128, text width 15360) with random bf16 weights, run the klein base way (no guidance embedding, true CFG),
+    the 32-channel AutoencoderKLFlux2 at its defaults and a stub text encoder: an upper bound for the klein models,
+    whose transformers are smaller. `layers` joint blocks come with six times as many single ones."""
+    from diffusers.models.autoencoders.autoencoder_kl_flux2 import AutoencoderKLFlux2
+    from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModel
+
+    with real_size(device):
+        transformer = Flux2Transformer2DModel(
+            num_layers=layers, num_single_layers=6 * layers, guidance_embeds=False
+        )
+        vae = AutoencoderKLFlux2()
+    return StubTextFlux2.from_modules(transformer, vae, None, None, device=device)
+
+
 def _real_size_text_encoder():
     """Random Qwen2.5-VL-7B text tower (the vision tower shrunk: it is never run) + the offline tokenizer."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -479,8 +509,9 @@ def main() -> None:
             "qwen_image_edit",
             "ltx2",
             "flux",
+            "flux2",
         ],  # the families with a real-size builder here
-        help="qwen_image (the rows above), qwen_image_edit, ltx2 or flux (their experiment recipes' sampling)",
+        help="qwen_image (the rows above), qwen_image_edit, ltx2, flux or flux2 (their experiment recipes' sampling)",
     )
     ap.add_argument("--tiny", action="store_true", help="tiny random model on the CPU (script check)")
     ap.add_argument("--batch-sizes", default="", help="comma-separated B (default 8,16,32; tiny: 2,4)")
@@ -530,7 +561,7 @@ def main() -> None:
 
     if args.tiny:
         model = cast(
-            QwenImage | LTX2 | Flux, build_tiny(args.model)
+            QwenImage | LTX2 | Flux | Flux2, build_tiny(args.model)
         )  # the tiny version of one of these families
     elif args.model == "qwen_image":
         model = build_real(device, args.text_encoder, args.layers or 60)
@@ -538,6 +569,8 @@ def main() -> None:
         model = build_real_qwen_image_edit(device, args.layers or 60)
     elif args.model == "flux":
         model = build_real_flux(device, args.layers or 19)
+    elif args.model == "flux2":
+        model = build_real_flux2(device, args.layers or 8)
     else:
         model = build_real_ltx2(device, args.layers or 48)
     if args.attention_backend:

@@ -33,13 +33,16 @@ def test_help_parses(path):
 
 
 @pytest.mark.parametrize(
-    "name", ["qwen_image_ocr", "sd35_ocr", "qwen_image_edit_ocr", "ltx2_ocr", "flux_ocr"]
+    "name", ["qwen_image_ocr", "sd35_ocr", "qwen_image_edit_ocr", "ltx2_ocr", "flux_ocr", "flux2_ocr"]
 )
 def test_config_presets_instantiate(name):
     module = load(ROOT / "experiments" / f"{name}.py")
     recipe, tiny = module.Config(), module.tiny()
     assert recipe.exp_name == name == tiny.exp_name  # run name = file stem
-    assert recipe.model.kind in ("qwen_image", "sd3", "qwen_image_edit", "ltx2", "flux") and recipe.model.lora
+    assert (
+        recipe.model.kind in ("qwen_image", "sd3", "qwen_image_edit", "ltx2", "flux", "flux2")
+        and recipe.model.lora
+    )
     from fgrpo.algorithms import check_config
 
     check_config(recipe, world_size=1)
@@ -107,6 +110,7 @@ RENDERER_FLAGS = ["--grpo.prompts-per-step", "1", "--data.val-num-prompts", "2",
         ("qwen_image_edit_ocr", "tiny", []),
         ("ltx2_ocr", "tiny", []),
         ("flux_ocr", "tiny", []),
+        ("flux2_ocr", "tiny", []),
     ],
 )
 def test_tiny_preset_runs_two_steps(tmp_path, name, preset, flags):
@@ -466,3 +470,23 @@ def test_flux_recipe_matches_flow_grpo():
     assert (g.adv_std, g.adv_clip_max, g.clip_range, g.kl_coef) == ("global", 5.0, 1e-5, 0.0)
     assert (c.optim.lr, c.optim.weight_decay, c.optim.grad_clip) == (3e-4, 1e-4, 1.0)
     assert (c.run.val_num_steps, c.run.val_every, c.run.ckpt_every, c.reward.name) == (28, 30, 30, "ocr")
+
+
+def test_flux2_recipe_matches_flow_factory():
+    """Flow-Factory's FLUX.2-klein-base GRPO LoRA config (examples/grpo/lora/flux2_klein_base/default.yaml): r64/a128,
+    384², 8 steps, CFG 4, Flow-SDE noise 0.7 on one step of [1, 2, 3], 48 prompts x 16 images, 2 gradient steps,
+    per-group std, advantages clipped at 5, clip 1e-4, no KL, AdamW 3e-4 / wd 1e-4 / grad clip 1, 28 eval steps."""
+    c = load(ROOT / "experiments" / "flux2_ocr.py").Config()
+    s, g, mc = c.sampling, c.grpo, c.model
+    assert (mc.kind, mc.path, mc.lora_rank, mc.lora_alpha) == (
+        "flux2",
+        "black-forest-labs/FLUX.2-klein-base-4B",
+        64,
+        128,
+    )
+    assert (s.height, s.width, s.num_steps, s.guidance_scale, s.negative_prompt) == (384, 384, 8, 4.0, "")
+    assert (s.sde_kind, s.noise_level, s.window_size, s.window_range) == ("flow_sde", 0.7, 1, (1, 4))
+    assert (g.group_size, g.prompts_per_step, g.optimizer_steps_per_step) == (16, 48, 2)
+    assert (g.adv_std, g.adv_clip_max, g.clip_range, g.kl_coef) == ("group", 5.0, 1e-4, 0.0)
+    assert (c.optim.lr, c.optim.weight_decay, c.optim.grad_clip) == (3e-4, 1e-4, 1.0)
+    assert (c.run.val_num_steps, c.run.val_every, c.run.ckpt_every, c.reward.name) == (28, 20, 20, "ocr")

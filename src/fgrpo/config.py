@@ -31,6 +31,8 @@ class ModelConfig:
         "tiny_sd3",
         "tiny_flux",
         "tiny_ltx2",
+        "flux2",
+        "tiny_flux2",
     ] = "qwen_image"
     """Which generator: real Qwen-Image / Qwen-Image-Edit / SD3.5 / FLUX.1-dev / LTX-2 (text to audio-video), the
     pretrained tiny text renderer, or tiny random models. The edit kinds need prompts that name a condition image

@@ -153,6 +153,50 @@ def qwen_image_sigmas_at(
     return sigmas[:-1]
 
 
+def flux2_mu(image_seq_len: int, num_steps: int) -> float:
+    """FLUX.2's shift mu, an empirical fit in the image token count L and the step count N
+    (diffusers' compute_empirical_mu, same order of operations so the float is identical).
+
+    mu_N(L) is linear in N through two lines fitted at 10 and 200 steps,
+        mu_10(L) = 8.73809524e-5 L + 1.89833333,   mu_200(L) = 1.6927e-4 L + 0.45666666,
+        mu = a N + b with a = (mu_200 - mu_10) / 190, b = mu_200 - 200 a;
+    for L > 4300 it is mu_200(L) whatever N.
+    """
+    a_200, b_200 = 0.00016927, 0.45666666
+    mu_200 = a_200 * image_seq_len + b_200
+    if image_seq_len > 4300:
+        return float(mu_200)
+    mu_10 = 8.73809524e-05 * image_seq_len + 1.89833333
+    a = (mu_200 - mu_10) / 190.0
+    return float(a * num_steps + (mu_200 - 200.0 * a))
+
+
+def flux2_sigmas(num_steps: int, image_seq_len: int) -> torch.Tensor:
+    """FLUX.2's schedule: [num_steps + 1] fp32, linspace(1, 1/N, N) through the exponential time shift with
+    mu = flux2_mu(image_seq_len, N), then a terminal 0 (Flux2Pipeline / Flux2KleinPipeline with a scheduler of
+    dynamic exponential shifting and no terminal stretch).
+
+    Args:
+        num_steps: N denoising steps.
+        image_seq_len: image tokens, (H / 16) * (W / 16).
+
+    Returns:
+        [N + 1] fp32, sigmas[0] = 1, sigmas[-1] = 0.
+    """
+    _check_steps(num_steps)
+    return torch.cat([flux2_sigmas_at(torch.arange(num_steps), num_steps, image_seq_len), torch.zeros(1)])
+
+
+def flux2_sigmas_at(positions: torch.Tensor, num_steps: int, image_seq_len: int) -> torch.Tensor:
+    """FLUX.2's N-step schedule at fractional step positions u in [0, N - 1]: [P] fp32, equal to
+    flux2_sigmas(N, ...)[i] bit for bit at integer u = i (mu depends on N, not on u)."""
+    _check_steps(num_steps)
+    if image_seq_len < 1:
+        raise ValueError(f"image_seq_len must be >= 1, got {image_seq_len}")
+    sigmas = _linspace_f64(1.0, 1.0 / num_steps, num_steps, positions).float()
+    return exponential_time_shift(sigmas, flux2_mu(image_seq_len, num_steps))
+
+
 def sd3_sigmas(num_steps: int, shift: float, *, num_train_timesteps: int = 1000) -> torch.Tensor:
     """SD3 / SD3.5's schedule: [num_steps + 1] fp32, static shift (3.0 in SD3.5's scheduler_config.json).
 

@@ -14,6 +14,7 @@ import torch
 
 if TYPE_CHECKING:
     from diffusers.models.transformers.transformer_flux import FluxTransformer2DModel
+    from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModel
     from diffusers.models.transformers.transformer_ltx2 import LTX2VideoTransformer3DModel
     from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
     from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
         | SD3Transformer2DModel
         | LTX2VideoTransformer3DModel
         | FluxTransformer2DModel
+        | Flux2Transformer2DModel
     )
 
 # Conditioning is a flat dict of batch-first tensors (model-specific keys, e.g. prompt embeddings,

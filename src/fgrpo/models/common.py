@@ -13,6 +13,7 @@ from fgrpo.core import schedule
 if TYPE_CHECKING:
     from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
 
+
 Key = TypeVar("Key", bound=Hashable)
 
 

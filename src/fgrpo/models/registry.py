@@ -15,6 +15,7 @@ from fgrpo.errors import ConfigError
 from fgrpo.models import tiny
 from fgrpo.models.base import FlowModel
 from fgrpo.models.flux import FLUX_LORA_TARGETS, Flux
+from fgrpo.models.flux2 import FLUX2_LORA_TARGETS, Flux2
 from fgrpo.models.loading import check_attention_backend, compile_decoder, configure_transformer
 from fgrpo.models.lora import check_lora_file
 from fgrpo.models.ltx2 import LTX2, LTX2_LORA_TARGETS, clip_kwargs
@@ -48,7 +49,7 @@ class Family:
     """The vLLM-Omni rollout engine (rollout_engine='vllm_omni') samples it."""
 
 
-def _pretrained(cls: type[QwenImage] | type[SD3] | type[Flux]) -> Loader:
+def _pretrained(cls: type[QwenImage] | type[SD3] | type[Flux] | type[Flux2]) -> Loader:
     return lambda mcfg, device, dtype, seed: cls.from_pretrained(mcfg.path, dtype=dtype, device=device)
 
 
@@ -105,6 +106,10 @@ FAMILIES: dict[str, Family] = {
     "tiny_sd3": Family(_tiny(tiny.tiny_sd3), SD3_LORA_TARGETS, 16, "experiments/sd35_ocr.py"),
     "tiny_flux": Family(_tiny(tiny.tiny_flux), FLUX_LORA_TARGETS, 16, "experiments/flux_ocr.py"),
     "tiny_ltx2": Family(_tiny(tiny.tiny_ltx2), LTX2_LORA_TARGETS, 32, "experiments/ltx2_ocr.py"),
+    "flux2": Family(
+        _pretrained(Flux2), FLUX2_LORA_TARGETS, 16, "experiments/flux2_ocr.py", tiny="tiny_flux2"
+    ),
+    "tiny_flux2": Family(_tiny(tiny.tiny_flux2), FLUX2_LORA_TARGETS, 16, "experiments/flux2_ocr.py"),
 }
 
 SEQUENCE_PARALLEL_KINDS = tuple(k for k, f in FAMILIES.items() if f.sequence_parallel)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
@@ -36,8 +37,9 @@ from transformers import (
 )
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-from fgrpo.models import flux, ltx2, qwen_image, sd3
+from fgrpo.models import flux, flux2, ltx2, qwen_image, sd3
 from fgrpo.models.flux import Flux
+from fgrpo.models.flux2 import Flux2
 from fgrpo.models.ltx2 import LTX2
 from fgrpo.models.qwen_image import PROMPT_DROP, PROMPT_TEMPLATE, QwenImage
 from fgrpo.models.qwen_image_edit import EDIT_PROMPT_DROP, EDIT_PROMPT_TEMPLATE, QwenImageEdit
@@ -594,3 +596,92 @@ def tiny_ltx2(
         kwargs.setdefault(k, v)
     kwargs.setdefault("max_sequence_length", TINY_LTX2_TEXT_LENGTH)
     return LTX2.from_modules(**{k: c[k] for k in ltx2.MODULES}, device=device, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------
+# FLUX.2 [klein]
+
+# Qwen3's chat template as Flux2KleinPipeline renders it (one user turn, generation prompt, thinking off), and the
+# same as a Jinja template for the tiny tokenizer's apply_chat_template.
+FLUX2_PROMPT_TEMPLATE = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+FLUX2_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+FLUX2_TEXT_LENGTH_TINY = 24
+FLUX2_TEXT_LAYERS_TINY = (1, 2, 3)
+
+
+def tiny_flux2_components(seed: int = 0) -> dict:
+    """Random-init tiny FLUX.2 [klein] parts, keyed like Flux2KleinPipeline's constructor (fp32, CPU): a 3-layer
+    Qwen3 (every layer's states stacked), one joint and two single-stream blocks without a guidance embedding, a
+    4-channel VAE whose batch-norm statistics are random (so the normalisation is exercised)."""
+    from diffusers.models.autoencoders.autoencoder_kl_flux2 import AutoencoderKLFlux2
+    from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModel
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = tiny_qwen_tokenizer(FLUX2_PROMPT_TEMPLATE, drop=3)
+    tokenizer.chat_template = FLUX2_CHAT_TEMPLATE
+    hidden = 16
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        text_encoder = Qwen3ForCausalLM(
+            Qwen3Config(
+                vocab_size=len(tokenizer),
+                hidden_size=hidden,
+                intermediate_size=32,
+                num_hidden_layers=len(FLUX2_TEXT_LAYERS_TINY),
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=8,
+                max_position_embeddings=128,
+                pad_token_id=tokenizer.pad_token_id,  # pyright: ignore[reportArgumentType]
+            )
+        )
+        transformer = Flux2Transformer2DModel(
+            in_channels=16,  # 4 latent channels x the 2x2 patchify
+            num_layers=1,
+            num_single_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=hidden * len(FLUX2_TEXT_LAYERS_TINY),
+            timestep_guidance_channels=32,
+            axes_dims_rope=(4, 4, 4, 4),
+            guidance_embeds=False,  # klein's
+        )
+        vae = AutoencoderKLFlux2(
+            block_out_channels=(8, 8, 16, 16),
+            layers_per_block=1,
+            latent_channels=4,
+            norm_num_groups=4,
+            sample_size=64,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+        )
+        bn: Any = vae.bn  # BatchNorm2d annotates its running statistics as optional
+        bn.running_mean.normal_(0, 0.5)
+        bn.running_var.uniform_(0.5, 2.0)
+    for m in (text_encoder, transformer, vae):
+        m.eval()
+    return dict(
+        transformer=transformer,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        scheduler=FlowMatchEulerDiscreteScheduler.from_config(flux2.SCHEDULER_CONFIG),
+    )
+
+
+def tiny_flux2(
+    seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, **kwargs
+) -> Flux2:
+    """A tiny random FLUX.2 [klein] base FlowModel (true CFG; 64x64 images take a few ms per step on a CPU)."""
+    c = tiny_flux2_components(seed)
+    if dtype != torch.float32:
+        c["transformer"].to(dtype)
+    kwargs.setdefault("max_sequence_length", FLUX2_TEXT_LENGTH_TINY)
+    kwargs.setdefault("text_layers", FLUX2_TEXT_LAYERS_TINY)
+    return Flux2.from_modules(
+        c["transformer"], c["vae"], c["text_encoder"], c["tokenizer"], device=device, **kwargs
+    )
