@@ -33,13 +33,16 @@ def test_help_parses(path):
 
 
 @pytest.mark.parametrize(
-    "name", ["qwen_image_ocr", "sd35_ocr", "qwen_image_edit_ocr", "ltx2_ocr", "flux_ocr"]
+    "name", ["qwen_image_ocr", "sd35_ocr", "qwen_image_edit_ocr", "ltx2_ocr", "flux_ocr", "zimage_ocr"]
 )
 def test_config_presets_instantiate(name):
     module = load(ROOT / "experiments" / f"{name}.py")
     recipe, tiny = module.Config(), module.tiny()
     assert recipe.exp_name == name == tiny.exp_name  # run name = file stem
-    assert recipe.model.kind in ("qwen_image", "sd3", "qwen_image_edit", "ltx2", "flux") and recipe.model.lora
+    assert (
+        recipe.model.kind in ("qwen_image", "sd3", "qwen_image_edit", "ltx2", "flux", "zimage")
+        and recipe.model.lora
+    )
     from fgrpo.algorithms import check_config
 
     check_config(recipe, world_size=1)
@@ -107,6 +110,7 @@ RENDERER_FLAGS = ["--grpo.prompts-per-step", "1", "--data.val-num-prompts", "2",
         ("qwen_image_edit_ocr", "tiny", []),
         ("ltx2_ocr", "tiny", []),
         ("flux_ocr", "tiny", []),
+        ("zimage_ocr", "tiny", []),
     ],
 )
 def test_tiny_preset_runs_two_steps(tmp_path, name, preset, flags):
