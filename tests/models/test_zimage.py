@@ -163,8 +163,10 @@ def test_recompute_is_bit_exact_with_lora_and_grad():
     assert torch.equal(log_prob.detach(), traj.log_prob[rows, 1])
     log_prob.sum().backward()
     grads = {n: p.grad for n, p in m.transformer.named_parameters() if "lora_" in n}
-    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads.values())
-    assert sum(bool(g.abs().max() > 0) for g in grads.values() if g is not None) > len(grads) // 2
+    # every adapter learns, the text refiner's too (its output is the main blocks' text stream)
+    assert grads and all(
+        g is not None and torch.isfinite(g).all() and g.abs().max() > 0 for g in grads.values()
+    )
 
 
 def _transformer_inputs(transformer):

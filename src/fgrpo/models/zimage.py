@@ -49,8 +49,8 @@ if TYPE_CHECKING:  # diffusers is imported where a model is built
 
 # ZImagePipeline's default prompt length (tokens of the templated prompt).
 MAX_SEQUENCE_LENGTH = 512
-# The scheduler config of a model built in code (the tiny one): a static shift, the branch a Z-Image checkpoint's
-# scheduler takes unless its file turns dynamic shifting on. A loaded model reads its own file.
+# The scheduler config of a model built in code (the tiny one): a static shift of 3, our choice for it (the tests
+# check the dynamic-shift branch too). A loaded model reads its checkpoint's scheduler_config.json.
 SCHEDULER_CONFIG: dict[str, Any] = {"shift": 3.0, "use_dynamic_shifting": False}
 
 # The transformer's Linear layers that LoRA adapts: Flow-Factory's Z-Image default (src/flow_factory/models/z_image.py,
