@@ -13,8 +13,9 @@ rollout minus VAE decode, per sample per single non-CFG forward: compare with th
 whole rollout time); peak memory. Modes: eager, then model.compile's: regional torch.compile of the transformer
 blocks and the compiled VAE decoder.
 
-`--model qwen_image_edit` / `--model ltx2` / `--model flux`: the same rows for real-size random Qwen-Image-Edit
-(`build_real_qwen_image_edit`), LTX-2.3 (`build_real_ltx2`) and FLUX.1-dev (`build_real_flux`) at their experiment
+`--model qwen_image_edit` / `--model ltx2` / `--model flux` / `--model zimage`: the same rows for real-size random
+Qwen-Image-Edit (`build_real_qwen_image_edit`), LTX-2.3 (`build_real_ltx2`), FLUX.1-dev (`build_real_flux`) and Z-Image
+(`build_real_zimage`; experiments/zimage_ocr.py: 512², 10 steps, true CFG 5, flow_sde window 1 of [1, 4)) at their experiment
 recipes' sampling (experiments/qwen_image_edit_ocr.py: 512², 12 steps, true CFG 4, window 3 of [0, 6), a 1024²
 condition image; experiments/ltx2_ocr.py: 81-frame 256x384 clips, 24 steps, CFG 4, CPS window 3 of [0, 10);
 experiments/flux_ocr.py: 512², 6 steps, embedded guidance 3.5 in one forward, CPS window 3 of [0, 3));
@@ -55,6 +56,7 @@ from fgrpo.models.qwen_image import QwenImage
 from fgrpo.models.qwen_image_edit import QwenImageEdit
 from fgrpo.models.registry import FAMILIES, build_tiny
 from fgrpo.models.sd3 import SD3
+from fgrpo.models.zimage import ZImage
 from fgrpo.rollout.engine import DiffusersEngine
 from fgrpo.rollout.seeds import sample_seed
 from fgrpo.scripts import load_script
@@ -339,6 +341,23 @@ class StubTextFlux(Flux):
         return embeds.to(self.device, self.dtype), pooled.to(self.device, self.dtype)
 
 
+# FLUX.1's VAE (black-forest-labs/FLUX.1-dev vae/config.json): 16 latent channels, no quant convs; Z-Image's row
+# builds its VAE at these sizes too (not checked against its checkpoint)
+FLUX_VAE: dict[str, Any] = dict(
+    in_channels=3,
+    out_channels=3,
+    down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4,
+    block_out_channels=(128, 256, 512, 512),
+    layers_per_block=2,
+    latent_channels=16,
+    scaling_factor=0.3611,
+    shift_factor=0.1159,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+)
+
+
 def build_real_flux(device: torch.device | str, layers: int = 19) -> Flux:
     """FLUX.1-dev at real size with random bf16 weights (black-forest-labs/FLUX.1-dev's transformer and VAE configs:
     19 joint and 38 single-stream blocks of 24 heads x 128, the guidance embedding; 16-channel VAE without quant
@@ -351,20 +370,7 @@ def build_real_flux(device: torch.device | str, layers: int = 19) -> Flux:
         transformer = FluxTransformer2DModel(
             num_layers=layers, num_single_layers=2 * layers, guidance_embeds=True
         )
-        vae_config: dict[str, Any] = dict(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
-            block_out_channels=(128, 256, 512, 512),
-            layers_per_block=2,
-            latent_channels=16,
-            scaling_factor=0.3611,
-            shift_factor=0.1159,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-        )
-        vae = AutoencoderKL(**vae_config)
+        vae = AutoencoderKL(**FLUX_VAE)
     unused = [torch.nn.Identity(), torch.nn.Identity()]  # the stub encodes; CLIP and T5 are never called
     return StubTextFlux.from_modules(transformer, vae, unused, [None, None], device=device)
 
@@ -394,6 +400,30 @@ def build_real_flux2(device: torch.device | str, layers: int = 8) -> Flux2:
         )
         vae = AutoencoderKLFlux2()
     return StubTextFlux2.from_modules(transformer, vae, None, None, device=device)
+
+
+class StubTextZImage(ZImage):
+    """Z-Image whose prompt encoder returns random embeddings of the real width (the transformer's cap_feat_dim) and a
+    templated prompt's length (about 20 + the prompt's words tokens; no Qwen3)."""
+
+    def _encode_one(self, prompt: str) -> tuple[torch.Tensor]:
+        gen = torch.Generator().manual_seed(sample_seed(len(prompt), *map(ord, prompt[:32])))
+        cfg: Any = self.transformer.config
+        embeds = torch.randn(20 + len(prompt.split()), cfg.cap_feat_dim, generator=gen)
+        return (embeds.to(self.device, self.dtype),)
+
+
+def build_real_zimage(device: torch.device | str, layers: int = 30) -> ZImage:
+    """Z-Image at real size with random bf16 weights (ZImageTransformer2DModel's defaults: `layers` main blocks of
+    30 heads x 128 and two refiner blocks each for image and text, text width 2560; a 16-channel AutoencoderKL at
+    FLUX.1's VAE sizes) and a stub text encoder."""
+    from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
+    from diffusers.models.transformers.transformer_z_image import ZImageTransformer2DModel
+
+    with real_size(device):
+        transformer = ZImageTransformer2DModel(n_layers=layers)
+        vae = AutoencoderKL(**FLUX_VAE)
+    return StubTextZImage.from_modules(transformer, vae, torch.nn.Identity(), None, device=device)
 
 
 def _real_size_text_encoder():
@@ -510,8 +540,9 @@ def main() -> None:
             "ltx2",
             "flux",
             "flux2",
+            "zimage",
         ],  # the families with a real-size builder here
-        help="qwen_image (the rows above), qwen_image_edit, ltx2, flux or flux2 (their experiment recipes' sampling)",
+        help="qwen_image (the rows above), qwen_image_edit, ltx2, flux, flux2 or zimage (their experiment recipes' sampling)",
     )
     ap.add_argument("--tiny", action="store_true", help="tiny random model on the CPU (script check)")
     ap.add_argument("--batch-sizes", default="", help="comma-separated B (default 8,16,32; tiny: 2,4)")
@@ -532,7 +563,7 @@ def main() -> None:
         "--layers",
         type=int,
         default=0,
-        help="transformer blocks of the real-size model (0 = all: 60 / 48 / FLUX 19 joint)",
+        help="transformer blocks of the real-size model (0 = all: 60 / 48 / FLUX 19 joint / Z-Image 30)",
     )
     ap.add_argument("--device", default="", help="default: cuda (tiny: cpu)")
     ap.add_argument(
@@ -561,7 +592,7 @@ def main() -> None:
 
     if args.tiny:
         model = cast(
-            QwenImage | LTX2 | Flux | Flux2, build_tiny(args.model)
+            QwenImage | LTX2 | Flux | Flux2 | ZImage, build_tiny(args.model)
         )  # the tiny version of one of these families
     elif args.model == "qwen_image":
         model = build_real(device, args.text_encoder, args.layers or 60)
@@ -571,6 +602,8 @@ def main() -> None:
         model = build_real_flux(device, args.layers or 19)
     elif args.model == "flux2":
         model = build_real_flux2(device, args.layers or 8)
+    elif args.model == "zimage":
+        model = build_real_zimage(device, args.layers or 30)
     else:
         model = build_real_ltx2(device, args.layers or 48)
     if args.attention_backend:

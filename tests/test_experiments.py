@@ -33,14 +33,15 @@ def test_help_parses(path):
 
 
 @pytest.mark.parametrize(
-    "name", ["qwen_image_ocr", "sd35_ocr", "qwen_image_edit_ocr", "ltx2_ocr", "flux_ocr", "flux2_ocr"]
+    "name",
+    ["qwen_image_ocr", "sd35_ocr", "qwen_image_edit_ocr", "ltx2_ocr", "flux_ocr", "flux2_ocr", "zimage_ocr"],
 )
 def test_config_presets_instantiate(name):
     module = load(ROOT / "experiments" / f"{name}.py")
     recipe, tiny = module.Config(), module.tiny()
     assert recipe.exp_name == name == tiny.exp_name  # run name = file stem
     assert (
-        recipe.model.kind in ("qwen_image", "sd3", "qwen_image_edit", "ltx2", "flux", "flux2")
+        recipe.model.kind in ("qwen_image", "sd3", "qwen_image_edit", "ltx2", "flux", "flux2", "zimage")
         and recipe.model.lora
     )
     from fgrpo.algorithms import check_config
@@ -111,6 +112,7 @@ RENDERER_FLAGS = ["--grpo.prompts-per-step", "1", "--data.val-num-prompts", "2",
         ("ltx2_ocr", "tiny", []),
         ("flux_ocr", "tiny", []),
         ("flux2_ocr", "tiny", []),
+        ("zimage_ocr", "tiny", []),
     ],
 )
 def test_tiny_preset_runs_two_steps(tmp_path, name, preset, flags):
@@ -490,3 +492,23 @@ def test_flux2_recipe_matches_flow_factory():
     assert (g.adv_std, g.adv_clip_max, g.clip_range, g.kl_coef) == ("group", 5.0, 1e-4, 0.0)
     assert (c.optim.lr, c.optim.weight_decay, c.optim.grad_clip) == (3e-4, 1e-4, 1.0)
     assert (c.run.val_num_steps, c.run.val_every, c.run.ckpt_every, c.reward.name) == (28, 20, 20, "ocr")
+
+
+def test_zimage_recipe_matches_flow_factory():
+    """Flow-Factory's Z-Image GRPO LoRA config (examples/grpo/lora/z_image/default.yaml) on the base model: 512², 10
+    steps, its CFG 4.0 (pos + 4 (pos - neg), our 5.0), Flow-SDE noise 0.7 on one step of 1-3, 48 prompts x 16 images,
+    2 updates, per-group std, advantages clipped at 5, clip 1e-4, no KL, lr 3e-4, wd 1e-4, grad clip 1, r64/a128 on
+    its default targets (every block's attention and feed-forward), 40 validation steps every 40."""
+    c = load(ROOT / "experiments" / "zimage_ocr.py").Config()
+    s, g, mc, o = c.sampling, c.grpo, c.model, c.optim
+    assert (mc.kind, mc.path, mc.lora_rank, mc.lora_alpha) == ("zimage", "Tongyi-MAI/Z-Image", 64, 128)
+    assert len(mc.lora_target_list) == 7 and "feed_forward.w3" in mc.lora_target_list
+    assert (s.height, s.width, s.num_steps, s.guidance_scale, s.sde_kind, s.noise_level) == (
+        512, 512, 10, 5.0, "flow_sde", 0.7,
+    )  # fmt: skip
+    assert (s.window_size, s.window_range, g.group_size, g.prompts_per_step, g.optimizer_steps_per_step) == (
+        1, (1, 4), 16, 48, 2,
+    )  # fmt: skip
+    assert (g.adv_std, g.adv_clip_max, g.clip_range, g.kl_coef) == ("group", 5.0, 1e-4, 0.0)
+    assert (o.lr, o.weight_decay, o.grad_clip) == (3e-4, 1e-4, 1.0)
+    assert (c.run.val_every, c.run.val_num_steps, c.run.ckpt_every) == (40, 40, 40)

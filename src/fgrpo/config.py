@@ -24,17 +24,19 @@ class ModelConfig:
         "qwen_image_edit",
         "sd3",
         "flux",
+        "zimage",
         "ltx2",
         "textbed",
         "tiny_qwen_image",
         "tiny_qwen_image_edit",
         "tiny_sd3",
         "tiny_flux",
+        "tiny_zimage",
         "tiny_ltx2",
         "flux2",
         "tiny_flux2",
     ] = "qwen_image"
-    """Which generator: real Qwen-Image / Qwen-Image-Edit / SD3.5 / FLUX.1-dev / LTX-2 (text to audio-video), the
+    """Which generator: real Qwen-Image / Qwen-Image-Edit / SD3.5 / FLUX.1-dev / Z-Image / LTX-2 (text to audio-video), the
     pretrained tiny text renderer, or tiny random models. The edit kinds need prompts that name a condition image
     (.jsonl rows {"prompt": ..., "image": path})."""
     path: str = "Qwen/Qwen-Image"

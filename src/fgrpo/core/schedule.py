@@ -197,6 +197,28 @@ def flux2_sigmas_at(positions: torch.Tensor, num_steps: int, image_seq_len: int)
     return exponential_time_shift(sigmas, flux2_mu(image_seq_len, num_steps))
 
 
+def static_shift_sigmas(num_steps: int, shift: float) -> torch.Tensor:
+    """linspace(1, 1/N, N) under a static shift, then a terminal 0: [num_steps + 1] fp32.
+
+    What a flow-match scheduler without dynamic shifting makes of the sigmas a pipeline passes it (Z-Image's
+    pipelines pass linspace(1, 1/N, N)): sigma -> shift * sigma / (1 + (shift - 1) * sigma), in fp32. The grid is
+    numpy's linspace arithmetic; ZImagePipeline's torch.linspace differs from it by float32 ulps.
+    """
+    _check_steps(num_steps)
+    return torch.cat([static_shift_sigmas_at(torch.arange(num_steps), num_steps, shift), torch.zeros(1)])
+
+
+def static_shift_sigmas_at(positions: torch.Tensor, num_steps: int, shift: float) -> torch.Tensor:
+    """static_shift_sigmas's N-step schedule at fractional step positions u in [0, N - 1], fp32 [P] (equal to it
+    at integer u)."""
+    _check_steps(num_steps)
+    if shift <= 0:
+        raise ValueError(f"shift must be > 0, got {shift}")
+    sigmas = _linspace_f64(1.0, 1.0 / num_steps, num_steps, positions).float()
+    s = _f32(shift)
+    return s * sigmas / (_f32(1.0) + (s - _f32(1.0)) * sigmas)
+
+
 def sd3_sigmas(num_steps: int, shift: float, *, num_train_timesteps: int = 1000) -> torch.Tensor:
     """SD3 / SD3.5's schedule: [num_steps + 1] fp32, static shift (3.0 in SD3.5's scheduler_config.json).
 

@@ -23,6 +23,7 @@ from fgrpo.models.qwen_image import QWEN_IMAGE_LORA_TARGETS, QwenImage
 from fgrpo.models.qwen_image_edit import QwenImageEdit
 from fgrpo.models.sd3 import SD3, SD3_LORA_TARGETS
 from fgrpo.models.textbed import load_textbed
+from fgrpo.models.zimage import ZIMAGE_LORA_TARGETS, ZImage
 
 # (model section, device, dtype, seed) -> the family's model, frozen (the seed draws a random model's weights)
 Loader = Callable[[ModelConfig, "torch.device | str", torch.dtype, int], FlowModel]
@@ -49,7 +50,7 @@ class Family:
     """The vLLM-Omni rollout engine (rollout_engine='vllm_omni') samples it."""
 
 
-def _pretrained(cls: type[QwenImage] | type[SD3] | type[Flux] | type[Flux2]) -> Loader:
+def _pretrained(cls: type[QwenImage] | type[SD3] | type[Flux] | type[Flux2] | type[ZImage]) -> Loader:
     return lambda mcfg, device, dtype, seed: cls.from_pretrained(mcfg.path, dtype=dtype, device=device)
 
 
@@ -57,7 +58,7 @@ def _tiny(build: Callable[..., FlowModel]) -> Loader:
     return lambda mcfg, device, dtype, seed: build(seed=seed, device=device, dtype=dtype, **clip_kwargs(mcfg))
 
 
-# Pixel multiples: Qwen-Image(-Edit), SD3 and FLUX 8 x 2, as their tiny versions; LTX-2 32 x 1; the text renderer packs
+# Pixel multiples: Qwen-Image(-Edit), SD3, FLUX and Z-Image 8 x 2, as their tiny versions; LTX-2 32 x 1; the text renderer packs
 # 4x4 pixel patches.
 FAMILIES: dict[str, Family] = {
     "qwen_image": Family(
@@ -78,6 +79,9 @@ FAMILIES: dict[str, Family] = {
     ),
     "sd3": Family(_pretrained(SD3), SD3_LORA_TARGETS, 16, "experiments/sd35_ocr.py", tiny="tiny_sd3"),
     "flux": Family(_pretrained(Flux), FLUX_LORA_TARGETS, 16, "experiments/flux_ocr.py", tiny="tiny_flux"),
+    "zimage": Family(
+        _pretrained(ZImage), ZIMAGE_LORA_TARGETS, 16, "experiments/zimage_ocr.py", tiny="tiny_zimage"
+    ),
     "ltx2": Family(
         lambda mcfg, device, dtype, seed: LTX2.from_pretrained(
             mcfg.path, dtype=dtype, device=device, **clip_kwargs(mcfg)
@@ -105,6 +109,7 @@ FAMILIES: dict[str, Family] = {
     ),
     "tiny_sd3": Family(_tiny(tiny.tiny_sd3), SD3_LORA_TARGETS, 16, "experiments/sd35_ocr.py"),
     "tiny_flux": Family(_tiny(tiny.tiny_flux), FLUX_LORA_TARGETS, 16, "experiments/flux_ocr.py"),
+    "tiny_zimage": Family(_tiny(tiny.tiny_zimage), ZIMAGE_LORA_TARGETS, 16, "experiments/zimage_ocr.py"),
     "tiny_ltx2": Family(_tiny(tiny.tiny_ltx2), LTX2_LORA_TARGETS, 32, "experiments/ltx2_ocr.py"),
     "flux2": Family(
         _pretrained(Flux2), FLUX2_LORA_TARGETS, 16, "experiments/flux2_ocr.py", tiny="tiny_flux2"

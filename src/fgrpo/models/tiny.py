@@ -1,4 +1,4 @@
-"""Tiny random-init Qwen-Image, SD3, FLUX.1 and LTX-2 (every component, tokenizers included), built offline in code.
+"""Tiny random-init Qwen-Image, SD3, FLUX.1, Z-Image and LTX-2 (every component, tokenizers included), built offline in code.
 
 Same diffusers / transformers classes as the real models, shrunk until a 64x64 denoising step takes
 milliseconds on a CPU. Used by the tests (parity with diffusers' own pipelines), the experiments' tiny
@@ -22,6 +22,7 @@ from diffusers.models.autoencoders.autoencoder_kl_qwenimage import AutoencoderKL
 from diffusers.models.transformers.transformer_flux import FluxTransformer2DModel
 from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
 from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
+from diffusers.models.transformers.transformer_z_image import ZImageTransformer2DModel
 from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
@@ -32,12 +33,14 @@ from transformers import (
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2Tokenizer,
+    Qwen3Config,
+    Qwen3ForCausalLM,
     T5Config,
     T5EncoderModel,
 )
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-from fgrpo.models import flux, flux2, ltx2, qwen_image, sd3
+from fgrpo.models import flux, flux2, ltx2, qwen_image, sd3, zimage
 from fgrpo.models.flux import Flux
 from fgrpo.models.flux2 import Flux2
 from fgrpo.models.ltx2 import LTX2
@@ -45,6 +48,7 @@ from fgrpo.models.qwen_image import PROMPT_DROP, PROMPT_TEMPLATE, QwenImage
 from fgrpo.models.qwen_image_edit import EDIT_PROMPT_DROP, EDIT_PROMPT_TEMPLATE, QwenImageEdit
 from fgrpo.models.qwen_vl import vl_processor
 from fgrpo.models.sd3 import CLIP_MAX_LENGTH, SD3
+from fgrpo.models.zimage import ZImage
 
 # Words the tiny BPEs learn besides the template (tests' prompts tokenise into fewer, longer tokens).
 _EXTRA_TEXT = "a photo of a cat holding a sign that says hello world, a red square on a blue background"
@@ -440,6 +444,88 @@ def tiny_flux(
         [c["tokenizer"], c["tokenizer_2"]],
         device=device,
         **kwargs,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Z-Image
+
+# Qwen3's chat template for one user turn with a generation prompt (with thinking enabled it adds nothing more); the
+# real tokenizer ships its own, which ZImage applies the same way.
+_QWEN3_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_zimage_components(seed: int = 0) -> dict:
+    """Random-init tiny Z-Image parts, keyed like ZImagePipeline's constructor (fp32, CPU): a two-layer Qwen3 causal
+    LM (the conditioning is its second-to-last hidden layer), a transformer of one refiner block each and two main
+    blocks, a 4-channel VAE with a latent scale and shift."""
+    tokenizer = tiny_qwen_tokenizer()
+    tokenizer.chat_template = _QWEN3_CHAT_TEMPLATE
+    text_dim = 32
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        text_encoder = Qwen3ForCausalLM(
+            Qwen3Config(
+                vocab_size=len(tokenizer),
+                hidden_size=text_dim,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=16,
+                max_position_embeddings=1024,
+            )
+        )
+        transformer = ZImageTransformer2DModel(
+            in_channels=4,
+            dim=32,
+            n_layers=2,
+            n_refiner_layers=1,
+            n_heads=2,
+            n_kv_heads=2,
+            cap_feat_dim=text_dim,
+            axes_dims=[8, 4, 4],  # sums to the head size, 16
+            axes_lens=[256, 64, 64],
+        )
+        vae = AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            # diffusers annotates these as tuple[str] / tuple[int] (one element); any length is meant
+            down_block_types=("DownEncoderBlock2D",) * 4,  # pyright: ignore[reportArgumentType]
+            up_block_types=("UpDecoderBlock2D",) * 4,  # pyright: ignore[reportArgumentType]
+            block_out_channels=(8, 8, 16, 16),  # pyright: ignore[reportArgumentType]
+            layers_per_block=1,
+            latent_channels=4,
+            norm_num_groups=4,
+            sample_size=64,
+            scaling_factor=0.3611,
+            shift_factor=0.1159,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+        )
+    for m in (text_encoder, transformer, vae):
+        m.eval()
+    return dict(
+        transformer=transformer,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        scheduler=FlowMatchEulerDiscreteScheduler.from_config(zimage.SCHEDULER_CONFIG),
+    )
+
+
+def tiny_zimage(
+    seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, **kwargs
+) -> ZImage:
+    """A tiny random Z-Image FlowModel (64x64 images take a few ms per step on a CPU)."""
+    c = tiny_zimage_components(seed)
+    if dtype != torch.float32:
+        c["transformer"].to(dtype)
+    return ZImage.from_modules(
+        c["transformer"], c["vae"], c["text_encoder"], c["tokenizer"], device=device, **kwargs
     )
 
 
