@@ -80,6 +80,16 @@ def _train_bpe(text: str, specials: list[str], pre_tokenizer) -> tuple[dict[str,
     return model["vocab"], [tuple(m) for m in model["merges"]]
 
 
+# Qwen3's chat template for the tiny tokenizers' apply_chat_template: one user turn and the generation prompt, plus
+# the empty think block when thinking is off (FLUX.2 [klein] turns it off, Z-Image leaves it on); the real tokenizers
+# ship their own, which the models apply the same way.
+QWEN3_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
 def tiny_qwen_tokenizer(template: str = PROMPT_TEMPLATE, drop: int = PROMPT_DROP) -> Qwen2Tokenizer:
     """Qwen2Tokenizer (Qwen's pre-tokenizer) with a tiny byte-level vocabulary and the chat special tokens
     (and the vision ones where `template` holds an image placeholder), whose split of the template's
@@ -450,20 +460,13 @@ def tiny_flux(
 # ----------------------------------------------------------------------------------------------------
 # Z-Image
 
-# Qwen3's chat template for one user turn with a generation prompt (with thinking enabled it adds nothing more); the
-# real tokenizer ships its own, which ZImage applies the same way.
-_QWEN3_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
 
 def tiny_zimage_components(seed: int = 0) -> dict:
     """Random-init tiny Z-Image parts, keyed like ZImagePipeline's constructor (fp32, CPU): a two-layer Qwen3 causal
     LM (the conditioning is its second-to-last hidden layer), a transformer of one refiner block each and two main
     blocks, a 4-channel VAE with a latent scale and shift."""
     tokenizer = tiny_qwen_tokenizer()
-    tokenizer.chat_template = _QWEN3_CHAT_TEMPLATE
+    tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
     text_dim = 32
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -687,14 +690,8 @@ def tiny_ltx2(
 # ----------------------------------------------------------------------------------------------------
 # FLUX.2 [klein]
 
-# Qwen3's chat template as Flux2KleinPipeline renders it (one user turn, generation prompt, thinking off), and the
-# same as a Jinja template for the tiny tokenizer's apply_chat_template.
+# Qwen3's chat template as Flux2KleinPipeline renders it (one user turn, generation prompt, thinking off)
 FLUX2_PROMPT_TEMPLATE = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
-FLUX2_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
-)
 FLUX2_TEXT_LENGTH_TINY = 24
 FLUX2_TEXT_LAYERS_TINY = (1, 2, 3)
 
@@ -708,7 +705,7 @@ def tiny_flux2_components(seed: int = 0) -> dict:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     tokenizer = tiny_qwen_tokenizer(FLUX2_PROMPT_TEMPLATE, drop=3)
-    tokenizer.chat_template = FLUX2_CHAT_TEMPLATE
+    tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
     hidden = 16
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
