@@ -58,6 +58,12 @@ def exponential_time_shift(sigmas: torch.Tensor, mu: float) -> torch.Tensor:
     return e / (e + (one / sigmas - one))
 
 
+def static_time_shift(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
+    """sigma -> shift * sigma / (1 + (shift - 1) * sigma) in `sigmas`' dtype, with `shift` a Python float as
+    diffusers' flow-match scheduler holds it (SD3 eq. 23's timestep shift, alpha = shift)."""
+    return shift * sigmas / (1 + (shift - 1) * sigmas)
+
+
 def stretch_to_terminal(sigmas: torch.Tensor, shift_terminal: float) -> torch.Tensor:
     """Affinely rescale 1 - sigma so the last sigma equals shift_terminal (sigma = 1 stays 1), fp32."""
     one = _f32(1.0)
@@ -214,9 +220,7 @@ def static_shift_sigmas_at(positions: torch.Tensor, num_steps: int, shift: float
     _check_steps(num_steps)
     if shift <= 0:
         raise ValueError(f"shift must be > 0, got {shift}")
-    sigmas = _linspace_f64(1.0, 1.0 / num_steps, num_steps, positions).float()
-    s = _f32(shift)
-    return s * sigmas / (_f32(1.0) + (s - _f32(1.0)) * sigmas)
+    return static_time_shift(_linspace_f64(1.0, 1.0 / num_steps, num_steps, positions).float(), shift)
 
 
 def sd3_sigmas(num_steps: int, shift: float, *, num_train_timesteps: int = 1000) -> torch.Tensor:
@@ -251,14 +255,13 @@ def sd3_sigmas_at(
         raise ValueError(f"shift must be > 0, got {shift}")
     # The scheduler's training sigmas in fp32, shifted once at init; only their ends are used.
     train = torch.arange(num_train_timesteps, 0, -1, dtype=torch.float32) / num_train_timesteps
-    train = shift * train / (1 + (shift - 1) * train)
+    train = static_time_shift(train, shift)
     sigma_max, sigma_min = train[0].item(), train[-1].item()
     sigmas = _linspace_f64(
         sigma_max * num_train_timesteps, sigma_min * num_train_timesteps, num_steps, positions
     )
     sigmas = sigmas / num_train_timesteps
-    sigmas = shift * sigmas / (1 + (shift - 1) * sigmas)
-    return sigmas.float()
+    return static_time_shift(sigmas, shift).float()
 
 
 def compressed_tail(num_steps: int, last: int, ratio: float) -> torch.Tensor:
