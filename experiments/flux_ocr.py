@@ -65,8 +65,11 @@ class Config(TrainConfig):
         lora_rank=64,
         lora_alpha=128,
         lora_targets=FLUX_TARGETS,
+        attention_backend="_native_flash",
     )
-    """FLUX.1-dev from the hub or a local diffusers directory, LoRA r64/alpha128 on flow_grpo's FLUX targets."""
+    """FLUX.1-dev from the hub or a local diffusers directory, LoRA r64/alpha128 on flow_grpo's FLUX targets; torch's
+    flash attention, since the backward of the cuDNN attention torch picks by default fails on FLUX's shapes
+    (an illegal memory access on an H200, benchmarks/RESULTS.md)."""
     sampling: SamplingConfig = SamplingConfig(
         height=512,
         width=512,
@@ -114,6 +117,7 @@ def tiny() -> Config:
             lora_rank=4,
             lora_alpha=8,
             gradient_checkpointing=False,
+            attention_backend="",
         ),
         sampling=dataclasses.replace(
             Config().sampling,

@@ -65,8 +65,8 @@ class ModelConfig:
     numbers)."""
     attention_backend: str = ""
     """diffusers attention backend name (e.g. 'native', '_native_cudnn', '_flash_3'); '' keeps the default. It reaches
-    models whose attention goes through diffusers' dispatcher (Qwen-Image, LTX-2), not diffusers' SD3, which calls
-    torch SDPA itself (refused there). benchmarks/attention.py measures the choices."""
+    models whose attention goes through diffusers' dispatcher (Qwen-Image, LTX-2, FLUX), not diffusers' SD3, which
+    calls torch SDPA itself (refused there). benchmarks/attention.py measures the choices."""
     init_lora: str = ""
     """Start from this LoRA instead of a fresh one: a directory (or .safetensors file) in the layout fgrpo exports
     and diffusers' `save_lora_weights` writes. Its rank, alpha and targets must match model.lora_*."""
