@@ -19,7 +19,7 @@ Qwen-Image-Edit (`build_real_qwen_image_edit`), LTX-2.3 (`build_real_ltx2`), FLU
 recipes' sampling (experiments/qwen_image_edit_ocr.py: 512², 12 steps, true CFG 4, window 3 of [0, 6), a 1024²
 condition image; experiments/ltx2_ocr.py: 81-frame 256x384 clips, 24 steps, CFG 4, CPS window 3 of [0, 10);
 experiments/flux_ocr.py: 512², 6 steps, embedded guidance 3.5 in one forward, CPS window 3 of [0, 3));
-`--model flux2`: FLUX.2's transformer at diffusers' default ([dev]) size run as klein base (`build_real_flux2`) at
+`--model flux2`: FLUX.2 [klein] base 4B's transformer (`build_real_flux2`) at
 experiments/flux2_ocr.py's sampling (384², 8 steps, true CFG 4, Flow-SDE window 1 of [1, 4)); TFLOP/s then
 uses the forward's FLOPs counted on the model as built (`forward_tflop`), and LTX-2's rows count videos.
 
@@ -386,17 +386,23 @@ class StubTextFlux2(Flux2):
         return (embeds.to(self.device, self.dtype),)
 
 
-def build_real_flux2(device: torch.device | str, layers: int = 8) -> Flux2:
-    """FLUX.2's transformer at diffusers' default size (FLUX.2 [dev]'s: 8 joint and 48 single-stream blocks of 48
-    heads x 128, text width 15360) with random bf16 weights, run the klein base way (no guidance embedding, true CFG),
-    the 32-channel AutoencoderKLFlux2 at its defaults and a stub text encoder: an upper bound for the klein models,
-    whose transformers are smaller. `layers` joint blocks come with six times as many single ones."""
+def build_real_flux2(device: torch.device | str, layers: int = 5) -> Flux2:
+    """FLUX.2 [klein] base 4B's transformer (5 joint and 20 single-stream blocks of 24 heads x 128, MLP ratio 3, text
+    width 7680 = three stacked Qwen3-4B layers of 2560, no guidance embedding: the published klein 4B config) with
+    random bf16 weights, the 32-channel AutoencoderKLFlux2 at its defaults and a stub text encoder. `layers` joint
+    blocks come with four times as many single ones."""
     from diffusers.models.autoencoders.autoencoder_kl_flux2 import AutoencoderKLFlux2
     from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModel
 
     with real_size(device):
         transformer = Flux2Transformer2DModel(
-            num_layers=layers, num_single_layers=6 * layers, guidance_embeds=False
+            num_layers=layers,
+            num_single_layers=4 * layers,
+            num_attention_heads=24,
+            attention_head_dim=128,
+            joint_attention_dim=7680,
+            mlp_ratio=3.0,
+            guidance_embeds=False,
         )
         vae = AutoencoderKLFlux2()
     return StubTextFlux2.from_modules(transformer, vae, None, None, device=device)
@@ -601,7 +607,7 @@ def main() -> None:
     elif args.model == "flux":
         model = build_real_flux(device, args.layers or 19)
     elif args.model == "flux2":
-        model = build_real_flux2(device, args.layers or 8)
+        model = build_real_flux2(device, args.layers or 5)
     elif args.model == "zimage":
         model = build_real_zimage(device, args.layers or 30)
     else:

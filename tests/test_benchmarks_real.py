@@ -144,6 +144,25 @@ def test_real_flux_widths(rollout):
     assert tuple(embeds.shape) == (512, 4096) and tuple(pooled.shape) == (768,)
 
 
+
+def test_real_flux2_widths(rollout):
+    model = rollout.build_real_flux2("meta")
+    t = model.transformer
+    p = next(t.parameters())
+    assert (p.device.type, p.dtype) == ("meta", torch.bfloat16)
+    # FLUX.2 [klein] 4B's published transformer config: 5 joint and 20 single-stream blocks of 24 heads x 128 = 3072,
+    # 128 input channels (32 latent channels x 2x2 patchify), text width 7680 (three stacked Qwen3-4B layers of
+    # 2560), no guidance embedding (true CFG: two forwards a step): 3.9 B parameters, the "4B" of its name.
+    assert (len(t.transformer_blocks), len(t.single_transformer_blocks)) == (5, 20)
+    assert t.x_embedder.in_features == 128 and t.x_embedder.out_features == 24 * 128
+    assert t.context_embedder.in_features == 7680
+    assert model.cfg_forwards == 2
+    assert round(sum(q.numel() for q in t.parameters()) / 1e9, 1) == 3.9
+    # AutoencoderKLFlux2: 32 channels at 8x; packed 2x2, a 512² image is 32 x 32 = 1024 tokens of 128 channels
+    assert model.latent_shape(512, 512) == (128, 32, 32)
+    (embeds,) = model._encode_one('A storefront sign that says "WORD0"')
+    assert tuple(embeds.shape) == (512, 7680)
+
 TRAIN_ARGS = ("--iters", "0", "--prompts", "1", "--group", "2", "--opt-steps", "1")
 
 
