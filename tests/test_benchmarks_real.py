@@ -144,7 +144,6 @@ def test_real_flux_widths(rollout):
     assert tuple(embeds.shape) == (512, 4096) and tuple(pooled.shape) == (768,)
 
 
-
 def test_real_flux2_widths(rollout):
     model = rollout.build_real_flux2("meta")
     t = model.transformer
@@ -162,6 +161,7 @@ def test_real_flux2_widths(rollout):
     assert model.latent_shape(512, 512) == (128, 32, 32)
     (embeds,) = model._encode_one('A storefront sign that says "WORD0"')
     assert tuple(embeds.shape) == (512, 7680)
+
 
 TRAIN_ARGS = ("--iters", "0", "--prompts", "1", "--group", "2", "--opt-steps", "1")
 
