@@ -797,7 +797,7 @@ def tiny_wan_components(seed: int = 0, *, experts: int = 1) -> dict:
     tokenizer = _tiny_fast_tokenizer(None, "</s>", "<pad>", TINY_WAN_TEXT_LENGTH)
     text_dim, z_dim = 32, 4
     g = torch.Generator().manual_seed(seed + 1)
-    stats = dict(
+    stats: dict[str, Any] = dict(
         latents_mean=(torch.randn(z_dim, generator=g) * 0.3).tolist(),
         latents_std=(torch.rand(z_dim, generator=g) + 0.5).tolist(),
     )
@@ -812,8 +812,8 @@ def tiny_wan_components(seed: int = 0, *, experts: int = 1) -> dict:
                 num_layers=2,
                 num_heads=4,
                 relative_attention_num_buckets=8,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,  # pyright: ignore[reportArgumentType]
+                eos_token_id=tokenizer.eos_token_id,  # pyright: ignore[reportArgumentType]
             )
         )
 

@@ -119,9 +119,10 @@ class Wan(OnTransformer):
         self.temporal, self.spatial = vcfg.scale_factor_temporal, vcfg.scale_factor_spatial
         self.latent_channels = vcfg.z_dim
         for t in (transformer, transformer_2):
-            if t is not None and t.config.in_channels != self.latent_channels:
+            ecfg: Any = None if t is None else t.config
+            if ecfg is not None and ecfg.in_channels != self.latent_channels:
                 raise ValueError(
-                    f"transformer in_channels={t.config.in_channels} != VAE z_dim {self.latent_channels}; "
+                    f"transformer in_channels={ecfg.in_channels} != VAE z_dim {self.latent_channels}; "
                     "the transformer and VAE do not belong together"
                 )
         if not isinstance(num_frames, int) or num_frames < 1 or (num_frames - 1) % self.temporal:
