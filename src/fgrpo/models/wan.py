@@ -40,6 +40,7 @@ from fgrpo.config import ModelConfig
 from fgrpo.core import guidance, schedule
 from fgrpo.models.base import Cond
 from fgrpo.models.common import OnTransformer, PromptCache, check_resolution, freeze, module_device, to_uint8
+from fgrpo.models.lora import export_lora
 
 if TYPE_CHECKING:
     from diffusers.models.autoencoders.autoencoder_kl_wan import AutoencoderKLWan
@@ -308,7 +309,5 @@ def export_expert_loras(out_dir: str | Path, model: Wan) -> tuple[Path, ...]:
     `out_dir/transformer_2`. WanPipeline loads them with `pipe.load_lora_weights(out_dir / "transformer")` and
     `pipe.load_lora_weights(out_dir / "transformer_2", load_into_transformer_2=True)` (diffusers' Wan loader reads
     the same `transformer.`-prefixed keys into whichever expert it is told)."""
-    from fgrpo.models.lora import export_lora
-
     names = ("transformer", "transformer_2")
     return tuple(export_lora(Path(out_dir) / n, t) for n, t in zip(names, model.experts))
