@@ -227,3 +227,24 @@ def test_build_model_reads_wan_config():
     mcfg = WanConfig(kind="tiny_wan", dtype="fp32", num_frames=9, guidance_scale_2=2.5)
     m = build_model(mcfg, torch.device("cpu"), seed=0)
     assert isinstance(m, Wan) and m.latent_shape(64, 64) == (4, 3, 4, 4) and m.guidance_scale_2 == 2.5
+
+
+@pytest.mark.parametrize("experts", [1, 2])
+def test_from_pretrained_reads_the_pipelines_switches(tmp_path, experts):
+    """A saved WanPipeline (its own UniPC scheduler with flow sigmas) loads with the pipeline's boundary_ratio and
+    expand_timesteps from model_index.json and the scheduler's flow_shift: the same velocities as the modules."""
+    from diffusers.schedulers.scheduling_unipc_multistep import UniPCMultistepScheduler
+
+    parts = tiny.tiny_wan_components(seed=0, experts=experts)
+    unipc = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=4.0)
+    WanPipeline(**{**parts, "scheduler": unipc}).save_pretrained(tmp_path)
+    m = Wan.from_pretrained(tmp_path, dtype=torch.float32, device="cpu", num_frames=tiny.TINY_WAN_FRAMES)
+    ref = _model(experts, parts)
+    assert m.flow_shift == 4.0 and len(m.experts) == experts and m.expand_timesteps == (experts == 1)
+    assert m.boundary_timestep == (875.0 if experts == 2 else None)
+    size = SIZE[experts]
+    x = torch.randn(1, *m.latent_shape(size, size), generator=torch.Generator().manual_seed(0))
+    for sigma in (0.9, 0.5):
+        cond = m.encode(["a cat"])
+        v = m.velocity(x, torch.tensor(sigma), cond, guidance_scale=1.0)
+        assert torch.equal(v, ref.velocity(x, torch.tensor(sigma), cond, guidance_scale=1.0))

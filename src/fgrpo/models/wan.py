@@ -82,7 +82,9 @@ class Wan(OnTransformer):
     """Wan 2.2 (UMT5, one or two transformer experts, Wan VAE) as a FlowModel. Weights are frozen; LoRA goes on
     later (on both experts of the A14B: `transformer` and `transformer_2`)."""
 
-    compile_vae_decoder = False  # a 3D VAE: one compile per clip shape, as LTX-2's
+    # model.compile leaves the VAE's decoder eager: AutoencoderKLWan decodes one latent frame per call through a
+    # cache of causal-conv features (a Python list it mutates), which a compiled decoder would retrace; not measured
+    compile_vae_decoder = False
 
     def __init__(
         self,
@@ -150,7 +152,7 @@ class Wan(OnTransformer):
         flow shift from its scheduler config."""
         from diffusers.pipelines.wan.pipeline_wan import WanPipeline
 
-        pipe = WanPipeline.from_pretrained(str(path), torch_dtype=dtype)
+        pipe = WanPipeline.from_pretrained(str(path), dtype=dtype)
         pcfg: Any = pipe.config
         scfg: Any = pipe.scheduler.config
         return cls.from_modules(
