@@ -248,3 +248,36 @@ def test_from_pretrained_reads_the_pipelines_switches(tmp_path, experts):
         cond = m.encode(["a cat"])
         v = m.velocity(x, torch.tensor(sigma), cond, guidance_scale=1.0)
         assert torch.equal(v, ref.velocity(x, torch.tensor(sigma), cond, guidance_scale=1.0))
+
+
+def test_fsdp_shards_the_experts_blocks_and_trains_through_them():
+    """parallel.shard_transformer finds Wan's `blocks` (neither `transformer_blocks` nor `layers`): LoRA, bf16
+    compute through FSDP2 on a world of one, gradient checkpointing, finite and nonzero adapter gradients."""
+    from torch.distributed.tensor import DTensor
+
+    from fgrpo import parallel
+    from fgrpo.config import ModelConfig
+    from fgrpo.models.lora import setup_trainable
+
+    owned = not parallel.initialized()
+    parallel.init_distributed("cpu")
+    try:
+        m = tiny.tiny_wan(seed=3, dtype=torch.bfloat16)
+        mcfg = ModelConfig(
+            kind="tiny_wan",
+            dtype="bf16",
+            lora_rank=2,
+            lora_alpha=4,
+            lora_targets=",".join(WAN_LORA_TARGETS),
+            gradient_checkpointing=True,
+        )
+        setup_trainable(m.transformer, mcfg)
+        parallel.shard_transformer(m.transformer, param_dtype=torch.bfloat16)
+        x = torch.randn(2, *m.latent_shape(64, 64), generator=torch.Generator().manual_seed(0))
+        v = m.velocity(x, torch.tensor(0.7), m.encode(PROMPTS[:2]), guidance_scale=1.0)
+        v.square().sum().backward()
+        grads = [cast(DTensor, p.grad).full_tensor() for p in m.transformer.parameters() if p.requires_grad]
+        assert grads and all(torch.isfinite(g).all() for g in grads) and any(g.abs().max() > 0 for g in grads)
+    finally:
+        if owned:
+            parallel.shutdown()
