@@ -446,8 +446,8 @@ def build_real_wan(device: torch.device | str, layers: int = 30, num_frames: int
     and 4x temporal, patchified 2x2; flow shift 5, one timestep per token) and a stub text encoder.
 
     The T2V-A14B doubles the transformer (two experts of 40 blocks of 40 heads x 128, ~14 B each, ~28 GB each in
-    bf16): with LoRA on one H200 both bf16 bases fit beside the activations of a checkpointed step (two 28 GB bases,
-    adapters and their AdamW state small); for full fine-tuning or larger clips, FSDP2 over the ranks with each
+    bf16): with LoRA on one H200 both bf16 bases should fit beside the activations of a checkpointed step (an
+    estimate, not measured: two 28 GB bases, adapters and their AdamW state small); for full fine-tuning or larger clips, FSDP2 over the ranks with each
     expert sharded by its blocks as its own unit (parallel.shard_transformer on each), only one expert's blocks
     gathered at a time since a step runs one expert."""
     from diffusers.models.autoencoders.autoencoder_kl_wan import AutoencoderKLWan
