@@ -56,6 +56,7 @@ from fgrpo.models.qwen_image import QwenImage
 from fgrpo.models.qwen_image_edit import QwenImageEdit
 from fgrpo.models.registry import FAMILIES, build_tiny
 from fgrpo.models.sd3 import SD3
+from fgrpo.models.wan import Wan
 from fgrpo.models.zimage import ZImage
 from fgrpo.rollout.engine import DiffusersEngine
 from fgrpo.rollout.seeds import sample_seed
@@ -430,6 +431,54 @@ def build_real_zimage(device: torch.device | str, layers: int = 30) -> ZImage:
         transformer = ZImageTransformer2DModel(n_layers=layers)
         vae = AutoencoderKL(**FLUX_VAE)
     return StubTextZImage.from_modules(transformer, vae, torch.nn.Identity(), None, device=device)
+
+
+class StubTextWan(Wan):
+    """Wan whose prompt encoder returns random embeddings of the real shape (the pipeline's 512 padded UMT5 rows of
+    the transformer's text_dim, zero past the prompt's words; no UMT5)."""
+
+    def _encode_one(self, prompt: str) -> tuple[torch.Tensor]:
+        gen = torch.Generator().manual_seed(sample_seed(len(prompt), *map(ord, prompt[:32])))
+        cfg: Any = self.transformer.config
+        embeds = torch.zeros(self.max_sequence_length, cfg.text_dim)
+        n = min(self.max_sequence_length, 2 + len(prompt.split()))
+        embeds[:n] = torch.randn(n, cfg.text_dim, generator=gen)
+        return (embeds.to(self.device, self.dtype),)
+
+
+def build_real_wan(device: torch.device | str, layers: int = 30, num_frames: int = 41) -> Wan:
+    """Wan 2.2 TI2V-5B at real size with random bf16 weights (its transformer config: `layers` blocks of 24 heads x
+    128, FFN 14336, text width 4096, 48 latent channels; the Wan 2.2 VAE: base 160 / decoder 256, z 48, 16x spatial
+    and 4x temporal, patchified 2x2; flow shift 5, one timestep per token) and a stub text encoder.
+
+    The T2V-A14B doubles the transformer (two experts of 40 blocks of 40 heads x 128, ~14 B each, ~28 GB each in
+    bf16): with LoRA on one H200 both bf16 bases should fit beside the activations of a checkpointed step (an
+    estimate, not measured: two 28 GB bases, adapters and their AdamW state small); for full fine-tuning or larger clips, FSDP2 over the ranks with each
+    expert sharded by its blocks as its own unit (parallel.shard_transformer on each), only one expert's blocks
+    gathered at a time since a step runs one expert."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import AutoencoderKLWan
+    from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
+
+    with real_size(device):
+        transformer = WanTransformer3DModel(
+            num_attention_heads=24, attention_head_dim=128, in_channels=48, out_channels=48, ffn_dim=14336,
+            num_layers=layers,
+        )  # fmt: skip
+        vae = AutoencoderKLWan(
+            base_dim=160, decoder_base_dim=256, z_dim=48, is_residual=True, in_channels=12, out_channels=12,
+            patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4, dim_mult=[1, 2, 4, 4],
+            temperal_downsample=[False, True, True], latents_mean=[0.0] * 48, latents_std=[1.0] * 48,
+        )  # fmt: skip
+    return StubTextWan.from_modules(
+        transformer,
+        vae,
+        None,
+        None,
+        expand_timesteps=True,
+        flow_shift=5.0,
+        num_frames=num_frames,
+        device=device,
+    )
 
 
 def _real_size_text_encoder():

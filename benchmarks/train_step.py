@@ -5,7 +5,9 @@ the GPU by benchmarks/rollout.py's `build_real` (`--model sd3`: SD3.5-Medium's 2
 `build_real_sd3`; `--model qwen_image_edit`: Qwen-Image-Edit, `build_real_qwen_image_edit`, with a synthesised
 condition image per prompt; `--model ltx2`: LTX-2.3's transformer, connectors, video and audio VAEs and vocoder,
 `build_real_ltx2`, whose rows count videos; `--model flux`: FLUX.1-dev's 12 B transformer and VAE,
-`build_real_flux`; `--model flux2`: FLUX.2 [klein] base 4B's, `build_real_flux2`; `--model zimage`: Z-Image's transformer and VAE, `build_real_zimage`, recipe experiments/zimage_ocr.py); the text encoders are replaced by fixed random prompt embeddings of
+`build_real_flux`; `--model flux2`: FLUX.2 [klein] base 4B's, `build_real_flux2`; `--model zimage`: Z-Image's
+transformer and VAE, `build_real_zimage`, recipe experiments/zimage_ocr.py; `--model wan`: Wan 2.2 TI2V-5B's
+transformer and VAE, `build_real_wan`, recipe experiments/wan_video_ocr.py); the text encoders are replaced by fixed random prompt embeddings of
 the real shapes (their cost is one forward per distinct prompt, cached over the group). Qwen-Image-Edit,
 LTX-2.3 and FLUX.1-dev sample, train their LoRA and batch by their experiment files' `recipe` presets
 (experiments/qwen_image_edit_ocr.py, experiments/ltx2_ocr.py, experiments/flux_ocr.py). The reward is a stub (each image's mean pixel value), or with
@@ -68,6 +70,7 @@ from rollout import (  # benchmarks/rollout.py: the same random models
     build_real_ltx2,
     build_real_qwen_image_edit,
     build_real_sd3,
+    build_real_wan,
     build_real_zimage,
     condition_folder,
     edit_prompts,
@@ -96,10 +99,11 @@ def main() -> None:
     ap.add_argument(
         "--model",
         default="qwen_image",
-        choices=["qwen_image", "sd3", "qwen_image_edit", "ltx2", "flux", "flux2", "zimage"],
+        choices=["qwen_image", "sd3", "qwen_image_edit", "ltx2", "flux", "flux2", "zimage", "wan"],
         help="qwen_image: the OCR LoRA recipe (r64, true CFG 4, flow_sde window 2 of [0, 5)); sd3: SD3.5-M with "
         "flow_grpo's SD3 LoRA recipe (r32 on attention, CFG 4.5, CPS noise 0.8 in a 3-step window of [0, 5)); "
-        "qwen_image_edit, ltx2, flux, flux2, zimage: their experiment files' recipe presets (sampling, LoRA, optimizer)",
+        "qwen_image_edit, ltx2, flux, flux2, zimage, wan: their experiment files' recipe presets (sampling, LoRA, "
+        "optimizer)",
     )
     ap.add_argument(
         "--cfg", type=float, default=0.0, help="CFG scale (0 = the recipe's: 4 / 4.5; 1 = no CFG)"
@@ -275,6 +279,7 @@ def main() -> None:
     from fgrpo.models.qwen_image import QwenImage
     from fgrpo.models.qwen_image_edit import QwenImageEdit
     from fgrpo.models.sd3 import SD3_LORA_TARGETS
+    from fgrpo.models.wan import Wan
     from fgrpo.recompute import micro_batches, recompute_log_probs_and_means
     from fgrpo.rewards.runner import AsyncRewardRunner
     from fgrpo.rollout.engine import forward_units
@@ -286,7 +291,9 @@ def main() -> None:
         raise SystemExit(f"--algo: unknown {unknown}; choose from {' '.join(algorithms.ALGORITHMS)}")
     d = parallel.init_distributed("cpu" if args.tiny else "cuda")
     rec = (
-        recipe(args.model) if args.model in ("qwen_image_edit", "ltx2", "flux", "flux2", "zimage") else None
+        recipe(args.model)
+        if args.model in ("qwen_image_edit", "ltx2", "flux", "flux2", "zimage", "wan")
+        else None
     )  # experiments/*.py's recipe
     group = args.group or (rec.grpo.group_size if rec is not None else 16)
     micro_batch = args.micro_batch or (rec.sampling.micro_batch if rec is not None else 8)
@@ -306,6 +313,7 @@ def main() -> None:
             "flux": 19,
             "flux2": 5,
             "zimage": 30,
+            "wan": 30,
         }[args.model]
     )
     if args.tiny:
@@ -322,6 +330,9 @@ def main() -> None:
         model = build_real_flux2(d.device, layers)
     elif args.model == "zimage":
         model = build_real_zimage(d.device, layers)
+    elif args.model == "wan":
+        assert rec is not None
+        model = build_real_wan(d.device, layers, num_frames=rec.model.num_frames)
     else:
         model = build_real_ltx2(d.device, layers)
     lr = 3e-5 if args.full else 3e-4
@@ -386,7 +397,7 @@ def main() -> None:
         mcfg = dataclasses.replace(mcfg, attention_backend=args.attention_backend)
     if mcfg.attention_backend and not args.tiny:  # the recipe's (LTX-2: 'native'), as build_model sets it
         configure_transformer(model.transformer, attention_backend=mcfg.attention_backend)
-    unit = "videos" if isinstance(model, LTX2) else "images"
+    unit = "videos" if isinstance(model, LTX2 | Wan) else "images"
     # built once, before any timing; build_random_vlm forks the RNG, so the LoRA init is the stub run's
     reward = (
         vlm_reward(

@@ -34,14 +34,24 @@ def test_help_parses(path):
 
 @pytest.mark.parametrize(
     "name",
-    ["qwen_image_ocr", "sd35_ocr", "qwen_image_edit_ocr", "ltx2_ocr", "flux_ocr", "flux2_ocr", "zimage_ocr"],
+    [
+        "qwen_image_ocr",
+        "sd35_ocr",
+        "qwen_image_edit_ocr",
+        "ltx2_ocr",
+        "flux_ocr",
+        "flux2_ocr",
+        "zimage_ocr",
+        "wan_video_ocr",
+    ],
 )
 def test_config_presets_instantiate(name):
     module = load(ROOT / "experiments" / f"{name}.py")
     recipe, tiny = module.Config(), module.tiny()
     assert recipe.exp_name == name == tiny.exp_name  # run name = file stem
     assert (
-        recipe.model.kind in ("qwen_image", "sd3", "qwen_image_edit", "ltx2", "flux", "flux2", "zimage")
+        recipe.model.kind
+        in ("qwen_image", "sd3", "qwen_image_edit", "ltx2", "flux", "flux2", "zimage", "wan")
         and recipe.model.lora
     )
     from fgrpo.algorithms import check_config
@@ -113,6 +123,7 @@ RENDERER_FLAGS = ["--grpo.prompts-per-step", "1", "--data.val-num-prompts", "2",
         ("flux_ocr", "tiny", []),
         ("flux2_ocr", "tiny", []),
         ("zimage_ocr", "tiny", []),
+        ("wan_video_ocr", "tiny", []),
     ],
 )
 def test_tiny_preset_runs_two_steps(tmp_path, name, preset, flags):
@@ -512,3 +523,32 @@ def test_zimage_recipe_matches_flow_factory():
     assert (g.adv_std, g.adv_clip_max, g.clip_range, g.kl_coef) == ("group", 5.0, 1e-4, 0.0)
     assert (o.lr, o.weight_decay, o.grad_clip) == (3e-4, 1e-4, 1.0)
     assert (c.run.val_every, c.run.val_num_steps, c.run.ckpt_every) == (40, 40, 40)
+
+
+def test_wan_recipe_matches_flow_factory():
+    """Flow-Factory's Wan 2.2 text-to-video GRPO LoRA config (examples/grpo/lora/wan22_t2v.yaml), on the TI2V-5B:
+    256², 41 frames, 10 steps, CFG 5, Flow-SDE noise 0.9 on one step of steps 1-3, 16 clips of 48 prompts in 2
+    gradient steps, per-group std, clip 1e-4, adv clip 5, lr 1e-4, wd 1e-4, grad clip 1, r64/a128 on attention and
+    FFN, 28 validation steps every 20 steps."""
+    c = load(ROOT / "experiments" / "wan_video_ocr.py").Config()
+    s, g, mc = c.sampling, c.grpo, c.model
+    assert (mc.kind, mc.path, mc.num_frames) == ("wan", "Wan-AI/Wan2.2-TI2V-5B-Diffusers", 41)
+    assert (s.height, s.width, s.num_steps, s.guidance_scale, s.sde_kind, s.noise_level) == (
+        256,
+        256,
+        10,
+        5.0,
+        "flow_sde",
+        0.9,
+    )
+    assert (s.window_size, s.window_range) == (1, (1, 4))
+    assert (g.group_size, g.prompts_per_step, g.optimizer_steps_per_step, g.adv_std) == (16, 48, 2, "group")
+    assert (g.clip_range, g.adv_clip_max, g.kl_coef) == (1e-4, 5.0, 0.0)
+    assert (c.optim.lr, c.optim.weight_decay, c.optim.grad_clip) == (1e-4, 1e-4, 1.0)
+    assert (mc.lora_rank, mc.lora_alpha, len(mc.lora_target_list), mc.gradient_checkpointing) == (
+        64,
+        128,
+        10,
+        True,
+    )
+    assert (c.run.val_num_steps, c.run.val_every) == (28, 20)

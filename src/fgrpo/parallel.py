@@ -399,8 +399,8 @@ def shard_transformer(
     and the root are the same FSDP units with the same policy, so the adapters' bf16 compute, fp32 masters
     and fp32 gradient reduction are unchanged and the numbers equal full sharding's bit for bit.
 
-    block_attr: the attribute holding the blocks to shard one by one; None = `transformer_blocks`, or `layers` where
-    there is none (Z-Image's main stack; its small refiner blocks go with the root).
+    block_attr: the attribute holding the blocks to shard one by one; None = the first of `transformer_blocks`,
+    `layers` (Z-Image's main stack; its small refiner blocks go with the root) and `blocks` (Wan's) it has.
 
     Only the root casts its floating inputs to `param_dtype`; a block takes what the root hands it, as in the
     unsharded model (LTX-2's RoPE cos/sin stay fp32, as the model computes and applies them).
@@ -416,7 +416,10 @@ def shard_transformer(
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
     )
     if block_attr is None:
-        block_attr = "transformer_blocks" if hasattr(transformer, "transformer_blocks") else "layers"
+        block_attr = next(
+            (a for a in ("transformer_blocks", "layers", "blocks") if hasattr(transformer, a)),
+            "transformer_blocks",
+        )
     blocks = getattr(transformer, block_attr, None)
     if blocks is None:
         raise ValueError(

@@ -1,4 +1,4 @@
-"""The one small interface every generator implements (Qwen-Image, SD3.5, FLUX.1, Z-Image, LTX-2, the tiny textbed).
+"""The one small interface every generator implements (Qwen-Image, SD3.5, FLUX.1, Z-Image, LTX-2, Wan 2.2, the tiny textbed).
 
 The rollout and the trainer talk to a model only through this Protocol, so both call the *same*
 `velocity` (each formula exists once).
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from diffusers.models.transformers.transformer_ltx2 import LTX2VideoTransformer3DModel
     from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformer2DModel
     from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
+    from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
     from diffusers.models.transformers.transformer_z_image import ZImageTransformer2DModel
 
     # Every model's transformer is a diffusers model: an nn.Module with diffusers' switches (gradient
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
         | FluxTransformer2DModel
         | Flux2Transformer2DModel
         | ZImageTransformer2DModel
+        | WanTransformer3DModel
     )
 
 # Conditioning is a flat dict of batch-first tensors (model-specific keys, e.g. prompt embeddings,

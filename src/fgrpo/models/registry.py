@@ -23,6 +23,7 @@ from fgrpo.models.qwen_image import QWEN_IMAGE_LORA_TARGETS, QwenImage
 from fgrpo.models.qwen_image_edit import QwenImageEdit
 from fgrpo.models.sd3 import SD3, SD3_LORA_TARGETS
 from fgrpo.models.textbed import load_textbed
+from fgrpo.models.wan import WAN_LORA_TARGETS, Wan, wan_kwargs
 from fgrpo.models.zimage import ZIMAGE_LORA_TARGETS, ZImage
 
 # (model section, device, dtype, seed) -> the family's model, frozen (the seed draws a random model's weights)
@@ -115,6 +116,24 @@ FAMILIES: dict[str, Family] = {
         _pretrained(Flux2), FLUX2_LORA_TARGETS, 16, "experiments/flux2_ocr.py", tiny="tiny_flux2"
     ),
     "tiny_flux2": Family(_tiny(tiny.tiny_flux2), FLUX2_LORA_TARGETS, 16, "experiments/flux2_ocr.py"),
+    # 32: the TI2V-5B's (Wan 2.2 VAE 16 x patch 2), a multiple of the A14B's 16 (Wan 2.1 VAE 8 x 2)
+    "wan": Family(
+        lambda mcfg, device, dtype, seed: Wan.from_pretrained(
+            mcfg.path, dtype=dtype, device=device, **wan_kwargs(mcfg)
+        ),
+        WAN_LORA_TARGETS,
+        32,
+        "experiments/wan_video_ocr.py",
+        tiny="tiny_wan",
+    ),
+    "tiny_wan": Family(
+        lambda mcfg, device, dtype, seed: tiny.tiny_wan(
+            seed=seed, device=device, dtype=dtype, **wan_kwargs(mcfg)
+        ),
+        WAN_LORA_TARGETS,
+        32,
+        "experiments/wan_video_ocr.py",
+    ),
 }
 
 SEQUENCE_PARALLEL_KINDS = tuple(k for k, f in FAMILIES.items() if f.sequence_parallel)

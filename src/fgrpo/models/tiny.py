@@ -1,4 +1,4 @@
-"""Tiny random-init Qwen-Image, SD3, FLUX.1, Z-Image and LTX-2 (every component, tokenizers included), built offline in code.
+"""Tiny random-init Qwen-Image, SD3, FLUX.1, Z-Image, LTX-2 and Wan 2.2 (every component, tokenizers included), built offline in code.
 
 Same diffusers / transformers classes as the real models, shrunk until a 64x64 denoising step takes
 milliseconds on a CPU. Used by the tests (parity with diffusers' own pipelines), the experiments' tiny
@@ -48,6 +48,7 @@ from fgrpo.models.qwen_image import PROMPT_DROP, PROMPT_TEMPLATE, QwenImage
 from fgrpo.models.qwen_image_edit import EDIT_PROMPT_DROP, EDIT_PROMPT_TEMPLATE, QwenImageEdit
 from fgrpo.models.qwen_vl import vl_processor
 from fgrpo.models.sd3 import CLIP_MAX_LENGTH, SD3
+from fgrpo.models.wan import Wan
 from fgrpo.models.zimage import ZImage
 
 # Words the tiny BPEs learn besides the template (tests' prompts tokenise into fewer, longer tokens).
@@ -767,4 +768,121 @@ def tiny_flux2(
     kwargs.setdefault("text_layers", FLUX2_TEXT_LAYERS_TINY)
     return Flux2.from_modules(
         c["transformer"], c["vae"], c["text_encoder"], c["tokenizer"], device=device, **kwargs
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Wan 2.2
+
+# The tiny Wan's prompt length (WanPipeline's 512 would be most of a CPU step), clip length and flow shift (ours).
+TINY_WAN_TEXT_LENGTH = 16
+TINY_WAN_FRAMES = 5
+TINY_WAN_FLOW_SHIFT = 3.0
+# T2V-A14B's model_index.json boundary (the tiny two-expert model's; the tests pick steps on both sides of it).
+TINY_WAN_BOUNDARY_RATIO = 0.875
+
+
+def tiny_wan_components(seed: int = 0, *, experts: int = 1) -> dict:
+    """Random-init tiny Wan 2.2 parts, keyed like WanPipeline's constructor (fp32, CPU): a 2-layer UMT5, one
+    transformer (TI2V-5B-like: the Wan 2.2 VAE, patchified 2x2 inside it, 16x spatial and 4x temporal compression,
+    expand_timesteps) or two experts with a boundary (T2V-A14B-like: the Wan 2.1 VAE, 8x and 4x). The VAE's latent
+    mean and std are random, so a wrong de-normalisation cannot pass the parity tests."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import AutoencoderKLWan
+    from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
+    from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    if experts not in (1, 2):
+        raise ValueError(f"experts={experts}: Wan has 1 (TI2V-5B) or 2 (T2V-A14B)")
+    tokenizer = _tiny_fast_tokenizer(None, "</s>", "<pad>", TINY_WAN_TEXT_LENGTH)
+    text_dim, z_dim = 32, 4
+    g = torch.Generator().manual_seed(seed + 1)
+    stats: dict[str, Any] = dict(
+        latents_mean=(torch.randn(z_dim, generator=g) * 0.3).tolist(),
+        latents_std=(torch.rand(z_dim, generator=g) + 0.5).tolist(),
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        text_encoder = UMT5EncoderModel(
+            UMT5Config(
+                vocab_size=len(tokenizer),
+                d_model=text_dim,
+                d_kv=8,
+                d_ff=64,
+                num_layers=2,
+                num_heads=4,
+                relative_attention_num_buckets=8,
+                pad_token_id=tokenizer.pad_token_id,  # pyright: ignore[reportArgumentType]
+                eos_token_id=tokenizer.eos_token_id,  # pyright: ignore[reportArgumentType]
+            )
+        )
+
+        def transformer() -> WanTransformer3DModel:
+            return WanTransformer3DModel(
+                patch_size=(1, 2, 2),
+                num_attention_heads=2,
+                attention_head_dim=8,
+                in_channels=z_dim,
+                out_channels=z_dim,
+                text_dim=text_dim,
+                freq_dim=32,
+                ffn_dim=32,
+                num_layers=2,
+                rope_max_seq_len=32,
+            )
+
+        if (
+            experts == 1
+        ):  # the Wan 2.2 VAE: residual blocks, a 2x2 patchify of its own (12 = 3 x 2 x 2 channels)
+            vae = AutoencoderKLWan(
+                base_dim=8, z_dim=z_dim, in_channels=12, out_channels=12, is_residual=True, patch_size=2,
+                dim_mult=[1, 1, 1, 1], temperal_downsample=[False, True, True], scale_factor_spatial=16,
+                scale_factor_temporal=4, **stats,
+            )  # fmt: skip
+        else:
+            vae = AutoencoderKLWan(
+                base_dim=8, z_dim=z_dim, dim_mult=[1, 1, 1, 1], temperal_downsample=[False, True, True], **stats
+            )  # fmt: skip
+        experts_ = [transformer() for _ in range(experts)]
+    for m in (text_encoder, vae, *experts_):
+        m.eval()
+    return dict(
+        transformer=experts_[0],
+        transformer_2=experts_[1] if experts == 2 else None,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=TINY_WAN_FLOW_SHIFT),
+        boundary_ratio=TINY_WAN_BOUNDARY_RATIO if experts == 2 else None,
+        expand_timesteps=experts == 1,
+    )
+
+
+def tiny_wan(
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    *,
+    experts: int = 1,
+    **kwargs,
+) -> Wan:
+    """A tiny random Wan 2.2 FlowModel: TI2V-5B-like (experts=1) or T2V-A14B-like (experts=2); by default a
+    5-frame clip (2 latent frames)."""
+    c = tiny_wan_components(seed, experts=experts)
+    for t in (c["transformer"], c["transformer_2"]):
+        if t is not None and dtype != torch.float32:
+            t.to(dtype)
+    kwargs.setdefault("num_frames", TINY_WAN_FRAMES)
+    kwargs.setdefault("max_sequence_length", TINY_WAN_TEXT_LENGTH)
+    return Wan.from_modules(
+        c["transformer"],
+        c["vae"],
+        c["text_encoder"],
+        c["tokenizer"],
+        transformer_2=c["transformer_2"],
+        boundary_ratio=c["boundary_ratio"],
+        expand_timesteps=c["expand_timesteps"],
+        flow_shift=TINY_WAN_FLOW_SHIFT,
+        device=device,
+        **kwargs,
     )
