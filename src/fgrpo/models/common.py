@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
@@ -137,6 +137,21 @@ def module_device(module: torch.nn.Module) -> torch.device:
 
 def module_dtype(module: torch.nn.Module) -> torch.dtype:
     return next(module.parameters()).dtype
+
+
+def stacked_prompt_states(
+    cache: Callable[[str], tuple[torch.Tensor, ...]], prompts: Sequence[str], negative_prompt: str | None
+) -> dict[str, torch.Tensor]:
+    """The conditioning of families whose prompt states all have one length (a fixed padded length, or one shared
+    by the batch): `prompt_embeds` [B, L, D] from each prompt's cached states, and with a negative prompt its
+    states as `neg_prompt_embeds`, one (shared, expanded) row per prompt."""
+    if len(prompts) == 0:
+        raise ValueError("prompts is empty; pass at least one prompt")
+    cond = {"prompt_embeds": torch.stack([cache(p)[0] for p in prompts])}
+    if negative_prompt is not None:
+        (neg,) = cache(negative_prompt)
+        cond["neg_prompt_embeds"] = neg[None].expand(len(prompts), -1, -1)
+    return cond
 
 
 class _HasTransformer(Protocol):

@@ -45,6 +45,7 @@ from fgrpo.models.common import (
     freeze,
     module_device,
     module_dtype,
+    stacked_prompt_states,
     to_uint8,
 )
 
@@ -241,13 +242,7 @@ class Flux2(PatchedLatents):
 
     def encode(self, prompts: Sequence[str], *, negative_prompt: str | None = None) -> Cond:
         """Stacked Qwen3 states [B, L, 3 D]; with a negative prompt also its states, one row per prompt."""
-        if len(prompts) == 0:
-            raise ValueError("prompts is empty; pass at least one prompt")
-        cond = {"prompt_embeds": torch.stack([self.prompt_cache(p)[0] for p in prompts])}
-        if negative_prompt is not None:
-            (neg,) = self.prompt_cache(negative_prompt)
-            cond["neg_prompt_embeds"] = neg[None].expand(len(prompts), -1, -1)
-        return cond
+        return stacked_prompt_states(self.prompt_cache, prompts, negative_prompt)
 
     def velocity(
         self, x_t: torch.Tensor, sigma: torch.Tensor, cond: Cond, *, guidance_scale: float

@@ -39,7 +39,15 @@ import torch
 from fgrpo.config import ModelConfig
 from fgrpo.core import guidance, schedule
 from fgrpo.models.base import Cond
-from fgrpo.models.common import OnTransformer, PromptCache, check_resolution, freeze, module_device, to_uint8
+from fgrpo.models.common import (
+    OnTransformer,
+    PromptCache,
+    check_resolution,
+    freeze,
+    module_device,
+    stacked_prompt_states,
+    to_uint8,
+)
 from fgrpo.models.lora import export_lora
 
 if TYPE_CHECKING:
@@ -206,13 +214,7 @@ class Wan(OnTransformer):
 
     def encode(self, prompts: Sequence[str], *, negative_prompt: str | None = None) -> Cond:
         """Text states [B, max_sequence_length, D]; with `negative_prompt`, its `neg_prompt_embeds` rows."""
-        if len(prompts) == 0:
-            raise ValueError("prompts is empty; pass at least one prompt")
-        cond = {"prompt_embeds": torch.stack([self.prompt_cache(p)[0] for p in prompts])}
-        if negative_prompt is not None:
-            (neg,) = self.prompt_cache(negative_prompt)
-            cond["neg_prompt_embeds"] = neg[None].expand(len(prompts), -1, -1)
-        return cond
+        return stacked_prompt_states(self.prompt_cache, prompts, negative_prompt)
 
     # ------------------------------------------------------------------------------------------------
     def latent_shape(self, height: int, width: int) -> tuple[int, int, int, int]:
