@@ -270,7 +270,8 @@ class MergedLora:
 def float8_weight(weight: torch.Tensor, scaling: Literal["rowwise", "tensorwise"], name: str) -> torch.Tensor:
     """A Linear weight `[out, in]` as torchao's `Float8Tensor`: e4m3 data with one scale per row (`rowwise`) or
     one for the tensor (`tensorwise`), which quantizes each input the same way as it arrives, so `F.linear` with
-    it is one float8 matmul (torch._scaled_mm, or torchao's own kernel for rows on an H100 or later).
+    it is one float8 matmul (torch._scaled_mm; for rows on an H100 or later, the mslk package's kernel where
+    that is installed).
 
     What torchao's `Float8DynamicActivationFloat8WeightConfig` makes of a weight (fast accumulation, torchao's
     inference default), built directly: `quantize_` refuses any device but a recent GPU, and the same tensor
