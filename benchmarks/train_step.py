@@ -185,6 +185,12 @@ def main() -> None:
         "window run merged LoRA weights (model.merged_rollout); needs --shard adapters",
     )
     ap.add_argument(
+        "--fp8-rollout",
+        action="store_true",
+        help="with --merged-rollout on: the merged copies as float8 and their forwards as float8 matmuls "
+        "(model.fp8_rollout; needs uv sync --extra fp8)",
+    )
+    ap.add_argument(
         "--split-cfg",
         default="off",
         help="qwen_image(_edit): off (the model's default: one CFG forward over both halves, padded and masked), on "
@@ -242,6 +248,8 @@ def main() -> None:
     merged_settings = settings("--merged-rollout", args.merged_rollout)
     if any(merged_settings) and (args.shard != "adapters" or args.full):
         ap.error("--merged-rollout on merges LoRA into a copy of the unsharded base: add --shard adapters")
+    if args.fp8_rollout and not all(merged_settings):
+        ap.error("--fp8-rollout quantizes the merged rollout's copies: add --merged-rollout on")
     split_settings = settings("--split-cfg", args.split_cfg)
     if any(split_settings) and args.model not in ("qwen_image", "qwen_image_edit"):
         ap.error(
@@ -442,7 +450,10 @@ def main() -> None:
             device=d.device.type,
             # the tiny model is fp32 on the CPU (FSDP2 computes in the parameters' dtype there)
             model=dataclasses.replace(
-                mcfg, dtype="fp32" if args.tiny else "bf16", merged_rollout=merged_rollout
+                mcfg,
+                dtype="fp32" if args.tiny else "bf16",
+                merged_rollout=merged_rollout,
+                fp8_rollout=args.fp8_rollout,
             ),
             sampling=sampling,
             grpo=dataclasses.replace(
@@ -506,6 +517,7 @@ def main() -> None:
         print0(
             f"\n## {name}: CFG {sampling.guidance_scale}"
             + (", merged LoRA outside the window (rollout)" if merged_rollout else "")
+            + (", float8" if args.fp8_rollout else "")
             + (", CFG as two unpadded forwards" if split_cfg else "")
             + (f", {points} points a sample" if forward_process else "")
         )

@@ -2,6 +2,7 @@
 memory), their stub encoders give the real conditioning shapes, and train_step.py / rollout.py run a tiny model of
 each new family end to end on the CPU."""
 
+import importlib.util
 import math
 import os
 import re
@@ -414,3 +415,32 @@ def test_counting_the_flops_of_compiled_blocks_leaves_them_compiled(rollout):
         block(torch.ones(2, 4))
     assert backend.frame_count == 1
     torch._dynamo.reset()
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("torchao") is None, reason="needs the fp8 extra (uv sync --extra fp8)"
+)
+def test_train_step_fp8_rollout(train_step, monkeypatch, capsys):
+    """--fp8-rollout runs the merged rollout on float8 copies through the trainer (the first update's gap stays
+    0); without --merged-rollout on it stops before any work."""
+    from fgrpo.models import lora
+
+    made = []
+    real = lora.float8_weight
+    monkeypatch.setattr(lora, "float8_weight", lambda *a: made.append(a[1]) or real(*a))
+    out = run_main(
+        train_step,
+        monkeypatch,
+        capsys,
+        *TRAIN_ARGS,
+        "--shard",
+        "adapters",
+        "--merged-rollout",
+        "on",
+        "--fp8-rollout",
+    )
+    assert "merged LoRA outside the window (rollout), float8\n" in out
+    assert "first-update log-prob gap 0.0e+00" in out
+    assert made and set(made) == {"rowwise"}  # the trainer's rollout did quantize its merged copies
+    err = refusal(train_step, monkeypatch, capsys, "--shard", "adapters", "--fp8-rollout")
+    assert "--fp8-rollout" in err and "--merged-rollout on" in err

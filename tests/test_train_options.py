@@ -246,3 +246,28 @@ def test_refusals():
     parallel.shard_transformer(sharded, param_dtype=None, shard="full")
     with pytest.raises(ValueError, match="model.merged_rollout: the base weight of .* is sharded"):
         MergedLora(sharded)
+
+
+def test_fp8_rollout_refusals(monkeypatch):
+    """model.fp8_rollout quantizes the merged rollout's copies: refused by name without merged_rollout, and
+    without torchao (the fp8 extra), before anything is built; merged_float8 names the scaling the engine gets."""
+    import importlib.util
+
+    c = Config()
+    lora_adapters = dataclasses.replace(c.parallel, shard="adapters")
+    fp8 = dataclasses.replace(c.model, fp8_rollout=True)
+    assert c.model.merged_float8 == "off"
+    with pytest.raises(ValueError, match=r"model.fp8_rollout .*model.merged_rollout.*--model.merged-rollout"):
+        validate_config(dataclasses.replace(c, model=fp8, parallel=lora_adapters), 1)
+    both = dataclasses.replace(fp8, merged_rollout=True)
+    assert both.merged_float8 == "rowwise"
+    assert dataclasses.replace(both, fp8_scaling="tensorwise").merged_float8 == "tensorwise"
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a)
+    )
+    with pytest.raises(ValueError, match=r"model.fp8_rollout .*torchao is missing; uv sync --extra fp8"):
+        validate_config(dataclasses.replace(c, model=both, parallel=lora_adapters), 1)
+    monkeypatch.undo()
+    if real("torchao") is not None:
+        validate_config(dataclasses.replace(c, model=both, parallel=lora_adapters), 1)

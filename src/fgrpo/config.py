@@ -9,12 +9,17 @@ one algorithm cannot train with are that algorithm's own check (fgrpo.algorithms
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 from fgrpo.core.sde import Kind
 from fgrpo.errors import ConfigError
+
+TORCHAO_MISSING = (
+    "model.fp8_rollout runs torchao's float8 matmuls and torchao is missing; uv sync --extra fp8"
+)
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,18 @@ class ModelConfig:
     the base matmul plus the adapter's two. The window's forwards keep the adapters, so the trained log-probs keep
     their bits; the other states differ from the unmerged forward's by rounding. Costs one bf16 copy of every
     adapted weight during the rollout. Needs model.lora, parallel.shard='adapters' and the diffusers engine."""
+    fp8_rollout: bool = False
+    """With merged_rollout: keep the merged copies as float8 (e4m3) and run those forwards as float8 matmuls, the
+    activations quantized as they come (torchao's float8 tensors; `uv sync --extra fp8`). The window's forwards
+    and training keep the adapters and their dtype, so the trained log-probs keep their bits. The float8 copy
+    takes the bf16 copy's place (half its memory)."""
+    fp8_scaling: Literal["rowwise", "tensorwise"] = "rowwise"
+    """With fp8_rollout: one float8 scale per weight row and per activation row, or one per tensor."""
+
+    @property
+    def merged_float8(self) -> Literal["off", "rowwise", "tensorwise"]:
+        """How the merged rollout's copies are kept (`MergedLora`'s float8): 'off' in the model's dtype."""
+        return self.fp8_scaling if self.fp8_rollout else "off"
 
     @property
     def lora_target_list(self) -> list[str]:
@@ -495,6 +512,13 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
             "model.lora=True, --parallel.shard adapters and rollout_engine='diffusers'; add them or drop "
             "--model.merged-rollout"
         )
+    if m.fp8_rollout and not m.merged_rollout:
+        raise ConfigError(
+            "model.fp8_rollout quantizes the merged copies of model.merged_rollout, which is off; add "
+            "--model.merged-rollout or drop --model.fp8-rollout"
+        )
+    if m.fp8_rollout and importlib.util.find_spec("torchao") is None:
+        raise ConfigError(TORCHAO_MISSING)
     if cfg.parallel.shard == "adapters" and not m.lora:
         raise ConfigError(
             "parallel.shard='adapters' replicates the frozen base and model.lora=False trains all of it; drop "

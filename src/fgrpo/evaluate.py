@@ -311,7 +311,13 @@ def run(
     try:
         for column in columns:
             model = build_column(spec, column, d.device)
-            engine = build_engine(model, "diffusers", spec.model.path, merged_lora=spec.model.merged_rollout)
+            engine = build_engine(
+                model,
+                "diffusers",
+                spec.model.path,
+                merged_lora=spec.model.merged_rollout,
+                float8=spec.model.merged_float8,
+            )
             results.append(
                 score_model(
                     column.name,

@@ -158,6 +158,7 @@ class Trainer:
             cfg.model.path,
             train_graph=cfg.model.compile and cfg.model.exact_rollout,
             merged_lora=cfg.model.merged_rollout,
+            float8=cfg.model.merged_float8,
             keep=self.algo.rollout_fields(),
         )
         # The asynchronous mode's weights the rollout still samples with, checkpointed (empty when synchronous).

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from typing import cast
 
 import numpy as np
@@ -690,6 +691,84 @@ def test_merged_rollout_merges_only_outside_the_window_and_keeps_the_window_exac
     for n, p in model.transformer.named_parameters():  # every tensor back, bit for bit
         assert p.data_ptr() == weights[n][0] and torch.equal(p, weights[n][1]), n
     assert not image_q.disable_adapters
+
+
+needs_torchao = pytest.mark.skipif(
+    importlib.util.find_spec("torchao") is None,
+    reason="model.fp8_rollout needs the fp8 extra (uv sync --extra fp8)",
+)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@needs_torchao
+@pytest.mark.parametrize("scaling, scale_shape", [("rowwise", (32, 1)), ("tensorwise", (1, 1))])
+def test_fp8_merged_lora_keeps_only_a_float8_copy_and_restores_the_module(scaling, scale_shape):
+    """float8: the merged copy is torchao's Float8Tensor (e4m3 data, a scale per row or per tensor) and is the one
+    copy kept; inside, the layer is one float8 matmul of the merged weight, near the bf16 merge's output; on
+    leaving, the original Parameter object and the adapter come back, bit for bit."""
+    from torchao.quantization import Float8Tensor
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)  # peft draws lora_A from the global generator
+        model = _lora_qwen(3)
+    tr = model.transformer
+    bf16 = MergedLora(tr, ("to_q",))
+    fp8 = MergedLora(tr, ("to_q",), float8=scaling)
+    (layer, original, copy), (_, _, merged) = fp8.layers[0], bf16.layers[0]
+    assert isinstance(copy, Float8Tensor) and copy.qdata.dtype == torch.float8_e4m3fn
+    assert (
+        tuple(copy.scale.shape) == scale_shape and copy.dtype == original.dtype
+    )  # the model's dtype outside
+    torch.testing.assert_close(copy.dequantize(), merged, atol=0, rtol=2**-3)  # e4m3: 3 mantissa bits
+    parameter = layer.get_base_layer().weight
+    x = torch.randn(3, 7, original.shape[1], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        unmerged = layer(x)
+        with fp8.active():
+            assert layer.disable_adapters and layer.get_base_layer().weight is copy
+            inside = layer(x)
+        after = layer(x)
+    assert 0 < _rel(inside, unmerged) < 0.05, _rel(inside, unmerged)  # 0.031 rowwise, 0.028 tensorwise
+    assert torch.equal(after, unmerged)
+    assert layer.get_base_layer().weight is parameter and parameter.data_ptr() == original.data_ptr()
+    assert all(p.requires_grad for n, p in tr.named_parameters() if "lora_" in n)
+
+
+@needs_torchao
+def test_fp8_merged_rollout_keeps_the_window_exact():
+    """float8: the forwards outside every window run the float8 merged layers (and only those), the window's
+    forwards the adapters in the model's dtype, so the recompute equals the rollout's log-probs bit for bit;
+    the images differ from the bf16-merged rollout's by a bounded relative error."""
+    from torchao.quantization import Float8Tensor
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)  # peft draws lora_A from the global generator
+        model = _lora_qwen(4)
+    image_q = next(m for n, m in model.transformer.named_modules() if n.endswith("0.attn.to_q"))
+    seen: list[tuple[bool, bool]] = []  # per forward: float8 weight in, grad on
+    real_velocity = model.velocity
+
+    def velocity(*a, **k):
+        seen.append((isinstance(image_q.get_base_layer().weight, Float8Tensor), torch.is_grad_enabled()))
+        return real_velocity(*a, **k)
+
+    model.velocity = velocity
+    try:
+        traj = DiffusersEngine(model, train_graph=True, merged_lora=True, float8="rowwise").generate(
+            PROMPTS, SEEDS, BASE
+        )
+    finally:
+        del model.velocity
+    assert [g for _, g in seen] == [not f for f, _ in seen] and any(f for f, _ in seen)
+    assert torch.equal(recompute_log_probs(model, traj, BASE), traj.log_prob)  # the first update's gap: 0
+    merged = DiffusersEngine(model, train_graph=True, merged_lora=True).generate(PROMPTS, SEEDS, BASE)
+    assert traj.x0 is not None and merged.x0 is not None
+    rel = _rel(traj.x0, merged.x0)  # the final latents: 0.041 (6 steps, a unit outside its window at 3 or 4)
+    assert 0 < rel < 0.06, rel
+    assert not isinstance(image_q.get_base_layer().weight, Float8Tensor)
 
 
 @pytest.mark.gpu

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fgrpo import files
+from fgrpo.config import TORCHAO_MISSING
 from fgrpo.errors import ConfigError, MissingFileError
 from fgrpo.models.loading import configure_transformer
 from fgrpo.models.qwen_image import QWEN_IMAGE_LORA_TARGETS
@@ -25,6 +26,9 @@ from fgrpo.parallel import barrier, is_dtensor, rank
 if TYPE_CHECKING:
     from fgrpo.config import ModelConfig
     from fgrpo.models.base import Transformer
+
+# How MergedLora keeps its merged copies: 'off' in the base weight's dtype, else float8 with this scaling.
+Float8 = Literal["off", "rowwise", "tensorwise"]
 
 
 def add_lora(
@@ -176,12 +180,24 @@ class MergedLora:
     targets: merge only the LoRA layers whose module name is one of these or ends in "." + one of them (a model's
     `merge_targets`: those whose inputs hold many tokens); empty: all of them.
 
+    float8: 'off' keeps the copies in the base weight's dtype; 'rowwise' or 'tensorwise' keeps them as float8
+    (e4m3, one scale per output row or per tensor) and runs the merged forwards as float8 matmuls whose
+    activations are quantized as they arrive, with the same scaling (`float8_weight`). The float8 copy is made
+    straight from the merge and is the only copy kept.
+
     Needs the frozen base as ordinary tensors (unsharded, or FSDP2 with `parallel.shard='adapters'`); sharded
     adapters are gathered for the merge (a collective: every rank of the mesh must build it). Plain LoRA only
-    (no DoRA or other variant, no bias on B, no fan_in_fan_out). Memory: one bf16 copy of each adapted weight.
+    (no DoRA or other variant, no bias on B, no fan_in_fan_out). Memory: one copy of each adapted weight (bf16,
+    or float8 and its scales).
     """
 
-    def __init__(self, transformer: nn.Module, targets: Sequence[str] = ()):
+    def __init__(
+        self,
+        transformer: nn.Module,
+        targets: Sequence[str] = (),
+        *,
+        float8: Float8 = "off",
+    ):
         from peft.tuners.lora import Linear as LoraLinear
         from torch.distributed.tensor import DTensor
 
@@ -213,7 +229,11 @@ class MergedLora:
                 )
             a, b = full(layer.lora_A[adapter].weight), full(layer.lora_B[adapter].weight)
             merged = torch.addmm(full(weight).float(), b.float(), a.float(), alpha=layer.scaling[adapter])
-            self.layers.append((layer, weight.data, merged.to(weight.dtype)))
+            merged = merged.to(weight.dtype)
+            if float8 != "off":
+                # A tensor subclass cannot stand in for a Parameter's .data: active() swaps in this Parameter.
+                merged = nn.Parameter(float8_weight(merged, float8, name), requires_grad=False)
+            self.layers.append((layer, weight.data, merged))
         if not self.layers:
             raise ConfigError(
                 f"model.merged_rollout found no LoRA layer to merge (targets {list(targets) or 'all'}); add LoRA "
@@ -223,19 +243,64 @@ class MergedLora:
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         """Forwards inside run the merged copies with the adapters off (peft's switch, which also freezes the
-        adapter; each parameter's requires_grad is restored as it was)."""
+        adapter; each parameter's requires_grad is restored as it was). A float8 copy comes in as the layer's
+        weight Parameter, the original Parameter object goes back on leaving."""
         trainable = [[p.requires_grad for p in layer.parameters()] for layer, _, _ in self.layers]
+        parameters = [layer.get_base_layer().weight for layer, _, _ in self.layers]
         for layer, _, merged in self.layers:
-            layer.get_base_layer().weight.data = merged
+            if isinstance(merged, nn.Parameter):
+                layer.get_base_layer().weight = merged
+            else:
+                layer.get_base_layer().weight.data = merged
             layer.enable_adapters(False)
         try:
             yield
         finally:
-            for (layer, original, _), flags in zip(self.layers, trainable, strict=True):
-                layer.get_base_layer().weight.data = original
+            for (layer, original, _), parameter, flags in zip(
+                self.layers, parameters, trainable, strict=True
+            ):
+                if layer.get_base_layer().weight is not parameter:  # a float8 copy was swapped in
+                    layer.get_base_layer().weight = parameter
+                parameter.data = original
                 layer.enable_adapters(True)
                 for p, flag in zip(layer.parameters(), flags, strict=True):
                     p.requires_grad_(flag)
+
+
+def float8_weight(weight: torch.Tensor, scaling: Literal["rowwise", "tensorwise"], name: str) -> torch.Tensor:
+    """A Linear weight `[out, in]` as torchao's `Float8Tensor`: e4m3 data with one scale per row (`rowwise`) or
+    one for the tensor (`tensorwise`), which quantizes each input the same way as it arrives, so `F.linear` with
+    it is one float8 matmul (torch._scaled_mm; for rows on an H100 or later, the mslk package's kernel where
+    that is installed).
+
+    What torchao's `Float8DynamicActivationFloat8WeightConfig` makes of a weight (fast accumulation, torchao's
+    inference default), built directly: `quantize_` refuses any device but a recent GPU, and the same tensor
+    runs on a CPU through torch._scaled_mm, which the tests use. name: the layer, for the error."""
+    try:
+        from torchao.quantization import (  # pyright: ignore[reportMissingImports] - the optional `fp8` extra
+            Float8MMConfig,
+            Float8Tensor,
+            PerRow,
+            PerTensor,
+        )
+        from torchao.quantization.quantize_.workflows import (  # pyright: ignore[reportMissingImports]
+            QuantizeTensorToFloat8Kwargs,
+        )
+    except ImportError as e:
+        raise ConfigError(TORCHAO_MISSING) from e
+    if weight.shape[0] % 16 or weight.shape[1] % 16:  # torch._scaled_mm's requirement on both dims
+        raise ConfigError(
+            f"model.fp8_rollout: '{name}' has weight shape {tuple(weight.shape)}, not multiples of 16 as float8 "
+            "matmuls need; drop --model.fp8-rollout"
+        )
+    granularity = PerRow() if scaling == "rowwise" else PerTensor()
+    return Float8Tensor.from_hp(
+        weight,
+        float8_dtype=torch.float8_e4m3fn,
+        granularity=granularity,
+        mm_config=Float8MMConfig(use_fast_accum=True),
+        act_quant_kwargs=QuantizeTensorToFloat8Kwargs(torch.float8_e4m3fn, granularity),
+    )
 
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

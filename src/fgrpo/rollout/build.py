@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from fgrpo.models.base import FlowModel
+from fgrpo.models.lora import Float8
 from fgrpo.rollout.base import RolloutEngine
 from fgrpo.rollout.engine import DiffusersEngine
 from fgrpo.rollout.vllm_omni import VllmOmniEngine
@@ -17,11 +18,12 @@ def build_engine(
     *,
     train_graph: bool = False,
     merged_lora: bool = False,
+    float8: Float8 = "off",
     keep: Sequence[str] = (),
 ) -> RolloutEngine:
-    """The configured rollout engine: this process's diffusers modules (train_graph, merged_lora: see
+    """The configured rollout engine: this process's diffusers modules (train_graph, merged_lora, float8: see
     DiffusersEngine), or vLLM-Omni with its own weights. keep: the Trajectory's optional fields the run reads
     (`Algorithm.rollout_fields`), which vLLM-Omni then sends back; the in-process engine fills them all."""
     if engine == "vllm_omni":
         return VllmOmniEngine(model_path, enable_sleep_mode=True, keep=keep)
-    return DiffusersEngine(model, train_graph=train_graph, merged_lora=merged_lora)
+    return DiffusersEngine(model, train_graph=train_graph, merged_lora=merged_lora, float8=float8)

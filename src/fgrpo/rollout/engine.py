@@ -27,7 +27,7 @@ from fgrpo.config import SamplingConfig
 from fgrpo.core import schedule, sde
 from fgrpo.models.base import FlowModel, cond_index
 from fgrpo.models.common import module_device
-from fgrpo.models.lora import MergedLora
+from fgrpo.models.lora import Float8, MergedLora
 from fgrpo.models.textbed import TextbedModel
 from fgrpo.policy import transition
 from fgrpo.rollout.base import RolloutEngine, SleepingEngine, Trajectory
@@ -165,13 +165,22 @@ class DiffusersEngine:
     merged_lora: steps at which no row of a micro-batch is inside its SDE window (their forwards make states,
     not trained log-probs) run each LoRA layer as one matmul with a merged bf16 copy (`MergedLora`, made once per
     call); the window's forwards keep the adapters, so the trained log-probs keep their bits. Those states then
-    differ from the unmerged forward's by rounding.
+    differ from the unmerged forward's by rounding. float8: those copies as float8, the merged forwards as float8
+    matmuls (`MergedLora`'s float8; 'off': bf16 copies).
     """
 
-    def __init__(self, model: FlowModel, *, train_graph: bool = False, merged_lora: bool = False):
+    def __init__(
+        self,
+        model: FlowModel,
+        *,
+        train_graph: bool = False,
+        merged_lora: bool = False,
+        float8: Float8 = "off",
+    ):
         self.model = model
         self.train_graph = train_graph
         self.merged_lora = merged_lora
+        self.float8: Float8 = float8
 
     @torch.no_grad()
     def generate(
@@ -234,7 +243,9 @@ class DiffusersEngine:
         x0 = torch.zeros(B, *shape, device=device)
         images, image_rows = [], []
         merged = (
-            MergedLora(model.transformer, getattr(model, "merge_targets", ())) if self.merged_lora else None
+            MergedLora(model.transformer, getattr(model, "merge_targets", ()), float8=self.float8)
+            if self.merged_lora
+            else None
         )
         span = contextlib.ExitStack()  # holds merged.active() over a run of steps with no row in its window
         merging = False
