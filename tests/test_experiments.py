@@ -34,14 +34,24 @@ def test_help_parses(path):
 
 @pytest.mark.parametrize(
     "name",
-    ["qwen_image_ocr", "sd35_ocr", "qwen_image_edit_ocr", "ltx2_ocr", "flux_ocr", "flux2_ocr", "zimage_ocr"],
+    [
+        "qwen_image_ocr",
+        "sd35_ocr",
+        "qwen_image_edit_ocr",
+        "ltx2_ocr",
+        "flux_ocr",
+        "flux2_ocr",
+        "zimage_ocr",
+        "bagel_ocr",
+    ],
 )
 def test_config_presets_instantiate(name):
     module = load(ROOT / "experiments" / f"{name}.py")
     recipe, tiny = module.Config(), module.tiny()
     assert recipe.exp_name == name == tiny.exp_name  # run name = file stem
     assert (
-        recipe.model.kind in ("qwen_image", "sd3", "qwen_image_edit", "ltx2", "flux", "flux2", "zimage")
+        recipe.model.kind
+        in ("qwen_image", "sd3", "qwen_image_edit", "ltx2", "flux", "flux2", "zimage", "bagel")
         and recipe.model.lora
     )
     from fgrpo.algorithms import check_config
@@ -113,6 +123,7 @@ RENDERER_FLAGS = ["--grpo.prompts-per-step", "1", "--data.val-num-prompts", "2",
         ("flux_ocr", "tiny", []),
         ("flux2_ocr", "tiny", []),
         ("zimage_ocr", "tiny", []),
+        ("bagel_ocr", "tiny", []),
     ],
 )
 def test_tiny_preset_runs_two_steps(tmp_path, name, preset, flags):

@@ -20,8 +20,10 @@ if TYPE_CHECKING:
     from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
     from diffusers.models.transformers.transformer_z_image import ZImageTransformer2DModel
 
-    # Every model's transformer is a diffusers model: an nn.Module with diffusers' switches (gradient
-    # checkpointing, attention backend, regional compile) and peft's adapter methods (add/disable adapters).
+    from fgrpo.models.bagel import BagelTransformer
+
+    # Every model's transformer is a diffusers model (BAGEL's: fgrpo's own ModelMixin): an nn.Module with diffusers'
+    # switches (gradient checkpointing, attention backend, regional compile) and peft's adapter methods.
     Transformer: TypeAlias = (
         QwenImageTransformer2DModel
         | SD3Transformer2DModel
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
         | FluxTransformer2DModel
         | Flux2Transformer2DModel
         | ZImageTransformer2DModel
+        | BagelTransformer
     )
 
 # Conditioning is a flat dict of batch-first tensors (model-specific keys, e.g. prompt embeddings,

@@ -1,0 +1,634 @@
+"""BAGEL (ByteDance-Seed/BAGEL-7B-MoT) text-to-image behind the FlowModel interface, on fgrpo's own module.
+
+Architecture (the BAGEL paper, sec. 2, and its released modeling code): a Qwen2 decoder whose every layer is a
+Mixture-of-Transformer-Experts. Each layer holds two full sets of weights, the understanding expert (text tokens)
+and the generation expert (VAE latent tokens): pre-attention RMSNorm, q/k/v (with bias) and o projections, q/k
+RMSNorms (QK-norm), post-attention RMSNorm and the SwiGLU MLP. A token goes through its own expert's weights; the
+attention is one softmax over the whole sequence. The final RMSNorm is per expert too.
+
+Text-to-image sequence and attention (BAGEL's inference context):
+- the prompt, `<|im_start|> ids <|im_end|>`, runs causally through the understanding experts at RoPE positions
+  0 .. L - 1; its keys and values depend on the prompt only;
+- the image query `<|vision_start|> latents <|vision_end|>` follows: the two markers are text tokens (understanding
+  experts), the latent tokens use the generation experts; every query token sits at the same RoPE position L (one
+  position for the whole image) and attends to all prompt tokens and to the whole query (full, not causal);
+- a latent token's input is vae2llm(patch) + timestep_embedding(sigma) + a fixed 2D sin-cos position embedding of its
+  (row, column) in a max_latent_size^2 grid; its output is llm2vae(norm_gen(h)), the velocity noise - x0.
+Latents: the FLUX VAE's 16 channels at 1/8 scale, (z - shift) * scale; the transformer reads 2x2 patches as
+64-vector tokens (channel fastest, BAGEL's patchify). x_t here is the unpatchified [16, H/8, W/8].
+
+Sampling (BAGEL's generate_image): t = linspace(1, 0, N + 1) under the static shift t -> s t / (1 + (s - 1) t)
+(timestep_shift s = 3 at inference), Euler steps x <- x - v dt. Text guidance: the unconditional branch sees no
+prompt at all (an empty context: the image query at position 0), v = v_u + g (v_c - v_u) only while
+sigma > cfg_interval[0] (0.4), then the global renorm v <- v * clamp(|v_c| / |v|, cfg_renorm_min, 1) with norms over
+a whole sample (core.guidance.renormed_cfg). Image guidance needs an input image: not supported.
+
+Text KV: the prompt's keys and values do not depend on the latents and its experts are frozen (LoRA adapts only the
+generation experts, as verl-omni does), so they are computed once per distinct prompt, without grad, and cached;
+the rollout and the recompute read the same cache entry, so their velocities agree bit for bit. Training the
+understanding experts is out of scope: their weights get no gradient.
+
+Differs from BAGEL's inferencer: batched rows padded with a key mask (theirs packs one sequence per sample); the
+renorm's norm is per sample (theirs over the packed batch, which its code notes is meant for batch size 1).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Self
+
+import torch
+import torch.nn.functional as F
+from diffusers.configuration_utils import ConfigMixin, register_to_config
+from diffusers.loaders.peft import PeftAdapterMixin
+from diffusers.models.modeling_utils import ModelMixin
+from torch import nn
+
+from fgrpo.core import guidance, schedule
+from fgrpo.errors import ConfigError
+from fgrpo.models.base import Cond
+from fgrpo.models.common import (
+    OnTransformer,
+    PromptCache,
+    check_resolution,
+    decode_scaled_latents,
+    freeze,
+    trim_padding,
+)
+
+if TYPE_CHECKING:
+    from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
+
+# BAGEL's inference defaults for text-to-image (its inferencer / app): timestep_shift 3, text CFG 4 inside the
+# interval (0.4, 1], global renorm with no lower clamp.
+TIMESTEP_SHIFT = 3.0
+CFG_INTERVAL = (0.4, 1.0)
+CFG_RENORM_MIN = 0.0
+
+# The generation experts' Linear layers (verl-omni trains BAGEL with LoRA on the generation experts only): each
+# layer's attention q/k/v/o and SwiGLU MLP of the `gen` expert. As peft name suffixes they cannot match `und`.
+BAGEL_LORA_TARGETS = (
+    "gen.q_proj",
+    "gen.k_proj",
+    "gen.v_proj",
+    "gen.o_proj",
+    "gen.mlp.gate_proj",
+    "gen.mlp.up_proj",
+    "gen.mlp.down_proj",
+)
+
+
+class RMSNorm(nn.Module):
+    """Qwen2's RMSNorm: normalise in fp32, then the weight in the input's dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Expert(nn.Module):
+    """One token stream's weights in one layer (BAGEL's plain or `_moe_gen` parameters)."""
+
+    def __init__(self, dim: int, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float):
+        super().__init__()
+        self.input_layernorm = RMSNorm(dim, eps)
+        self.q_proj = nn.Linear(dim, heads * head_dim)
+        self.k_proj = nn.Linear(dim, kv_heads * head_dim)
+        self.v_proj = nn.Linear(dim, kv_heads * head_dim)
+        self.o_proj = nn.Linear(heads * head_dim, dim, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps)
+        self.k_norm = RMSNorm(head_dim, eps)
+        self.post_attention_layernorm = RMSNorm(dim, eps)
+        self.mlp = MLP(dim, hidden)
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+
+    def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Residual stream [N, S, D] -> q [N, H, S, Dh], k, v [N, Hkv, S, Dh] (QK-norm, then RoPE on q and k)."""
+        x = self.input_layernorm(h)
+        N, S, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(N, S, self.heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(N, S, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(N, S, self.kv_heads, self.head_dim).transpose(1, 2)
+        return rope(q, cos, sin), rope(k, cos, sin), v
+
+    def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the attention output [N, S, H * Dh] and the MLP."""
+        h = h + self.o_proj(attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Qwen2's rotary embedding (halves rotated): x cos + rotate_half(x) sin; cos, sin [N, 1, S, Dh]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def sincos_2d(dim: int, size: int) -> torch.Tensor:
+    """The fixed 2D sin-cos table of a size x size grid, [size * size, dim] fp32, row r * size + c: the first half
+    encodes the column, the second the row, each as [sin, cos] of position / 10000^(i / (dim / 4)) (MAE's table,
+    which BAGEL's latent_pos_embed holds)."""
+    omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float64) / (dim // 4))
+    rows, cols = torch.meshgrid(torch.arange(size), torch.arange(size), indexing="ij")
+
+    def one(pos: torch.Tensor) -> torch.Tensor:
+        out = pos.reshape(-1, 1).double() * omega
+        return torch.cat([out.sin(), out.cos()], dim=1)
+
+    return torch.cat([one(cols), one(rows)], dim=1).float()
+
+
+def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
+    """DiT's sinusoidal embedding of t [N] (BAGEL feeds sigma in [0, 1] unscaled): [cos(t f), sin(t f)], [N, dim]."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    args = t.float()[:, None] * freqs[None]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+class TimestepEmbedder(nn.Module):
+    def __init__(self, dim: int, freq_dim: int):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim))
+        self.freq_dim = freq_dim
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        emb = timestep_embedding(t, self.freq_dim)
+        return self.mlp(emb.to(self.mlp[0].weight.dtype))
+
+
+class BagelLayer(nn.Module):
+    """One MoT decoder layer: the understanding and generation experts around one shared attention."""
+
+    def __init__(self, dim: int, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float):
+        super().__init__()
+        self.und = Expert(dim, hidden, heads, kv_heads, head_dim, eps)
+        self.gen = Expert(dim, hidden, heads, kv_heads, head_dim, eps)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        text_k: torch.Tensor,
+        text_v: torch.Tensor,
+        key_mask: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """Image query h [N, 2 + T, D] (markers first and last: understanding; the T latents: generation) against
+        the prompt's keys/values [N, Hkv, L, Dh]; key_mask [N, L + 2 + T] (False on prompt padding)."""
+        mid = slice(1, -1)
+        und_rows = h[:, [0, -1]]
+        qu, ku, vu = self.und.qkv(und_rows, cos[:, :, :2], sin[:, :, :2])
+        qg, kg, vg = self.gen.qkv(h[:, mid], cos[:, :, 1:-1], sin[:, :, 1:-1])
+
+        def order(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # back to [marker, latents, marker]
+            return torch.cat([a[:, :, :1], b, a[:, :, 1:]], dim=2)
+
+        q = order(qu, qg)
+        k = torch.cat([text_k, order(ku, kg)], dim=2)
+        v = torch.cat([text_v, order(vu, vg)], dim=2)
+        rep = q.shape[1] // k.shape[1]  # grouped-query attention: each key head serves `rep` query heads
+        attn = F.scaled_dot_product_attention(
+            q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=key_mask[:, None, None, :]
+        )
+        attn = attn.transpose(1, 2).flatten(2)  # [N, 2 + T, H * Dh]
+        out_und = self.und.finish(und_rows, attn[:, [0, -1]])
+        out_gen = self.gen.finish(h[:, mid], attn[:, mid])
+        return torch.cat([out_und[:, :1], out_gen, out_und[:, 1:]], dim=1)
+
+    def text_forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """The prompt alone, causal, understanding expert: (h_next, k, v) for h [1, L, D]."""
+        q, k, v = self.und.qkv(h, cos, sin)
+        rep = q.shape[1] // k.shape[1]
+        attn = F.scaled_dot_product_attention(
+            q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True
+        )
+        return self.und.finish(h, attn.transpose(1, 2).flatten(2)), k, v
+
+
+class BagelTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin):
+    """BAGEL's MoT decoder with its generation heads (timestep embedder, vae2llm, llm2vae, latent positions).
+
+    A diffusers ModelMixin so that peft's add_adapter, gradient checkpointing and regional compile work on it as on
+    the other families' transformers. Its vision (ViT) branch and LM head are not part of text-to-image.
+    """
+
+    _supports_gradient_checkpointing = True
+    _repeated_blocks = ["BagelLayer"]
+    _no_split_modules = ["BagelLayer"]
+
+    @register_to_config
+    def __init__(
+        self,
+        vocab_size: int = 152064,
+        hidden_size: int = 3584,
+        intermediate_size: int = 18944,
+        num_hidden_layers: int = 28,
+        num_attention_heads: int = 28,
+        num_key_value_heads: int = 4,
+        rope_theta: float = 1_000_000.0,
+        rms_norm_eps: float = 1e-6,
+        latent_channels: int = 16,
+        latent_patch_size: int = 2,
+        max_latent_size: int = 64,
+        timestep_freq_dim: int = 256,
+    ):
+        super().__init__()
+        head_dim = hidden_size // num_attention_heads
+        self.head_dim = head_dim
+        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.layers = nn.ModuleList(
+            BagelLayer(
+                hidden_size,
+                intermediate_size,
+                num_attention_heads,
+                num_key_value_heads,
+                head_dim,
+                rms_norm_eps,
+            )
+            for _ in range(num_hidden_layers)
+        )
+        self.norm_gen = RMSNorm(hidden_size, rms_norm_eps)  # the generation expert's final norm
+        self.time_embedder = TimestepEmbedder(hidden_size, timestep_freq_dim)
+        patch_dim = latent_patch_size**2 * latent_channels
+        self.vae2llm = nn.Linear(patch_dim, hidden_size)
+        self.llm2vae = nn.Linear(hidden_size, patch_dim)
+        self.register_buffer("latent_pos_embed", sincos_2d(hidden_size, max_latent_size), persistent=False)
+        self.gradient_checkpointing = False
+
+    def rope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos, sin [N, 1, S, Dh] of integer positions [N, S] (Qwen2's inverse frequencies, fp32 angles)."""
+        dh = self.head_dim
+        inv = 1.0 / self.config.rope_theta ** (
+            torch.arange(0, dh, 2, dtype=torch.float32, device=positions.device) / dh
+        )
+        ang = positions.float()[..., None] * inv  # [N, S, Dh / 2]
+        emb = torch.cat([ang, ang], dim=-1)[:, None]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    @torch.no_grad()
+    def text_kv(self, ids: torch.Tensor) -> torch.Tensor:
+        """A prompt's token ids [L] -> its keys and values at every layer, [layers, 2, Hkv, L, Dh] (causal,
+        understanding experts, RoPE positions 0 .. L - 1)."""
+        h = self.embed_tokens(ids[None])
+        cos, sin = self.rope_cos_sin(torch.arange(ids.shape[0], device=ids.device)[None], h.dtype)
+        kvs = []
+        for layer in self.layers:
+            assert isinstance(layer, BagelLayer)
+            h, k, v = layer.text_forward(h, cos, sin)
+            kvs.append(torch.stack([k[0], v[0]]))
+        return torch.stack(kvs)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        sigma: torch.Tensor,
+        grid: tuple[int, int],
+        text_kv: torch.Tensor,
+        text_mask: torch.Tensor,
+        markers: torch.Tensor,
+    ) -> torch.Tensor:
+        """Velocity tokens of one batch.
+
+        Args:
+            tokens: [N, T, patch_dim] patchified x_t, row-major over the (h, w) = grid of patches.
+            sigma: [N] the flow time (1 = noise).
+            text_kv: [N, layers, 2, Hkv, L, Dh] the prompts' keys/values (text_kv), zero where text_mask is False.
+            text_mask: [N, L] True on real prompt tokens (a row may have none: the unconditional context).
+            markers: [2] token ids of <|vision_start|> and <|vision_end|>.
+
+        Returns:
+            [N, T, patch_dim] in the module's dtype.
+        """
+        N, T, _ = tokens.shape
+        dtype = self.vae2llm.weight.dtype
+        h, w = grid
+        size = self.config.max_latent_size
+        if h > size or w > size:
+            raise ValueError(f"{h}x{w} latent patches exceed BAGEL's max_latent_size={size} per side")
+        pos_ids = (
+            torch.arange(h, device=tokens.device)[:, None] * size + torch.arange(w, device=tokens.device)
+        ).flatten()
+        lat = (
+            self.vae2llm(tokens.to(dtype))
+            + self.time_embedder(sigma)[:, None]
+            + self.latent_pos_embed[pos_ids].to(dtype)
+        )
+        mark = self.embed_tokens(markers).expand(N, 2, -1)
+        x = torch.cat([mark[:, :1], lat, mark[:, 1:]], dim=1)
+        # the whole image query at the position right after the prompt
+        positions = text_mask.sum(1, keepdim=True).expand(N, T + 2)
+        cos, sin = self.rope_cos_sin(positions, dtype)
+        key_mask = torch.cat([text_mask, text_mask.new_ones(N, T + 2)], dim=1)
+        for i, layer in enumerate(self.layers):
+            args = (x, text_kv[:, i, 0], text_kv[:, i, 1], key_mask, cos, sin)
+            if torch.is_grad_enabled() and self.gradient_checkpointing:
+                x = self._gradient_checkpointing_func(layer, *args)
+            else:
+                x = layer(*args)
+        return self.llm2vae(self.norm_gen(x[:, 1:-1]))
+
+
+# ------------------------------------------------------------------------------------------------
+# BAGEL's released checkpoint (ema.safetensors) -> BagelTransformer's names.
+
+_LAYER_KEY = re.compile(
+    r"language_model\.model\.layers\.(\d+)\.(?:self_attn\.)?"
+    r"(input_layernorm|post_attention_layernorm|q_proj|k_proj|v_proj|o_proj|q_norm|k_norm|mlp)"
+    r"(_moe_gen)?(\..+)$"
+)
+_OTHER_KEYS = {
+    "language_model.model.embed_tokens.weight": "embed_tokens.weight",
+    "language_model.model.norm_moe_gen.weight": "norm_gen.weight",
+}
+_HEAD_PREFIXES = ("time_embedder.", "vae2llm.", "llm2vae.")
+# Parts of the checkpoint that text-to-image does not use: the ViT branch, the LM head, the understanding expert's
+# final norm (its outputs are never read), and the position table (rebuilt from its formula).
+_UNUSED = re.compile(
+    r"(vit_model|connector|vit_pos_embed)\.|language_model\.lm_head\.|language_model\.model\.norm\.weight$"
+    r"|latent_pos_embed\."
+)
+
+
+def bagel_key(name: str) -> str | None:
+    """A key of BAGEL's checkpoint -> BagelTransformer's parameter name, None for a part text-to-image drops.
+    Raises KeyError on a key of neither kind (a different checkpoint)."""
+    if m := _LAYER_KEY.match(name):
+        layer, part, gen, rest = m.groups()
+        return f"layers.{layer}.{'gen' if gen else 'und'}.{part}{rest}"
+    if name in _OTHER_KEYS:
+        return _OTHER_KEYS[name]
+    if name.startswith(_HEAD_PREFIXES):
+        return name
+    if _UNUSED.match(name):
+        return None
+    raise KeyError(name)
+
+
+def convert_bagel_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """BAGEL's checkpoint tensors under BagelTransformer's names (the unused parts dropped)."""
+    out = {}
+    for k, v in sd.items():
+        try:
+            name = bagel_key(k)
+        except KeyError:
+            raise ConfigError(
+                f"model.path: '{k}' is not a key of BAGEL's checkpoint layout; pass BAGEL-7B-MoT"
+            ) from None
+        if name is not None:
+            out[name] = v
+    return out
+
+
+def transformer_config(llm_config: dict[str, Any], bagel_config: dict[str, Any]) -> dict[str, Any]:
+    """BagelTransformer's config from BAGEL's llm_config.json (a Qwen2Config) and its config.json's generation fields."""
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    cfg = {k: llm_config[k] for k in keys}
+    cfg["num_key_value_heads"] = llm_config.get("num_key_value_heads", llm_config["num_attention_heads"])
+    cfg["rope_theta"] = llm_config.get("rope_theta", 1_000_000.0)
+    cfg["rms_norm_eps"] = llm_config.get("rms_norm_eps", 1e-6)
+    for k in ("latent_patch_size", "max_latent_size"):
+        if k in bagel_config:
+            cfg[k] = bagel_config[k]
+    if "z_channels" in bagel_config.get("vae_config", {}):
+        cfg["latent_channels"] = bagel_config["vae_config"]["z_channels"]
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def patchify(x: torch.Tensor, p: int) -> torch.Tensor:
+    """[N, C, H, W] -> [N, (H / p)(W / p), p * p * C], each token (row, col, channel) with the channel fastest."""
+    N, C, H, W = x.shape
+    x = x.reshape(N, C, H // p, p, W // p, p)
+    return x.permute(0, 2, 4, 3, 5, 1).reshape(N, (H // p) * (W // p), p * p * C)
+
+
+def unpatchify(tokens: torch.Tensor, p: int, C: int, H: int, W: int) -> torch.Tensor:
+    """patchify's inverse: [N, T, p * p * C] -> [N, C, H, W]."""
+    N = tokens.shape[0]
+    x = tokens.reshape(N, H // p, W // p, p, p, C)
+    return x.permute(0, 5, 1, 3, 2, 4).reshape(N, C, H, W)
+
+
+class Bagel(OnTransformer):
+    """BAGEL (MoT decoder, FLUX VAE, Qwen2 tokenizer) as a FlowModel. Weights frozen; LoRA goes on later."""
+
+    cfg_forwards = 2
+
+    def __init__(
+        self,
+        transformer: BagelTransformer,
+        vae: AutoencoderKL,
+        tokenizer: Any,
+        *,
+        timestep_shift: float = TIMESTEP_SHIFT,
+        cfg_interval: tuple[float, float] = CFG_INTERVAL,
+        cfg_renorm_min: float = CFG_RENORM_MIN,
+        prompt_cache_size: int = 1024,
+    ):
+        self.transformer = transformer
+        self.vae = vae
+        self.tokenizer = tokenizer
+        self.timestep_shift = timestep_shift
+        self.cfg_interval = cfg_interval
+        self.cfg_renorm_min = cfg_renorm_min
+        tcfg: Any = transformer.config
+        vcfg: Any = vae.config
+        self.vae_scale = 2 ** (len(vcfg.block_out_channels) - 1)
+        self.patch = tcfg.latent_patch_size
+        self.latent_channels = vcfg.latent_channels
+        if tcfg.latent_channels != self.latent_channels:
+            raise ValueError(
+                f"transformer latent_channels={tcfg.latent_channels} != VAE latent_channels {self.latent_channels}; "
+                "the transformer and VAE do not belong together"
+            )
+        ids = tokenizer.convert_tokens_to_ids(
+            ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>"]
+        )
+        self.bos, self.eos = ids[0], ids[1]
+        self.markers = torch.tensor(ids[2:])
+        # the prompts' KV, keyed on their token ids (the tuple of a row's real ids)
+        self.kv_cache = PromptCache(self._kv_one, prompt_cache_size)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cuda",
+        vae_path: str | Path | None = None,
+        **kwargs,
+    ) -> Self:
+        """Load BAGEL's released directory (BAGEL-7B-MoT: llm_config.json, config.json, ema.safetensors, the
+        tokenizer files). The VAE is FLUX.1's in diffusers' format: `vae_path` (default <path>/vae), e.g. a copy of
+        black-forest-labs/FLUX.1-dev's vae folder (BAGEL ships the same weights as ae.safetensors, FLUX's own layout)."""
+        from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
+        from safetensors.torch import load_file
+        from transformers import AutoTokenizer
+
+        root = Path(path)
+        for name in ("llm_config.json", "ema.safetensors"):
+            if not (root / name).is_file():
+                raise ConfigError(f"model.path: no {name} in '{root}'; pass a local BAGEL-7B-MoT directory")
+        vae_dir = Path(vae_path) if vae_path is not None else root / "vae"
+        if not (vae_dir / "config.json").is_file():
+            raise ConfigError(
+                f"model.path: no diffusers VAE at '{vae_dir}'; copy FLUX.1-dev's vae folder to {root / 'vae'}"
+            )
+        bagel_cfg = json.loads((root / "config.json").read_text()) if (root / "config.json").is_file() else {}
+        cfg = transformer_config(json.loads((root / "llm_config.json").read_text()), bagel_cfg)
+        with torch.device("meta"):
+            transformer = BagelTransformer(**cfg)
+        sd = convert_bagel_state_dict(load_file(str(root / "ema.safetensors")))
+        transformer.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True, assign=True)
+        transformer.register_buffer(
+            "latent_pos_embed",
+            sincos_2d(cfg["hidden_size"], transformer.config.max_latent_size),
+            persistent=False,
+        )
+        transformer.to(dtype)
+        vae = AutoencoderKL.from_pretrained(str(vae_dir), torch_dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(str(root))
+        return cls.from_modules(transformer, vae, tokenizer, device=device, **kwargs)
+
+    @classmethod
+    def from_modules(cls, transformer, vae, tokenizer, *, device=None, **kwargs) -> Self:
+        """Freeze the modules (eval mode, no grads), move them to `device`, wrap them."""
+        freeze(transformer, vae, device=device)
+        return cls(transformer, vae, tokenizer, **kwargs)
+
+    # ------------------------------------------------------------------------------------------------
+    def _ids(self, prompt: str) -> torch.Tensor:
+        """BAGEL's context text: <|im_start|> prompt <|im_end|>; the empty prompt is the empty context (no tokens,
+        the unconditional branch of text guidance)."""
+        if prompt == "":
+            return torch.zeros(0, dtype=torch.long)
+        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        return torch.tensor([self.bos, *ids, self.eos], dtype=torch.long)
+
+    def _kv_one(self, ids: tuple[int, ...]) -> tuple[torch.Tensor]:
+        return (self.transformer.text_kv(torch.tensor(ids, device=self.device)),)
+
+    def _rows(self, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids [B, L] zero-padded and their mask [B, L] (L >= 1 even when every row is empty)."""
+        rows = [self._ids(p) for p in prompts]
+        ids = torch.zeros(len(rows), max(1, *(len(r) for r in rows)), dtype=torch.long)
+        mask = torch.zeros(ids.shape, dtype=torch.bool)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)], mask[i, : len(r)] = r, True
+        return ids.to(self.device), mask.to(self.device)
+
+    def encode(self, prompts: Sequence[str], *, negative_prompt: str | None = None) -> Cond:
+        """Prompt token ids [B, L] (zero-padded) with their mask [B, L]; with `negative_prompt`, its `neg_*` rows
+        ('' = BAGEL's unconditional context: no tokens)."""
+        if len(prompts) == 0:
+            raise ValueError("prompts is empty; pass at least one prompt")
+        ids, mask = self._rows(prompts)
+        cond = {"prompt_ids": ids, "prompt_mask": mask}
+        if negative_prompt is not None:
+            cond["neg_prompt_ids"], cond["neg_prompt_mask"] = self._rows([negative_prompt] * len(prompts))
+        return cond
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
+        check_resolution("BAGEL", height, width, self.vae_scale * self.patch)
+        return (self.latent_channels, height // self.vae_scale, width // self.vae_scale)
+
+    def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
+        """BAGEL's grid linspace(1, 0, N + 1) under its timestep shift (core.schedule.static_shift_sigmas)."""
+        self.latent_shape(height, width)
+        return schedule.static_shift_sigmas(num_steps, self.timestep_shift)
+
+    def sigmas_at(self, num_steps: int, height: int, width: int, positions: torch.Tensor) -> torch.Tensor:
+        self.latent_shape(height, width)
+        return schedule.static_shift_sigmas_at(positions, num_steps, self.timestep_shift)
+
+    def velocity(
+        self, x_t: torch.Tensor, sigma: torch.Tensor, cond: Cond, *, guidance_scale: float
+    ) -> torch.Tensor:
+        """v(x_t, sigma) [B, C, h, w] fp32; BAGEL's text guidance (one batched forward over both branches, the
+        renorm, the interval) when guidance_scale > 1."""
+        B = x_t.shape[0]
+        sigma = torch.as_tensor(sigma, device=x_t.device).float().expand(B)
+        ids, mask = cond["prompt_ids"], cond["prompt_mask"]
+        if guidance_scale <= 1.0:
+            return self._forward(x_t, sigma, ids, mask)
+        if "neg_prompt_ids" not in cond:
+            raise ValueError(f"guidance_scale={guidance_scale} > 1 needs a negative prompt in cond")
+        nids, nmask = cond["neg_prompt_ids"], cond["neg_prompt_mask"]
+        L = max(ids.shape[1], nids.shape[1])
+        both_ids = torch.cat([F.pad(ids, (0, L - ids.shape[1])), F.pad(nids, (0, L - nids.shape[1]))])
+        both_mask = torch.cat([F.pad(mask, (0, L - mask.shape[1])), F.pad(nmask, (0, L - nmask.shape[1]))])
+        v_cond, v_uncond = self._forward(
+            torch.cat([x_t, x_t]), torch.cat([sigma, sigma]), both_ids, both_mask
+        ).chunk(2)
+        guided = guidance.renormed_cfg(v_cond, v_uncond, guidance_scale, min_ratio=self.cfg_renorm_min)
+        lo, hi = self.cfg_interval
+        inside = ((sigma > lo) & (sigma <= hi)).view(B, *[1] * (x_t.dim() - 1))
+        return torch.where(inside, guided, v_cond.float())
+
+    def _forward(
+        self, x: torch.Tensor, sigma: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """One transformer call on latents [N, C, h, w] and prompt rows -> velocity fp32 [N, C, h, w]."""
+        ids, mask = trim_padding(ids[..., None], mask)
+        ids = ids[..., 0]
+        kvs = []
+        for row, m in zip(ids, mask, strict=True):
+            key = tuple(row[m].tolist())
+            if key:
+                kvs.append(self.kv_cache(key)[0])
+            else:  # the empty context: one masked zero slot keeps the shapes
+                t = self.transformer
+                kvs.append(
+                    torch.zeros(
+                        len(t.layers),
+                        2,
+                        t.config.num_key_value_heads,
+                        0,
+                        t.head_dim,
+                        device=x.device,
+                        dtype=self.dtype,
+                    )
+                )
+        L = mask.shape[1]
+        text_kv = torch.stack([F.pad(kv, (0, 0, 0, L - kv.shape[3])) for kv in kvs])
+        N, C, H, W = x.shape
+        out = self.transformer(
+            patchify(x.to(self.dtype), self.patch),
+            sigma,
+            (H // self.patch, W // self.patch),
+            text_kv,
+            mask,
+            self.markers.to(x.device),
+        )
+        return unpatchify(out.float(), self.patch, C, H, W)
+
+    @torch.no_grad()
+    def decode(self, x0: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """Clean latents [B, C, h, w] -> uint8 [B, H, W, 3]."""
+        return decode_scaled_latents(self.vae, x0)
