@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from typing import cast
 
 import pytest
 import torch
@@ -17,7 +18,13 @@ from fgrpo.config import SamplingConfig
 from fgrpo.core import sde
 from fgrpo.errors import ConfigError
 from fgrpo.models import tiny
-from fgrpo.models.bagel import BAGEL_LORA_TARGETS, Bagel, bagel_key, convert_bagel_state_dict
+from fgrpo.models.bagel import (
+    BAGEL_LORA_TARGETS,
+    Bagel,
+    BagelLayer,
+    bagel_key,
+    convert_bagel_state_dict,
+)
 from fgrpo.models.base import FlowModel
 from fgrpo.models.lora import add_lora, export_lora, load_lora_weights
 from fgrpo.models.registry import build_tiny
@@ -285,7 +292,7 @@ def test_mot_routing_each_weight_moves_only_its_stream():
         return m.velocity(x, sigma, cond, guidance_scale=1.0), m.transformer.text_kv(ids)
 
     v0, kv0 = run()
-    layers = m.transformer.layers
+    layers = [cast(BagelLayer, layer) for layer in m.transformer.layers]
     for weight, moves_v, moves_kv in (
         (layers[0].gen.k_proj.weight, True, False),
         (layers[1].gen.mlp.up_proj.weight, True, False),

@@ -176,11 +176,13 @@ class TimestepEmbedder(nn.Module):
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
         emb = timestep_embedding(t, self.freq_dim)
-        return self.mlp(emb.to(self.mlp[0].weight.dtype))
+        return self.mlp(emb.to(next(self.mlp.parameters()).dtype))
 
 
 class BagelLayer(nn.Module):
     """One MoT decoder layer: the understanding and generation experts around one shared attention."""
+
+    fsdp_forward_methods = ("text_forward",)  # fgrpo.parallel.shard_transformer gives it FSDP's hooks
 
     def __init__(self, dim: int, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float):
         super().__init__()
@@ -236,6 +238,7 @@ class BagelTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin):
     """
 
     _supports_gradient_checkpointing = True
+    fsdp_forward_methods = ("text_kv",)  # fgrpo.parallel.shard_transformer gives it FSDP's hooks
     _repeated_blocks = ["BagelLayer"]
     _no_split_modules = ["BagelLayer"]
 
@@ -258,6 +261,12 @@ class BagelTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin):
         super().__init__()
         head_dim = hidden_size // num_attention_heads
         self.head_dim = head_dim
+        # plain attributes: diffusers' config is typed as a dict
+        self.rope_theta, self.max_latent_size, self.num_kv_heads = (
+            rope_theta,
+            max_latent_size,
+            num_key_value_heads,
+        )
         self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
         self.layers = nn.ModuleList(
             BagelLayer(
@@ -281,7 +290,7 @@ class BagelTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin):
     def rope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos, sin [N, 1, S, Dh] of integer positions [N, S] (Qwen2's inverse frequencies, fp32 angles)."""
         dh = self.head_dim
-        inv = 1.0 / self.config.rope_theta ** (
+        inv = 1.0 / self.rope_theta ** (
             torch.arange(0, dh, 2, dtype=torch.float32, device=positions.device) / dh
         )
         ang = positions.float()[..., None] * inv  # [N, S, Dh / 2]
@@ -325,7 +334,7 @@ class BagelTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin):
         N, T, _ = tokens.shape
         dtype = self.vae2llm.weight.dtype
         h, w = grid
-        size = self.config.max_latent_size
+        size = self.max_latent_size
         if h > size or w > size:
             raise ValueError(f"{h}x{w} latent patches exceed BAGEL's max_latent_size={size} per side")
         pos_ids = (
@@ -342,10 +351,11 @@ class BagelTransformer(ModelMixin, ConfigMixin, PeftAdapterMixin):
         positions = text_mask.sum(1, keepdim=True).expand(N, T + 2)
         cos, sin = self.rope_cos_sin(positions, dtype)
         key_mask = torch.cat([text_mask, text_mask.new_ones(N, T + 2)], dim=1)
+        checkpoint = self._gradient_checkpointing_func if self.gradient_checkpointing else None
         for i, layer in enumerate(self.layers):
             args = (x, text_kv[:, i, 0], text_kv[:, i, 1], key_mask, cos, sin)
-            if torch.is_grad_enabled() and self.gradient_checkpointing:
-                x = self._gradient_checkpointing_func(layer, *args)
+            if torch.is_grad_enabled() and checkpoint is not None:
+                x = checkpoint(layer, *args)
             else:
                 x = layer(*args)
         return self.llm2vae(self.norm_gen(x[:, 1:-1]))
@@ -508,10 +518,9 @@ class Bagel(OnTransformer):
         transformer.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True, assign=True)
         transformer.register_buffer(
             "latent_pos_embed",
-            sincos_2d(cfg["hidden_size"], transformer.config.max_latent_size),
+            sincos_2d(cfg["hidden_size"], transformer.max_latent_size),
             persistent=False,
         )
-        transformer.to(dtype)
         vae = AutoencoderKL.from_pretrained(str(vae_dir), torch_dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(str(root))
         return cls.from_modules(transformer, vae, tokenizer, device=device, **kwargs)
@@ -608,7 +617,7 @@ class Bagel(OnTransformer):
                     torch.zeros(
                         len(t.layers),
                         2,
-                        t.config.num_key_value_heads,
+                        t.num_kv_heads,
                         0,
                         t.head_dim,
                         device=x.device,
