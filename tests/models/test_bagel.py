@@ -18,13 +18,8 @@ from fgrpo.config import SamplingConfig
 from fgrpo.core import sde
 from fgrpo.errors import ConfigError
 from fgrpo.models import tiny
-from fgrpo.models.bagel import (
-    BAGEL_LORA_TARGETS,
-    Bagel,
-    BagelLayer,
-    bagel_key,
-    convert_bagel_state_dict,
-)
+from fgrpo.models.bagel import BAGEL_LORA_TARGETS, Bagel
+from fgrpo.models.bagel_mot import BagelLayer, bagel_key, convert_bagel_state_dict
 from fgrpo.models.base import FlowModel
 from fgrpo.models.lora import add_lora, export_lora, load_lora_weights
 from fgrpo.models.registry import build_tiny

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
     from diffusers.models.transformers.transformer_z_image import ZImageTransformer2DModel
 
-    from fgrpo.models.bagel import BagelTransformer
+    from fgrpo.models.bagel_mot import BagelTransformer
 
     # Every model's transformer is a diffusers model (BAGEL's: fgrpo's own ModelMixin): an nn.Module with diffusers'
     # switches (gradient checkpointing, attention backend, regional compile) and peft's adapter methods.

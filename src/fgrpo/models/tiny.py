@@ -41,7 +41,8 @@ from transformers import (
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 from fgrpo.models import flux, flux2, ltx2, qwen_image, sd3, zimage
-from fgrpo.models.bagel import Bagel, BagelTransformer
+from fgrpo.models.bagel import Bagel
+from fgrpo.models.bagel_mot import BagelTransformer
 from fgrpo.models.flux import Flux
 from fgrpo.models.flux2 import Flux2
 from fgrpo.models.ltx2 import LTX2
