@@ -5,7 +5,7 @@ the GPU by benchmarks/rollout.py's `build_real` (`--model sd3`: SD3.5-Medium's 2
 `build_real_sd3`; `--model qwen_image_edit`: Qwen-Image-Edit, `build_real_qwen_image_edit`, with a synthesised
 condition image per prompt; `--model ltx2`: LTX-2.3's transformer, connectors, video and audio VAEs and vocoder,
 `build_real_ltx2`, whose rows count videos; `--model flux`: FLUX.1-dev's 12 B transformer and VAE,
-`build_real_flux`; `--model zimage`: Z-Image's transformer and VAE, `build_real_zimage`, recipe experiments/zimage_ocr.py); the text encoders are replaced by fixed random prompt embeddings of
+`build_real_flux`; `--model zimage`: Z-Image's transformer and VAE, `build_real_zimage`, recipe experiments/zimage_ocr.py; `--model bagel`: BAGEL-7B-MoT's MoT decoder and FLUX.1's VAE, `build_real_bagel`, recipe experiments/bagel_ocr.py); the text encoders are replaced by fixed random prompt embeddings of
 the real shapes (their cost is one forward per distinct prompt, cached over the group). Qwen-Image-Edit,
 LTX-2.3 and FLUX.1-dev sample, train their LoRA and batch by their experiment files' `recipe` presets
 (experiments/qwen_image_edit_ocr.py, experiments/ltx2_ocr.py, experiments/flux_ocr.py). The reward is a stub (each image's mean pixel value), or with
@@ -63,6 +63,7 @@ import numpy as np
 import torch
 from rollout import (  # benchmarks/rollout.py: the same random models
     build_real,
+    build_real_bagel,
     build_real_flux,
     build_real_ltx2,
     build_real_qwen_image_edit,
@@ -95,10 +96,10 @@ def main() -> None:
     ap.add_argument(
         "--model",
         default="qwen_image",
-        choices=["qwen_image", "sd3", "qwen_image_edit", "ltx2", "flux", "zimage"],
+        choices=["qwen_image", "sd3", "qwen_image_edit", "ltx2", "flux", "zimage", "bagel"],
         help="qwen_image: the OCR LoRA recipe (r64, true CFG 4, flow_sde window 2 of [0, 5)); sd3: SD3.5-M with "
         "flow_grpo's SD3 LoRA recipe (r32 on attention, CFG 4.5, CPS noise 0.8 in a 3-step window of [0, 5)); "
-        "qwen_image_edit, ltx2, flux, zimage: their experiment files' recipe presets (sampling, LoRA, optimizer)",
+        "qwen_image_edit, ltx2, flux, zimage, bagel: their experiment files' recipe presets (sampling, LoRA, optimizer)",
     )
     ap.add_argument(
         "--cfg", type=float, default=0.0, help="CFG scale (0 = the recipe's: 4 / 4.5; 1 = no CFG)"
@@ -285,7 +286,7 @@ def main() -> None:
         raise SystemExit(f"--algo: unknown {unknown}; choose from {' '.join(algorithms.ALGORITHMS)}")
     d = parallel.init_distributed("cpu" if args.tiny else "cuda")
     rec = (
-        recipe(args.model) if args.model in ("qwen_image_edit", "ltx2", "flux", "zimage") else None
+        recipe(args.model) if args.model in ("qwen_image_edit", "ltx2", "flux", "zimage", "bagel") else None
     )  # experiments/*.py's recipe
     group = args.group or (rec.grpo.group_size if rec is not None else 16)
     micro_batch = args.micro_batch or (rec.sampling.micro_batch if rec is not None else 8)
@@ -297,9 +298,15 @@ def main() -> None:
     sd3 = args.model == "sd3"
     layers = (
         args.layers
-        or {"qwen_image": 60, "sd3": 24, "qwen_image_edit": 60, "ltx2": 48, "flux": 19, "zimage": 30}[
-            args.model
-        ]
+        or {
+            "qwen_image": 60,
+            "sd3": 24,
+            "qwen_image_edit": 60,
+            "ltx2": 48,
+            "flux": 19,
+            "zimage": 30,
+            "bagel": 28,
+        }[args.model]
     )
     if args.tiny:
         model = build_tiny(args.model)
@@ -313,6 +320,8 @@ def main() -> None:
         model = build_real_flux(d.device, layers)
     elif args.model == "zimage":
         model = build_real_zimage(d.device, layers)
+    elif args.model == "bagel":
+        model = build_real_bagel(d.device, layers)
     else:
         model = build_real_ltx2(d.device, layers)
     lr = 3e-5 if args.full else 3e-4
