@@ -97,6 +97,8 @@ def unpatchify(tokens: torch.Tensor, p: int, C: int, H: int, W: int) -> torch.Te
 class Bagel(OnTransformer):
     """BAGEL (MoT decoder, FLUX VAE, Qwen2 tokenizer) as a FlowModel. Weights frozen; LoRA goes on later."""
 
+    # Transformer passes a step takes with guidance_scale > 1 (the text-guidance branch); the benchmarks' FLOP counts
+    # read it.
     cfg_forwards = 2
 
     def __init__(
