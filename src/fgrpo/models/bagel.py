@@ -1,4 +1,4 @@
-"""BAGEL (ByteDance-Seed/BAGEL-7B-MoT) text-to-image behind the FlowModel interface, on fgrpo's own module.
+"""BAGEL (ByteDance-Seed/BAGEL-7B-MoT) text-to-image behind the FlowModel interface, on fgrpo's own module (bagel_mot).
 
 Architecture (the BAGEL paper, sec. 2, and its released modeling code): a Qwen2 decoder whose every layer is a
 Mixture-of-Transformer-Experts. Each layer holds two full sets of weights, the understanding expert (text tokens)
