@@ -19,7 +19,7 @@ from fgrpo.core import sde
 from fgrpo.errors import ConfigError
 from fgrpo.models import tiny
 from fgrpo.models.bagel import BAGEL_LORA_TARGETS, Bagel
-from fgrpo.models.bagel_mot import BagelLayer, bagel_key, convert_bagel_state_dict
+from fgrpo.models.bagel_mot import BagelLayer, bagel_key, convert_bagel_state_dict, transformer_config
 from fgrpo.models.base import FlowModel
 from fgrpo.models.lora import add_lora, export_lora, load_lora_weights
 from fgrpo.models.registry import build_tiny
@@ -371,10 +371,12 @@ def test_key_mapping_and_loading_bagels_checkpoint_layout(tmp_path, model):
     llm = {k: c[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")}
     llm |= {k: c[k] for k in ("num_attention_heads", "num_key_value_heads", "rope_theta", "rms_norm_eps")}
     (root / "llm_config.json").write_text(json.dumps(llm))
+    # BagelConfig's defaults: BAGEL's loader never reads these (it sets the geometry in code), and neither may ours;
+    # the checkpoint's 16 x 16 position table and vae2llm's width fix it
     bagel_cfg = {
-        "latent_patch_size": 2,
-        "max_latent_size": 16,
-        "vae_config": {"z_channels": 4, "downsample": 8},
+        "latent_patch_size": 1,
+        "max_latent_size": 32,
+        "vae_config": {"z_channels": 16, "downsample": 8},
     }
     (root / "config.json").write_text(json.dumps(bagel_cfg))
     parts["vae"].save_pretrained(root / "vae")
@@ -389,6 +391,23 @@ def test_key_mapping_and_loading_bagels_checkpoint_layout(tmp_path, model):
     assert torch.equal(
         loaded.velocity(x, sigma, loaded.encode(PROMPTS, negative_prompt=""), guidance_scale=4.0), want
     )
+
+
+def test_transformer_config_reads_the_geometry_off_the_checkpoint_and_qwen2s_defaults():
+    llm = {"vocab_size": 8, "hidden_size": 4, "intermediate_size": 8, "num_hidden_layers": 1}
+    llm |= {"num_attention_heads": 2}
+    ckpt = {"latent_pos_embed.pos_embed": torch.zeros(9, 4), "vae2llm.weight": torch.zeros(4, 36)}
+    cfg = transformer_config(llm, ckpt, latent_channels=4)
+    assert (cfg["max_latent_size"], cfg["latent_patch_size"], cfg["latent_channels"]) == (3, 3, 4)
+    assert cfg["rope_theta"] == 10_000.0  # Qwen2Config's default, what BAGEL's loader falls back to
+    with pytest.raises(ConfigError, match="8 rows, not a square grid"):
+        transformer_config(llm, ckpt | {"latent_pos_embed.pos_embed": torch.zeros(8, 4)}, latent_channels=4)
+    with pytest.raises(
+        ConfigError, match="vae2llm reads 36-wide tokens, not patch\\^2 x the VAE's 16 channels"
+    ):
+        transformer_config(llm, ckpt, latent_channels=16)
+    with pytest.raises(ConfigError, match="ema.safetensors has no latent_pos_embed.pos_embed"):
+        transformer_config(llm, {"vae2llm.weight": torch.zeros(4, 36)}, latent_channels=4)
 
 
 def test_unknown_checkpoint_key_and_missing_files_are_one_line_errors(tmp_path, model):

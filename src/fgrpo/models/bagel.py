@@ -146,9 +146,10 @@ class Bagel(OnTransformer):
         vae_path: str | Path | None = None,
         **kwargs,
     ) -> Self:
-        """Load BAGEL's released directory (BAGEL-7B-MoT: llm_config.json, config.json, ema.safetensors, the
-        tokenizer files). The VAE is FLUX.1's in diffusers' format: `vae_path` (default <path>/vae), e.g. a copy of
-        black-forest-labs/FLUX.1-dev's vae folder (BAGEL ships the same weights as ae.safetensors, FLUX's own layout)."""
+        """Load BAGEL's released directory (BAGEL-7B-MoT: llm_config.json, ema.safetensors, the tokenizer files;
+        the latent geometry is read off the checkpoint, see bagel_mot.transformer_config). The VAE is FLUX.1's in
+        diffusers' format: `vae_path` (default <path>/vae), e.g. a copy of black-forest-labs/FLUX.1-dev's vae folder
+        (BAGEL ships the same weights as ae.safetensors, FLUX's own layout)."""
         from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
         from safetensors.torch import load_file
         from transformers import AutoTokenizer
@@ -162,18 +163,19 @@ class Bagel(OnTransformer):
             raise ConfigError(
                 f"model.path: no diffusers VAE at '{vae_dir}'; copy FLUX.1-dev's vae folder to {root / 'vae'}"
             )
-        bagel_cfg = json.loads((root / "config.json").read_text()) if (root / "config.json").is_file() else {}
-        cfg = transformer_config(json.loads((root / "llm_config.json").read_text()), bagel_cfg)
+        vae = AutoencoderKL.from_pretrained(str(vae_dir), torch_dtype=dtype)
+        ckpt = load_file(str(root / "ema.safetensors"))
+        llm_cfg = json.loads((root / "llm_config.json").read_text())
+        cfg = transformer_config(llm_cfg, ckpt, latent_channels=vae.config["latent_channels"])
         with torch.device("meta"):
             transformer = BagelTransformer(**cfg)
-        sd = convert_bagel_state_dict(load_file(str(root / "ema.safetensors")))
+        sd = convert_bagel_state_dict(ckpt)
         transformer.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True, assign=True)
         transformer.register_buffer(
             "latent_pos_embed",
             sincos_2d(cfg["hidden_size"], transformer.max_latent_size),
             persistent=False,
         )
-        vae = AutoencoderKL.from_pretrained(str(vae_dir), torch_dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(str(root))
         return cls.from_modules(transformer, vae, tokenizer, device=device, **kwargs)
 

@@ -348,16 +348,37 @@ def convert_bagel_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return out
 
 
-def transformer_config(llm_config: dict[str, Any], bagel_config: dict[str, Any]) -> dict[str, Any]:
-    """BagelTransformer's config from BAGEL's llm_config.json (a Qwen2Config) and its config.json's generation fields."""
+def transformer_config(
+    llm_config: dict[str, Any], checkpoint: dict[str, torch.Tensor], latent_channels: int
+) -> dict[str, Any]:
+    """BagelTransformer's config from BAGEL's llm_config.json (a Qwen2Config), its checkpoint's tensors and the
+    VAE's latent channels.
+
+    The latent geometry comes from the weights, not from config.json: BAGEL's own loader (app.py, the inferencer)
+    sets latent_patch_size=2 and max_latent_size=64 in code, and BagelConfig's defaults (max_latent_size=32) differ,
+    so only the checkpoint's latent_pos_embed table (max_latent_size^2 rows) and vae2llm's input width
+    (patch^2 * latent_channels) say what the weights were trained with. A missing Qwen2 field takes Qwen2Config's
+    default, as BAGEL's loader would (rope_theta 10000)."""
     keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     cfg = {k: llm_config[k] for k in keys}
     cfg["num_key_value_heads"] = llm_config.get("num_key_value_heads", llm_config["num_attention_heads"])
-    cfg["rope_theta"] = llm_config.get("rope_theta", 1_000_000.0)
+    cfg["rope_theta"] = llm_config.get("rope_theta", 10_000.0)
     cfg["rms_norm_eps"] = llm_config.get("rms_norm_eps", 1e-6)
-    for k in ("latent_patch_size", "max_latent_size"):
-        if k in bagel_config:
-            cfg[k] = bagel_config[k]
-    if "z_channels" in bagel_config.get("vae_config", {}):
-        cfg["latent_channels"] = bagel_config["vae_config"]["z_channels"]
+    for key in ("latent_pos_embed.pos_embed", "vae2llm.weight"):
+        if key not in checkpoint:
+            raise ConfigError(f"model.path: ema.safetensors has no {key}; pass BAGEL-7B-MoT's checkpoint")
+    table = checkpoint["latent_pos_embed.pos_embed"]
+    size = math.isqrt(table.shape[0])
+    if size * size != table.shape[0]:
+        raise ConfigError(
+            f"model.path: latent_pos_embed.pos_embed has {table.shape[0]} rows, not a square grid"
+        )
+    width = checkpoint["vae2llm.weight"].shape[1]
+    patch = math.isqrt(width // latent_channels)
+    if patch * patch * latent_channels != width:
+        raise ConfigError(
+            f"model.path: vae2llm reads {width}-wide tokens, not patch^2 x the VAE's {latent_channels} channels; "
+            "pass FLUX.1's VAE"
+        )
+    cfg |= {"max_latent_size": size, "latent_patch_size": patch, "latent_channels": latent_channels}
     return cfg
