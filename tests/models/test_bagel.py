@@ -119,6 +119,19 @@ def _context(t, ids):
     return cache
 
 
+def _pos_table(dim, size):
+    """modeling_utils.get_2d_sincos_pos_embed: np.meshgrid(grid_w, grid_h) (w first), the first half of each row
+    from grid[0] (the column), the second from grid[1] (the row), each half [sin, cos] at 1 / 10000^(i / (dim / 4))."""
+    grid = torch.stack(torch.meshgrid(torch.arange(size), torch.arange(size), indexing="xy")).double()
+
+    def one(d, pos):
+        omega = 1.0 / 10000 ** (torch.arange(d // 2).double() / (d / 2))
+        out = pos.reshape(-1)[:, None] * omega[None]
+        return torch.cat([out.sin(), out.cos()], dim=1)
+
+    return torch.cat([one(dim // 2, grid[0]), one(dim // 2, grid[1])], dim=1).float()
+
+
 def _flow(t, x_tokens, sigma, cache, n_text, hw, markers):
     """_forward_flow for one sample: the query [start, latents, end], all at rope position n_text, text tokens on
     the understanding weights (packed_text_indexes), latents on the generation ones (packed_vae_token_indexes)."""
@@ -130,7 +143,8 @@ def _flow(t, x_tokens, sigma, cache, n_text, hw, markers):
     f = torch.exp(-math.log(10000) * torch.arange(half) / half) * sigma
     temb = torch.cat([f.cos(), f.sin()]) @ t.time_embedder.mlp[0].weight.T + t.time_embedder.mlp[0].bias
     temb = torch.nn.functional.silu(temb) @ t.time_embedder.mlp[2].weight.T + t.time_embedder.mlp[2].bias
-    lat = x_tokens @ t.vae2llm.weight.T + t.vae2llm.bias + temb + t.latent_pos_embed[pos_ids]
+    table = _pos_table(cfg.hidden_size, cfg.max_latent_size)
+    lat = x_tokens @ t.vae2llm.weight.T + t.vae2llm.bias + temb + table[pos_ids]
     seq = torch.cat([t.embed_tokens.weight[markers[:1]], lat, t.embed_tokens.weight[markers[1:]]])
     text_idx, vae_idx = [0, n + 1], list(range(1, n + 1))
     pos = torch.full((n + 2,), n_text)
@@ -159,9 +173,9 @@ def _unpatchify(tokens, C, H, W, p=2):
     return torch.einsum("hwpqc->chpwq", x).reshape(C, H, W)
 
 
-def _generate_image(m: Bagel, prompt, x1, num_steps, cfg_text_scale):
-    """generate_image: timesteps linspace(1, 0, N + 1) shifted, Euler x <- x - v dt, text CFG against the empty
-    context inside cfg_interval, then the global renorm."""
+def _generate_image(m: Bagel, prompt, x1, num_timesteps, cfg_text_scale):
+    """generate_image: num_timesteps grid points linspace(1, 0, num_timesteps) shifted (num_timesteps - 1 steps),
+    Euler x <- x - v dt, text CFG against the empty context inside cfg_interval, then the global renorm."""
     t = m.transformer
     tok = m.tokenizer
     ids = torch.tensor(
@@ -177,17 +191,17 @@ def _generate_image(m: Bagel, prompt, x1, num_steps, cfg_text_scale):
     C, H, W = x1.shape
     hw = (H // 2, W // 2)
     s = m.timestep_shift
-    ts = torch.linspace(1, 0, num_steps + 1)
+    ts = torch.linspace(1, 0, num_timesteps)
     ts = s * ts / (1 + (s - 1) * ts)
+    dts = ts[:-1] - ts[1:]
     x = _patchify(x1)
-    for i in range(num_steps):
-        sig = ts[i]
+    for i, sig in enumerate(ts[:-1]):
         v = _flow(t, x, sig, cache, len(ids), hw, markers)
         if cfg_text_scale > 1.0 and 0.4 < sig <= 1.0:
             v_u = _flow(t, x, sig, empty, 0, hw, markers)
             v_ = v_u + cfg_text_scale * (v - v_u)
             v = v_ * (v.norm() / (v_.norm() + 1e-8)).clamp(min=0.0, max=1.0)
-        x = x - v * (ts[i] - ts[i + 1])
+        x = x - v * dts[i]
     return _unpatchify(x, C, H, W)
 
 
@@ -202,7 +216,8 @@ def test_ode_rollout_matches_a_plain_reading_of_bagels_sampling_loop(model, guid
     with torch.no_grad():
         for i, seed in enumerate(SEEDS):
             x1 = torch.randn(model.latent_shape(SIZE, SIZE), generator=sample_generator(seed))
-            ref = _generate_image(model, PROMPTS[i], x1, cfg.num_steps, guidance_scale)
+            # BAGEL's num_timesteps counts grid points: N steps are num_timesteps = N + 1
+            ref = _generate_image(model, PROMPTS[i], x1, cfg.num_steps + 1, guidance_scale)
             assert ref.abs().max() > 0.5
             torch.testing.assert_close(traj.x0[i], ref, rtol=0, atol=2e-5)
     assert traj.images.shape == (3, SIZE, SIZE, 3) and traj.images.dtype == torch.uint8
