@@ -321,6 +321,31 @@ def test_mot_routing_each_weight_moves_only_its_stream():
         assert (not torch.equal(kv, kv0)) == moves_kv
 
 
+def test_image_query_qk_norm_and_rope_run_in_fp32_as_bagels_gen_mode(monkeypatch):
+    t = tiny.tiny_bagel_components(seed=0)["transformer"].to(torch.bfloat16)
+    layer = cast(BagelLayer, t.layers[0])
+    e = layer.gen
+    h = torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(0)).bfloat16()
+    cos, sin = t.rope_cos_sin(torch.full((1, 5), 7), torch.bfloat16)
+    # PackedAttentionMoT.forward_inference, mode "gen": q, k cast to fp32 before q_norm / k_norm and RoPE
+    x = e.input_layernorm(h)
+    q = e.q_proj(x).view(1, 5, 4, 8).float()
+    q = (e.q_norm.weight * (q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + 1e-6))).transpose(1, 2)
+    q1, q2 = q.chunk(2, dim=-1)
+    want = (q * cos + torch.cat([-q2, q1], dim=-1) * sin).bfloat16()
+    got = e.qkv(h, cos, sin, fp32_qk=True)[0]
+    assert torch.equal(got, want) and not torch.equal(e.qkv(h, cos, sin)[0], want)
+    seen = []
+    qkv = type(e).qkv
+    monkeypatch.setattr(type(e), "qkv", lambda self, *a, **k: seen.append(k) or qkv(self, *a, **k))
+    kv = torch.zeros(1, 2, 3, 8, dtype=torch.bfloat16)
+    cos, sin = t.rope_cos_sin(torch.full((1, 4), 3), torch.bfloat16)
+    layer(h[:, :4], kv, kv, torch.ones(1, 7, dtype=torch.bool), cos, sin)
+    assert seen == [{"fp32_qk": True}] * 2  # both experts' rows of the image query
+    layer.text_forward(h, cos[:, :, :1].expand(1, 1, 5, 8), sin[:, :, :1].expand(1, 1, 5, 8))
+    assert seen[-1] == {}  # the prompt pass stays in the module dtype, as BAGEL's "und" mode
+
+
 def test_export_lora_reloads_to_identical_velocities(tmp_path):
     trained = tiny.tiny_bagel(seed=4)
     _lora(trained, seed=1)

@@ -61,14 +61,20 @@ class Expert(nn.Module):
         self.mlp = MLP(dim, hidden)
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
 
-    def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Residual stream [N, S, D] -> q [N, H, S, Dh], k, v [N, Hkv, S, Dh] (QK-norm, then RoPE on q and k)."""
+    def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, fp32_qk: bool = False):
+        """Residual stream [N, S, D] -> q [N, H, S, Dh], k, v [N, Hkv, S, Dh] (QK-norm, then RoPE on q and k).
+
+        fp32_qk: QK-norm and RoPE on fp32 q and k, rounded to the input dtype after. BAGEL's attention does this in
+        its "gen" mode (the image query, markers included) but not for the prompt; in bf16 the roundings differ."""
         x = self.input_layernorm(h)
         N, S, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(N, S, self.heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(N, S, self.kv_heads, self.head_dim)).transpose(1, 2)
+        q = self.q_proj(x).view(N, S, self.heads, self.head_dim)
+        k = self.k_proj(x).view(N, S, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(N, S, self.kv_heads, self.head_dim).transpose(1, 2)
-        return rope(q, cos, sin), rope(k, cos, sin), v
+        if fp32_qk:
+            q, k = q.float(), k.float()
+        q, k = self.q_norm(q).transpose(1, 2), self.k_norm(k).transpose(1, 2)
+        return rope(q, cos, sin).to(v.dtype), rope(k, cos, sin).to(v.dtype), v
 
     def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The residual stream after the attention output [N, S, H * Dh] and the MLP."""
@@ -138,8 +144,8 @@ class BagelLayer(nn.Module):
         the prompt's keys/values [N, Hkv, L, Dh]; key_mask [N, L + 2 + T] (False on prompt padding)."""
         mid = slice(1, -1)
         und_rows = h[:, [0, -1]]
-        qu, ku, vu = self.und.qkv(und_rows, cos[:, :, :2], sin[:, :, :2])
-        qg, kg, vg = self.gen.qkv(h[:, mid], cos[:, :, 1:-1], sin[:, :, 1:-1])
+        qu, ku, vu = self.und.qkv(und_rows, cos[:, :, :2], sin[:, :, :2], fp32_qk=True)
+        qg, kg, vg = self.gen.qkv(h[:, mid], cos[:, :, 1:-1], sin[:, :, 1:-1], fp32_qk=True)
 
         def order(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # back to [marker, latents, marker]
             return torch.cat([a[:, :, :1], b, a[:, :, 1:]], dim=2)
