@@ -223,6 +223,17 @@ def test_ode_rollout_matches_a_plain_reading_of_bagels_sampling_loop(model, guid
     assert traj.images.shape == (3, SIZE, SIZE, 3) and traj.images.dtype == torch.uint8
 
 
+def test_decode_truncates_pixels_as_bagels_decode_image(model):
+    x0 = torch.randn(2, *model.latent_shape(SIZE, SIZE), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        z = x0 / 0.3611 + 0.1159  # the FLUX VAE's scale and shift, BAGEL's autoencoder params
+        pixels = (model.vae.decode(z, return_dict=False)[0] * 0.5 + 0.5).clamp(0, 1) * 255
+    # inferencer.decode_image converts with .to(torch.uint8): a floor, where diffusers rounds
+    want = pixels.to(torch.uint8).permute(0, 2, 3, 1)
+    got = model.decode(x0, SIZE, SIZE)
+    assert torch.equal(got, want) and not torch.equal(got, pixels.round().to(torch.uint8).permute(0, 2, 3, 1))
+
+
 def test_schedule_is_bagels_shifted_linspace(model):
     for n in (5, 49):
         ts = torch.linspace(1, 0, n + 1)

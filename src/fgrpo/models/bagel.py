@@ -293,5 +293,5 @@ class Bagel(OnTransformer):
 
     @torch.no_grad()
     def decode(self, x0: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        """Clean latents [B, C, h, w] -> uint8 [B, H, W, 3]."""
-        return decode_scaled_latents(self.vae, x0)
+        """Clean latents [B, C, h, w] -> uint8 [B, H, W, 3], truncated to integers as BAGEL's decode_image does."""
+        return decode_scaled_latents(self.vae, x0, truncate=True)
