@@ -8,8 +8,8 @@ Presets (tyro subcommands; every field can still be overridden with a flag):
     recipe  verl-omni trains BAGEL with Flow-GRPO LoRA on the generation experts; its flow-GRPO example settings
             (verl examples/flowgrpo_trainer/run_flowgrpo.sh, the Qwen-Image OCR run) are taken for the training
             side: LoRA r64/a128, AdamW 3e-4 with weight decay 1e-4, no KL, flow_grpo's OCR prompts; the sampling side
-            is BAGEL's own text-to-image inference (its inferencer): timestep shift 3, text guidance 4 with the
-            global renorm (min 0) inside sigma in (0.4, 1], against the empty context. 512², 10 training steps,
+            is BAGEL's own text-to-image inference (its notebook's settings): timestep shift 3, text guidance 4
+            with the global renorm (min 0) inside sigma in (0.4, 1], against the empty context, image guidance 1. 512², 10 training steps,
             Flow-SDE noise 0.7 on a window of 2 steps within the first 4 (flow_grpo's fast-training schedule).
     tiny    the same file end to end on a CPU in seconds: a tiny random BAGEL (fgrpo.models.tiny), 64², 4 steps; it
             proves the wiring, a random model paints no text, so the reward stays flat.

@@ -18,10 +18,12 @@ Latents: the FLUX VAE's 16 channels at 1/8 scale, (z - shift) * scale; the trans
 64-vector tokens (channel fastest, BAGEL's patchify). x_t here is the unpatchified [16, H/8, W/8].
 
 Sampling (BAGEL's generate_image): t = linspace(1, 0, N + 1) under the static shift t -> s t / (1 + (s - 1) t)
-(timestep_shift s = 3 at inference), Euler steps x <- x - v dt. Text guidance: the unconditional branch sees no
+(timestep_shift s = 3 at inference; BAGEL's num_timesteps counts the N + 1 grid points), Euler steps x <- x - v dt. Text guidance: the unconditional branch sees no
 prompt at all (an empty context: the image query at position 0), v = v_u + g (v_c - v_u) only while
 sigma > cfg_interval[0] (0.4), then the global renorm v <- v * clamp(|v_c| / |v|, cfg_renorm_min, 1) with norms over
-a whole sample (core.guidance.renormed_cfg). Image guidance needs an input image: not supported.
+a whole sample (core.guidance.renormed_cfg). Image guidance needs an input image: not supported. (BAGEL's app leaves
+cfg_img_scale at 1.5 for text-to-image too; with no image its image branch is the conditional one, so that is text
+guidance 1 + 1.5 (g - 1); guidance_scale here is the notebook's setting, cfg_img_scale 1.)
 
 Text KV: the prompt's keys and values do not depend on the latents and its experts are frozen (LoRA adapts only the
 generation experts, as verl-omni does), so they are computed once per distinct prompt, without grad, and cached;
