@@ -450,7 +450,8 @@ def test_transformer_config_reads_the_geometry_off_the_checkpoint_and_qwen2s_def
     ckpt = {"latent_pos_embed.pos_embed": torch.zeros(9, 4), "vae2llm.weight": torch.zeros(4, 36)}
     cfg = transformer_config(llm, ckpt, latent_channels=4)
     assert (cfg["max_latent_size"], cfg["latent_patch_size"], cfg["latent_channels"]) == (3, 3, 4)
-    assert cfg["rope_theta"] == 10_000.0  # Qwen2Config's default, what BAGEL's loader falls back to
+    # Qwen2Config's defaults, what BAGEL's loader falls back to
+    assert (cfg["rope_theta"], cfg["num_key_value_heads"], cfg["rms_norm_eps"]) == (10_000.0, 32, 1e-6)
     with pytest.raises(ConfigError, match="8 rows, not a square grid"):
         transformer_config(llm, ckpt | {"latent_pos_embed.pos_embed": torch.zeros(8, 4)}, latent_channels=4)
     with pytest.raises(

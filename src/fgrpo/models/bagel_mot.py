@@ -364,10 +364,10 @@ def transformer_config(
     sets latent_patch_size=2 and max_latent_size=64 in code, and BagelConfig's defaults (max_latent_size=32) differ,
     so only the checkpoint's latent_pos_embed table (max_latent_size^2 rows) and vae2llm's input width
     (patch^2 * latent_channels) say what the weights were trained with. A missing Qwen2 field takes Qwen2Config's
-    default, as BAGEL's loader would (rope_theta 10000)."""
+    default, as BAGEL's loader would (rope_theta 10000, 32 key/value heads)."""
     keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     cfg = {k: llm_config[k] for k in keys}
-    cfg["num_key_value_heads"] = llm_config.get("num_key_value_heads", llm_config["num_attention_heads"])
+    cfg["num_key_value_heads"] = llm_config.get("num_key_value_heads", 32)
     cfg["rope_theta"] = llm_config.get("rope_theta", 10_000.0)
     cfg["rms_norm_eps"] = llm_config.get("rms_norm_eps", 1e-6)
     for key in ("latent_pos_embed.pos_embed", "vae2llm.weight"):
