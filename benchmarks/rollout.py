@@ -46,6 +46,7 @@ from typing import Any, cast
 import torch
 
 from fgrpo.config import SamplingConfig
+from fgrpo.models.bagel import Bagel
 from fgrpo.models.base import ImagePrompt
 from fgrpo.models.common import module_device, module_dtype
 from fgrpo.models.flux import Flux
@@ -479,6 +480,23 @@ def build_real_wan(device: torch.device | str, layers: int = 30, num_frames: int
         num_frames=num_frames,
         device=device,
     )
+
+
+def build_real_bagel(device: torch.device | str, layers: int = 28) -> Bagel:
+    """BAGEL-7B-MoT at real size with random bf16 weights (BagelTransformer's defaults: `layers` MoT layers of
+    3584 wide, 28 heads x 128 over 4 key/value heads, both experts: 7 B active, 14 B in all; FLUX.1's VAE sizes) and
+    the tiny Qwen tokenizer (the prompt's KV comes from the real-size understanding experts)."""
+    from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
+
+    from fgrpo.models.bagel_mot import BagelTransformer
+    from fgrpo.models.qwen_image_edit import EDIT_PROMPT_DROP, EDIT_PROMPT_TEMPLATE
+    from fgrpo.models.tiny import tiny_qwen_tokenizer
+
+    with real_size(device):
+        transformer = BagelTransformer(num_hidden_layers=layers)
+        vae = AutoencoderKL(**FLUX_VAE)
+    tokenizer = tiny_qwen_tokenizer(EDIT_PROMPT_TEMPLATE, EDIT_PROMPT_DROP)  # has BAGEL's vision markers
+    return Bagel.from_modules(transformer, vae, tokenizer, device=device)
 
 
 def _real_size_text_encoder():

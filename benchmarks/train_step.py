@@ -7,7 +7,8 @@ condition image per prompt; `--model ltx2`: LTX-2.3's transformer, connectors, v
 `build_real_ltx2`, whose rows count videos; `--model flux`: FLUX.1-dev's 12 B transformer and VAE,
 `build_real_flux`; `--model flux2`: FLUX.2 [klein] base 4B's, `build_real_flux2`; `--model zimage`: Z-Image's
 transformer and VAE, `build_real_zimage`, recipe experiments/zimage_ocr.py; `--model wan`: Wan 2.2 TI2V-5B's
-transformer and VAE, `build_real_wan`, recipe experiments/wan_video_ocr.py); the text encoders are replaced by fixed random prompt embeddings of
+transformer and VAE, `build_real_wan`, recipe experiments/wan_video_ocr.py; `--model bagel`: BAGEL-7B-MoT's MoT
+decoder and FLUX.1's VAE, `build_real_bagel`, recipe experiments/bagel_ocr.py); the text encoders are replaced by fixed random prompt embeddings of
 the real shapes (their cost is one forward per distinct prompt, cached over the group). Qwen-Image-Edit,
 LTX-2.3 and FLUX.1-dev sample, train their LoRA and batch by their experiment files' `recipe` presets
 (experiments/qwen_image_edit_ocr.py, experiments/ltx2_ocr.py, experiments/flux_ocr.py). The reward is a stub (each image's mean pixel value), or with
@@ -65,6 +66,7 @@ import numpy as np
 import torch
 from rollout import (  # benchmarks/rollout.py: the same random models
     build_real,
+    build_real_bagel,
     build_real_flux,
     build_real_flux2,
     build_real_ltx2,
@@ -99,11 +101,11 @@ def main() -> None:
     ap.add_argument(
         "--model",
         default="qwen_image",
-        choices=["qwen_image", "sd3", "qwen_image_edit", "ltx2", "flux", "flux2", "zimage", "wan"],
+        choices=["qwen_image", "sd3", "qwen_image_edit", "ltx2", "flux", "flux2", "zimage", "wan", "bagel"],
         help="qwen_image: the OCR LoRA recipe (r64, true CFG 4, flow_sde window 2 of [0, 5)); sd3: SD3.5-M with "
         "flow_grpo's SD3 LoRA recipe (r32 on attention, CFG 4.5, CPS noise 0.8 in a 3-step window of [0, 5)); "
-        "qwen_image_edit, ltx2, flux, flux2, zimage, wan: their experiment files' recipe presets (sampling, LoRA, "
-        "optimizer)",
+        "qwen_image_edit, ltx2, flux, flux2, zimage, wan, bagel: their experiment files' recipe presets (sampling, "
+        "LoRA, optimizer)",
     )
     ap.add_argument(
         "--cfg", type=float, default=0.0, help="CFG scale (0 = the recipe's: 4 / 4.5; 1 = no CFG)"
@@ -300,7 +302,7 @@ def main() -> None:
     d = parallel.init_distributed("cpu" if args.tiny else "cuda")
     rec = (
         recipe(args.model)
-        if args.model in ("qwen_image_edit", "ltx2", "flux", "flux2", "zimage", "wan")
+        if args.model in ("qwen_image_edit", "ltx2", "flux", "flux2", "zimage", "wan", "bagel")
         else None
     )  # experiments/*.py's recipe
     group = args.group or (rec.grpo.group_size if rec is not None else 16)
@@ -322,6 +324,7 @@ def main() -> None:
             "flux2": 5,
             "zimage": 30,
             "wan": 30,
+            "bagel": 28,
         }[args.model]
     )
     if args.tiny:
@@ -341,6 +344,8 @@ def main() -> None:
     elif args.model == "wan":
         assert rec is not None
         model = build_real_wan(d.device, layers, num_frames=rec.model.num_frames)
+    elif args.model == "bagel":
+        model = build_real_bagel(d.device, layers)
     else:
         model = build_real_ltx2(d.device, layers)
     lr = 3e-5 if args.full else 3e-4

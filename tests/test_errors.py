@@ -66,6 +66,7 @@ REFUSALS = [
     ("flux2_ocr", "tiny", ["--optim.lr", "-1"], LR),
     ("zimage_ocr", "tiny", ["--optim.lr", "-1"], LR),
     ("wan_video_ocr", "tiny", ["--optim.lr", "-1"], LR),
+    ("bagel_ocr", "tiny", ["--optim.lr", "-1"], LR),
     ("toy_2d", "tiny", ["--grpo.updates-per-rollout", "7"], "grpo.updates_per_rollout=7 must divide"),
     ("pretrain_textbed", "tiny", ["--optim.min-lr-ratio", "2"], "optim.min_lr_ratio=2.0 must be in [0, 1]"),
     ("eval_ocr", "tiny", ["--num-images", "0"], "--num-images 0: must be >= 1"),

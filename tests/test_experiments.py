@@ -43,6 +43,7 @@ def test_help_parses(path):
         "flux2_ocr",
         "zimage_ocr",
         "wan_video_ocr",
+        "bagel_ocr",
     ],
 )
 def test_config_presets_instantiate(name):
@@ -51,7 +52,7 @@ def test_config_presets_instantiate(name):
     assert recipe.exp_name == name == tiny.exp_name  # run name = file stem
     assert (
         recipe.model.kind
-        in ("qwen_image", "sd3", "qwen_image_edit", "ltx2", "flux", "flux2", "zimage", "wan")
+        in ("qwen_image", "sd3", "qwen_image_edit", "ltx2", "flux", "flux2", "zimage", "wan", "bagel")
         and recipe.model.lora
     )
     from fgrpo.algorithms import check_config
@@ -124,6 +125,7 @@ RENDERER_FLAGS = ["--grpo.prompts-per-step", "1", "--data.val-num-prompts", "2",
         ("flux2_ocr", "tiny", []),
         ("zimage_ocr", "tiny", []),
         ("wan_video_ocr", "tiny", []),
+        ("bagel_ocr", "tiny", []),
     ],
 )
 def test_tiny_preset_runs_two_steps(tmp_path, name, preset, flags):

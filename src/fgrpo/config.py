@@ -42,6 +42,8 @@ class ModelConfig:
         "tiny_flux2",
         "wan",
         "tiny_wan",
+        "bagel",
+        "tiny_bagel",
     ] = "qwen_image"
     """Which generator: real Qwen-Image / Qwen-Image-Edit / SD3.5 / FLUX.1-dev / Z-Image / LTX-2 (text to audio-video), the
     pretrained tiny text renderer, or tiny random models. The edit kinds need prompts that name a condition image

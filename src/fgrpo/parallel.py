@@ -405,7 +405,7 @@ def shard_transformer(
     Only the root casts its floating inputs to `param_dtype`; a block takes what the root hands it, as in the
     unsharded model (LTX-2's RoPE cos/sin stay fp32, as the model computes and applies them).
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     # A block's input cast would run in its forward but, before torch 2.13 (pytorch#159359), not in the gradient
@@ -447,4 +447,8 @@ def shard_transformer(
         reshard_after_forward=reshard_after_forward,
         ignored_params=frozen,
     )
+    # Methods a model calls besides forward (BAGEL's prompt KV) need FSDP's unshard hooks too.
+    for module in (transformer, *blocks):
+        for name in getattr(module, "fsdp_forward_methods", ()):
+            register_fsdp_forward_method(module, name)
     return transformer

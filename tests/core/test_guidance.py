@@ -117,3 +117,18 @@ def test_fp32_output_for_bf16_input():
     c, u = torch.randn(1, 4, 8).bfloat16(), torch.randn(1, 4, 8).bfloat16()
     assert guidance.true_cfg(c, u, 4.0).dtype == torch.float32
     assert guidance.cfg(c, u, 4.0).dtype == torch.float32
+
+
+def test_renormed_cfg_hand_computed_and_clamped():
+    """BAGEL's global renorm: the guided sample is scaled by |v_c| / |v| when that is below 1, left alone above."""
+    v_c = torch.tensor([[3.0, 4.0], [1.0, 0.0]])  # norms 5 and 1
+    v_u = torch.tensor([[0.0, 0.0], [1.0, 0.0]])
+    out = guidance.renormed_cfg(v_c, v_u, 2.0)
+    # row 0: cfg = (6, 8), norm 10 -> scaled by 5 / 10; row 1: cfg = v_c, ratio 1 (clamped, stays)
+    torch.testing.assert_close(out, torch.tensor([[3.0, 4.0], [1.0, 0.0]]), rtol=0, atol=1e-6)
+    # min_ratio floors the factor: 0.8 keeps row 0 at 0.8 * (6, 8)
+    torch.testing.assert_close(
+        guidance.renormed_cfg(v_c, v_u, 2.0, min_ratio=0.8)[0], torch.tensor([4.8, 6.4]), rtol=0, atol=1e-6
+    )
+    # a shorter guided velocity is not lengthened (unlike true_cfg): 0.5 * v_c keeps norm 2.5 < 5
+    torch.testing.assert_close(guidance.renormed_cfg(v_c, v_u, 0.5)[0], torch.tensor([1.5, 2.0]))

@@ -1,4 +1,4 @@
-"""Classifier-free guidance: plain CFG (SD3) and Qwen-Image's norm-preserving "true CFG"."""
+"""Classifier-free guidance: plain CFG (SD3), Qwen-Image's norm-preserving "true CFG", BAGEL's renormed CFG."""
 
 from __future__ import annotations
 
@@ -42,3 +42,30 @@ def true_cfg(
     # A safe denominator rather than a where() on the quotient: the masked inf would still poison gradients.
     safe = torch.where(comb_norm > 0, comb_norm, torch.ones_like(comb_norm))
     return comb * (cond_norm / safe)
+
+
+def renormed_cfg(
+    v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float, *, min_ratio: float = 0.0
+) -> torch.Tensor:
+    """BAGEL's text guidance with its global renorm: plain CFG, then each sample shrunk back towards the
+    conditional velocity's norm.
+
+    v = cfg(v_cond, v_uncond, scale);  v <- v * clamp(||v_cond|| / (||v|| + 1e-8), min_ratio, 1), the norms over
+    all of one sample's elements (BAGEL's cfg_renorm_type="global", cfg_renorm_min=min_ratio). Unlike true_cfg the
+    ratio is capped at 1: guidance may shorten a sample's velocity, never lengthen it past v_cond's.
+
+    Args:
+        v_cond, v_uncond: [B, ...] velocities.
+        scale: guidance scale s (BAGEL's cfg_text_scale).
+        min_ratio: the lower clamp of the rescale factor (0: no lower bound).
+
+    Returns:
+        [B, ...] fp32.
+
+    Differs from BAGEL: the norm is per sample; BAGEL's covers its whole packed batch (meant for one sample).
+    """
+    comb = cfg(v_cond, v_uncond, scale)
+    cond_norm = v_cond.float().flatten(1).norm(dim=1)
+    comb_norm = comb.flatten(1).norm(dim=1)
+    ratio = (cond_norm / (comb_norm + 1e-8)).clamp(min=min_ratio, max=1.0)
+    return comb * ratio.view(-1, *[1] * (comb.dim() - 1))

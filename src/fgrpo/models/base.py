@@ -21,8 +21,10 @@ if TYPE_CHECKING:
     from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
     from diffusers.models.transformers.transformer_z_image import ZImageTransformer2DModel
 
-    # Every model's transformer is a diffusers model: an nn.Module with diffusers' switches (gradient
-    # checkpointing, attention backend, regional compile) and peft's adapter methods (add/disable adapters).
+    from fgrpo.models.bagel_mot import BagelTransformer
+
+    # Every model's transformer is a diffusers model (BAGEL's: fgrpo's own ModelMixin): an nn.Module with diffusers'
+    # switches (gradient checkpointing, attention backend, regional compile) and peft's adapter methods.
     Transformer: TypeAlias = (
         QwenImageTransformer2DModel
         | SD3Transformer2DModel
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
         | Flux2Transformer2DModel
         | ZImageTransformer2DModel
         | WanTransformer3DModel
+        | BagelTransformer
     )
 
 # Conditioning is a flat dict of batch-first tensors (model-specific keys, e.g. prompt embeddings,

@@ -107,18 +107,19 @@ def check_resolution(name: str, height: int, width: int, multiple: int) -> None:
             )
 
 
-def to_uint8(images: torch.Tensor) -> torch.Tensor:
-    """VAE output in [-1, 1], [B, 3, H, W] -> uint8 [B, H, W, 3] on the CPU (diffusers' postprocess rounding)."""
-    x = (images.float() / 2 + 0.5).clamp(0, 1)
-    return (x * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu()
+def to_uint8(images: torch.Tensor, *, truncate: bool = False) -> torch.Tensor:
+    """VAE output in [-1, 1], [B, 3, H, W] -> uint8 [B, H, W, 3] on the CPU (diffusers' postprocess rounding;
+    truncate: the cast's floor instead, as pipelines that convert with .to(uint8) do, e.g. BAGEL's)."""
+    x = (images.float() / 2 + 0.5).clamp(0, 1) * 255
+    return (x if truncate else x.round()).to(torch.uint8).permute(0, 2, 3, 1).cpu()
 
 
-def decode_scaled_latents(vae: AutoencoderKL, x0: torch.Tensor) -> torch.Tensor:
+def decode_scaled_latents(vae: AutoencoderKL, x0: torch.Tensor, *, truncate: bool = False) -> torch.Tensor:
     """Clean latents [B, C, h, w] of an AutoencoderKL scaled as (z - shift_factor) * scaling_factor (SD3's, FLUX's)
-    -> uint8 [B, H, W, 3]: the pipelines' unscaling, the VAE's decode, diffusers' pixel rounding."""
+    -> uint8 [B, H, W, 3]: the pipelines' unscaling, the VAE's decode, to_uint8's pixel conversion."""
     cfg: Any = vae.config
     z = x0.to(module_dtype(vae)) / cfg.scaling_factor + cfg.shift_factor
-    return to_uint8(vae.decode(z, return_dict=False)[0])
+    return to_uint8(vae.decode(z, return_dict=False)[0], truncate=truncate)
 
 
 def freeze(*modules: torch.nn.Module | None, device: torch.device | str | None = None) -> None:

@@ -13,6 +13,7 @@ import torch
 from fgrpo.config import ModelConfig, TrainConfig
 from fgrpo.errors import ConfigError
 from fgrpo.models import tiny
+from fgrpo.models.bagel import BAGEL_LORA_TARGETS, Bagel
 from fgrpo.models.base import FlowModel
 from fgrpo.models.flux import FLUX_LORA_TARGETS, Flux
 from fgrpo.models.flux2 import FLUX2_LORA_TARGETS, Flux2
@@ -51,7 +52,9 @@ class Family:
     """The vLLM-Omni rollout engine (rollout_engine='vllm_omni') samples it."""
 
 
-def _pretrained(cls: type[QwenImage] | type[SD3] | type[Flux] | type[Flux2] | type[ZImage]) -> Loader:
+def _pretrained(
+    cls: type[QwenImage] | type[SD3] | type[Flux] | type[Flux2] | type[ZImage] | type[Bagel],
+) -> Loader:
     return lambda mcfg, device, dtype, seed: cls.from_pretrained(mcfg.path, dtype=dtype, device=device)
 
 
@@ -134,6 +137,10 @@ FAMILIES: dict[str, Family] = {
         32,
         "experiments/wan_video_ocr.py",
     ),
+    "bagel": Family(
+        _pretrained(Bagel), BAGEL_LORA_TARGETS, 16, "experiments/bagel_ocr.py", tiny="tiny_bagel"
+    ),
+    "tiny_bagel": Family(_tiny(tiny.tiny_bagel), BAGEL_LORA_TARGETS, 16, "experiments/bagel_ocr.py"),
 }
 
 SEQUENCE_PARALLEL_KINDS = tuple(k for k, f in FAMILIES.items() if f.sequence_parallel)

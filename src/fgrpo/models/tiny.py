@@ -41,6 +41,8 @@ from transformers import (
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 from fgrpo.models import flux, flux2, ltx2, qwen_image, sd3, zimage
+from fgrpo.models.bagel import Bagel
+from fgrpo.models.bagel_mot import BagelTransformer
 from fgrpo.models.flux import Flux
 from fgrpo.models.flux2 import Flux2
 from fgrpo.models.ltx2 import LTX2
@@ -886,3 +888,58 @@ def tiny_wan(
         device=device,
         **kwargs,
     )
+
+
+# ----------------------------------------------------------------------------------------------------
+# BAGEL
+
+
+def tiny_bagel_components(seed: int = 0) -> dict:
+    """Random-init tiny BAGEL parts (fp32, CPU): a two-layer MoT decoder of BAGEL's structure (grouped-query
+    attention, QK-norm, both experts per layer), Qwen2's tokenizer with the chat and vision markers, and a 4-channel
+    VAE with FLUX's latent scale and shift."""
+    tokenizer = tiny_qwen_tokenizer(EDIT_PROMPT_TEMPLATE, EDIT_PROMPT_DROP)  # the one with the vision markers
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer = BagelTransformer(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            latent_channels=4,
+            max_latent_size=16,
+        )
+        # BAGEL's RMSNorm weights start at 1; random ones make each norm matter in the tests
+        for n, p in transformer.named_parameters():
+            if "norm" in n:
+                p.data.uniform_(0.5, 1.5)
+        vae = AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("DownEncoderBlock2D",) * 4,  # pyright: ignore[reportArgumentType]
+            up_block_types=("UpDecoderBlock2D",) * 4,  # pyright: ignore[reportArgumentType]
+            block_out_channels=(8, 8, 16, 16),  # pyright: ignore[reportArgumentType]
+            layers_per_block=1,
+            latent_channels=4,
+            norm_num_groups=4,
+            sample_size=64,
+            scaling_factor=0.3611,
+            shift_factor=0.1159,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+        )
+    for m in (transformer, vae):
+        m.eval()
+    return dict(transformer=transformer, vae=vae, tokenizer=tokenizer)
+
+
+def tiny_bagel(
+    seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, **kwargs
+) -> Bagel:
+    """A tiny random BAGEL FlowModel (64x64 images: 16 latent tokens)."""
+    c = tiny_bagel_components(seed)
+    if dtype != torch.float32:
+        c["transformer"].to(dtype)
+    return Bagel.from_modules(c["transformer"], c["vae"], c["tokenizer"], device=device, **kwargs)
