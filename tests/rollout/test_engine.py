@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -709,7 +709,7 @@ def test_fp8_merged_lora_keeps_only_a_float8_copy_and_restores_the_module(scalin
     """float8: the merged copy is torchao's Float8Tensor (e4m3 data, a scale per row or per tensor) and is the one
     copy kept; inside, the layer is one float8 matmul of the merged weight, near the bf16 merge's output; on
     leaving, the original Parameter object and the adapter come back, bit for bit."""
-    from torchao.quantization import Float8Tensor
+    Float8Tensor = pytest.importorskip("torchao.quantization").Float8Tensor  # the optional fp8 extra
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)  # peft draws lora_A from the global generator
@@ -718,10 +718,9 @@ def test_fp8_merged_lora_keeps_only_a_float8_copy_and_restores_the_module(scalin
     bf16 = MergedLora(tr, ("to_q",))
     fp8 = MergedLora(tr, ("to_q",), float8=scaling)
     (layer, original, copy), (_, _, merged) = fp8.layers[0], bf16.layers[0]
-    assert isinstance(copy, Float8Tensor) and copy.qdata.dtype == torch.float8_e4m3fn
-    assert (
-        tuple(copy.scale.shape) == scale_shape and copy.dtype == original.dtype
-    )  # the model's dtype outside
+    f8: Any = copy  # torchao's tensor subclass: its qdata and scale
+    assert isinstance(f8, Float8Tensor) and f8.qdata.dtype == torch.float8_e4m3fn
+    assert tuple(f8.scale.shape) == scale_shape and f8.dtype == original.dtype  # the model's dtype outside
     torch.testing.assert_close(copy.dequantize(), merged, atol=0, rtol=2**-3)  # e4m3: 3 mantissa bits
     parameter = layer.get_base_layer().weight
     x = torch.randn(3, 7, original.shape[1], generator=torch.Generator().manual_seed(0))
@@ -742,7 +741,7 @@ def test_fp8_merged_rollout_keeps_the_window_exact():
     """float8: the forwards outside every window run the float8 merged layers (and only those), the window's
     forwards the adapters in the model's dtype, so the recompute equals the rollout's log-probs bit for bit;
     the images differ from the bf16-merged rollout's by a bounded relative error."""
-    from torchao.quantization import Float8Tensor
+    Float8Tensor = pytest.importorskip("torchao.quantization").Float8Tensor  # the optional fp8 extra
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)  # peft draws lora_A from the global generator
