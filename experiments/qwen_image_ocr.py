@@ -177,7 +177,7 @@ def tiny_gpu_values(algo: str, cfg: Config) -> Config:
     - AWM: forward-process points only on grid steps 1-4 (sigma 0.9-0.6, where Flow-GRPO draws its windows; the
       reference trains sigma 0.36-0.97, most above 0.65): over all steps the images darkened at the base's lr, at
       half of it and with the reference's KL to the frozen model; on steps 1-4 it darkened about half as fast and
-      scored higher (RESULTS.md, stability-hi: a partial run, not yet to 300 steps).
+      scored higher, but to 300 steps it still fell in 3 of 3 (RESULTS.md, stability-5).
     The CPU presets run 20 steps and keep the references' values.
     """
     if algo == "nft":
