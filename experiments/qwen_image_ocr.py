@@ -171,7 +171,9 @@ def tiny_gpu_values(algo: str, cfg: Config) -> Config:
     the whole image to white or dark; Flow-GRPO and Flow-DPPO bound each update by their ratio clip.
     - DiffusionNFT: beta = 1 (the reference's default) instead of its OCR recipe's 0.1, whose implicit policies put
       theta 1 / (2 beta) = 5x the positive-negative difference beyond the old policy every step, a guidance-like
-      extrapolation: at 0.1 the images washed out at any lr tried; at 1 no run fell, but it learns less.
+      extrapolation: at 0.1 the images washed out at any lr tried; at 1 no run fell, but it learns less. What holds
+      it is the reference's old-policy schedule, which freezes by step ~100: with an old policy that follows theta
+      none of 9 runs held, 8 fell 0.06-0.36 (also on steps 0-4, at half the lr, with a KL of 0.1; stability-6).
     - MixGRPO: half the lr, and the window only where Flow-GRPO draws its windows: the runs that fell did so while
       the shared window sat on the low-noise steps (the largest gradients), and recovered or fell there.
     - AWM: forward-process points only on grid steps 1-4 (sigma 0.9-0.6, where Flow-GRPO draws its windows; the
