@@ -164,6 +164,37 @@ def test_ema_resume_is_exact(tmp_path, name, ema):
         assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta), f
 
 
+def test_nft_point_loss_reads_its_weighting(tmp_path):
+    """algo.nft_weighting reaches core.nft.nft_loss: the point loss equals the core loss with the same weighting,
+    and the two weightings differ on the same tensors."""
+    from fgrpo.core import nft
+
+    v = torch.tensor([[1.0, 2.0], [0.0, 1.0]])
+    v_old, x0 = torch.zeros(2, 2), torch.zeros(2, 2)
+    x_t, sigma, adv = torch.ones(2, 2), torch.tensor([0.5, 0.75]), torch.tensor([1.0, -1.0])
+    losses = {}
+    for weighting in ("adaptive", "uniform"):
+        cfg = cfg_for(tmp_path, "nft", num_steps=1, nft_weighting=weighting)
+        algo = algorithms.build(cfg, [torch.nn.Parameter(torch.zeros(2))])
+        assert isinstance(algo, algorithms.DiffusionNFT)
+        loss, _ = algo.point_loss(v, x_t, x0, None, sigma, {"v_old": v_old}, adv)
+        r = nft.optimality_prob(adv, adv_clip=cfg.grpo.adv_clip_max)
+        want, _ = nft.nft_loss(
+            v,
+            v_old,
+            x_t,
+            x0,
+            sigma,
+            r,
+            beta=cfg.algo.nft_beta,
+            scale=cfg.grpo.adv_clip_max,
+            weighting=weighting,
+        )
+        torch.testing.assert_close(loss, want)
+        losses[weighting] = loss.item()
+    assert losses["adaptive"] != pytest.approx(losses["uniform"])
+
+
 def test_awm_adds_the_kl_to_its_ema_and_the_ema_follows_core_ema(tmp_path, monkeypatch):
     """The point loss is awm_loss + ema_kl_coef * mean((v - v_ema)^2) (hand-made tensors); in the loop the
     EMA's decay is min(rate * optimizer steps done, max): 0.2 after step 0 (2 steps, rate 0.1), then 0.3."""

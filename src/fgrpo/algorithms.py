@@ -350,7 +350,15 @@ class DiffusionNFT(ForwardProcessAlgorithm):
         g = self.cfg.grpo
         r = nft.optimality_prob(advantages, adv_clip=g.adv_clip_max)
         return nft.nft_loss(
-            v, old["v_old"], x_t, x0, sigma, r, beta=self.cfg.algo.nft_beta, scale=g.adv_clip_max
+            v,
+            old["v_old"],
+            x_t,
+            x0,
+            sigma,
+            r,
+            beta=self.cfg.algo.nft_beta,
+            scale=g.adv_clip_max,
+            weighting=self.cfg.algo.nft_weighting,
         )
 
 

@@ -206,6 +206,9 @@ class AlgoConfig:
     """nft: how far the implicit positive/negative policies sit from the old one (the OCR recipe's 0.1)."""
     sample_from_ema: bool = True
     """nft: roll out with the EMA old policy (the reference) rather than the trained one."""
+    nft_weighting: Literal["adaptive", "uniform"] = "adaptive"
+    """nft: per-sample weight of the x0-space error (core.nft.nft_loss): the reference's adaptive 1 / mean|e|,
+    which gives well-fitted samples full-size gradients, or one uniform weight."""
     ema_rate: float = 0.0075
     """nft: EMA decay ramp per optimizer step (core.ema.ema_decay; the OCR recipe's schedule)."""
     ema_max_decay: float = 0.999

@@ -56,6 +56,22 @@ def test_hand_computed_oracle():
     assert all(not x.requires_grad for x in m.values())
 
 
+def test_uniform_weighting_hand_computed():
+    """The oracle above with weighting="uniform", l+- = mean(e+-^2):
+    b=0: l+ = 0.625, l- = 1.625, r = 1 -> 0.625;  b=1: l+ = l- = 0.25 -> 0.25
+    loss = 5 * mean(0.625, 0.25) / 0.5 = 4.375.
+    d loss / d v = (2 scale t / (B n)) [(1 - r) e- - r e+]:
+      b=0: 1.25 * -[0.5, 1] = [-0.625, -1.25];  b=1: 2.5 * (0.75 [0.5, -0.5] - 0.25 [-0.5, 0.5]) = [1.25, -1.25]
+    """
+    v, v_old, x_t, x0, t, r = _oracle()
+    loss, _ = nft_loss(v, v_old, x_t, x0, t, r, beta=0.5, weighting="uniform")
+    torch.testing.assert_close(loss, torch.tensor(4.375))
+    loss.backward()
+    torch.testing.assert_close(v.grad, torch.tensor([[-0.625, -1.25], [1.25, -1.25]]))
+    with pytest.raises(ValueError, match="weighting"):
+        nft_loss(v, v_old, x_t, x0, t, r, beta=0.5, weighting="t2")
+
+
 def _slow_nft(v, v_old, x_t, x0, t, r, beta, scale):
     """Python floats and loops, straight from the spec."""
     total = 0.0

@@ -46,12 +46,14 @@ def nft_loss(
     *,
     beta: float,
     scale: float = 5.0,
+    weighting: str = "adaptive",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DiffusionNFT's policy loss at one noise level t per sample, as the reference code computes it.
 
     v+ = beta v + (1 - beta) v_old,    v- = (1 + beta) v_old - beta v         (implicit positive / negative policy)
     e+- = x0_hat(v+-) - x0 = (x_t - t v+-) - x0                             (error in data space)
     l+- = mean(e+-^2) / stopgrad(max(mean|e+-|, 1e-5))                     (per sample, adaptive weight)
+    or, with weighting="uniform", l+- = mean(e+-^2) (the same squared error, one weight for every sample)
     loss = mean_b scale * [r_b l+_b + (1 - r_b) l-_b] / beta.
     The paper's loss is E[r ||v+ - v_target||^2 + (1 - r) ||v- - v_target||^2]; since x0_hat - x0 = -t (v - v_target),
     the reference trains it in x0 space with a per-sample adaptive weight instead of t^2. The gradient w.r.t. v
@@ -69,6 +71,9 @@ def nft_loss(
         beta: > 0, the guidance strength of the implicit policies (the reference's config.beta: 1.0 by default,
             0.1 for the OCR recipe).
         scale: overall factor (the reference multiplies by its adv_clip_max, 5).
+        weighting: "adaptive" (the reference's 1 / mean|e| per sample, which gives a sample the policy already
+            fits as large a gradient as a badly fitted one) or "uniform" (no per-sample normalisation: the gradient
+            of a sample shrinks with its error, as in plain flow matching).
 
     Returns:
         loss: scalar. metrics: detached scalars positive_loss/negative_loss (batch means of l+ and l-),
@@ -79,6 +84,8 @@ def nft_loss(
     """
     if beta <= 0:
         raise ValueError(f"beta must be > 0, got {beta}")
+    if weighting not in ("adaptive", "uniform"):
+        raise ValueError(f"weighting must be 'adaptive' or 'uniform', got {weighting!r}")
     if not (v.shape == v_old.shape == x_t.shape == x0.shape) or v.ndim < 2:
         raise ValueError(
             f"v {tuple(v.shape)}, v_old {tuple(v_old.shape)}, x_t {tuple(x_t.shape)} and x0 {tuple(x0.shape)} "
@@ -93,6 +100,8 @@ def nft_loss(
 
     def weighted_sq_error(v_implicit: torch.Tensor) -> torch.Tensor:
         err = x0_prediction(x_t, v_implicit, t) - x0
+        if weighting == "uniform":
+            return (err**2).mean(dim=dims)  # [B]
         weight = err.detach().abs().mean(dim=dims).clamp_min(_MIN_ADAPTIVE_WEIGHT)  # [B]
         return (err**2).mean(dim=dims) / weight  # [B]
 
