@@ -44,6 +44,8 @@ class Family:
     recipe: str
     """The experiment file (relative to the repository) whose `recipe` preset trains it, or whose `tiny` preset
     runs it (a tiny family)."""
+    preset: str = "Config"
+    """The name in the recipe file that builds the family's recipe config (FLUX.2 [dev] shares klein's file: `dev`)."""
     tiny: str = ""
     """model.kind of its tiny random version ('' = none: it is tiny itself)."""
     sequence_parallel: bool = False
@@ -135,7 +137,7 @@ FAMILIES: dict[str, Family] = {
     "tiny_flux2": Family(_tiny(tiny.tiny_flux2), FLUX2_LORA_TARGETS, 16, "experiments/flux2_ocr.py"),
     # FLUX.2 [dev]: klein's transformer architecture at 32B, so the same LoRA targets and pixel multiple
     "flux2_dev": Family(
-        _flux2("dev"), FLUX2_LORA_TARGETS, 16, "experiments/flux2_ocr.py", tiny="tiny_flux2_dev"
+        _flux2("dev"), FLUX2_LORA_TARGETS, 16, "experiments/flux2_ocr.py", preset="dev", tiny="tiny_flux2_dev"
     ),
     "tiny_flux2_dev": Family(_tiny(tiny.tiny_flux2_dev), FLUX2_LORA_TARGETS, 16, "experiments/flux2_ocr.py"),
     # 32: the TI2V-5B's (Wan 2.2 VAE 16 x patch 2), a multiple of the A14B's 16 (Wan 2.1 VAE 8 x 2)
