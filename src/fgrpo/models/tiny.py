@@ -1,4 +1,5 @@
-"""Tiny random-init Qwen-Image, SD3, FLUX.1, Z-Image, LTX-2 and Wan 2.2 (every component, tokenizers included), built offline in code.
+"""Tiny random-init Qwen-Image, SD3, FLUX.1, FLUX.2 [klein] and [dev], Z-Image, LTX-2 and Wan 2.2 (every component,
+tokenizers included), built offline in code.
 
 Same diffusers / transformers classes as the real models, shrunk until a 64x64 denoising step takes
 milliseconds on a CPU. Used by the tests (parity with diffusers' own pipelines), the experiments' tiny
