@@ -214,3 +214,9 @@ def test_from_pretrained_tells_dev_from_klein(tmp_path, model):
         match=r"holds FLUX.2 \[dev\], model.kind='flux2' wants \[klein\]; use --model.kind flux2_dev",
     ):
         FAMILIES["flux2"].load(ModelConfig(kind="flux2", path=str(dev_dir)), "cpu", torch.float32, 0)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
+    with pytest.raises(ConfigError, match="model.path: .* holds a FluxPipeline, not a FLUX.2 pipeline"):
+        FAMILIES["flux2_dev"].load(
+            ModelConfig(kind="flux2_dev", path=str(tmp_path / "other")), "cpu", torch.float32, 0
+        )

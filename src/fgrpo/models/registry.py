@@ -64,7 +64,10 @@ def _flux2(variant: str) -> Loader:
     """FLUX.2's loader for kind `flux2` (klein) or `flux2_dev` (dev): the directory's pipeline class must agree."""
 
     def load(mcfg: ModelConfig, device: torch.device | str, dtype: torch.dtype, seed: int) -> FlowModel:
-        found = flux2_variant(mcfg.path)
+        try:
+            found = flux2_variant(mcfg.path)
+        except ValueError as e:  # not a FLUX.2 pipeline directory
+            raise ConfigError(f"model.path: {e}") from None
         if found != variant:
             kind = "flux2_dev" if found == "dev" else "flux2"
             raise ConfigError(
