@@ -20,7 +20,9 @@ recipes' sampling (experiments/qwen_image_edit_ocr.py: 512², 12 steps, true CFG
 condition image; experiments/ltx2_ocr.py: 81-frame 256x384 clips, 24 steps, CFG 4, CPS window 3 of [0, 10);
 experiments/flux_ocr.py: 512², 6 steps, embedded guidance 3.5 in one forward, CPS window 3 of [0, 3));
 `--model flux2`: FLUX.2 [klein] base 4B's transformer (`build_real_flux2`) at
-experiments/flux2_ocr.py's sampling (384², 8 steps, true CFG 4, Flow-SDE window 1 of [1, 4)); TFLOP/s then
+experiments/flux2_ocr.py's sampling (384², 8 steps, true CFG 4, Flow-SDE window 1 of [1, 4)); `--model flux2_dev`:
+FLUX.2 [dev]'s 32 B transformer (`build_real_flux2_dev`) at the file's `dev` sampling (512², embedded guidance 4 in
+one forward); TFLOP/s then
 uses the forward's FLOPs counted on the model as built (`forward_tflop`), and LTX-2's rows count videos.
 
 GPU:  python benchmarks/rollout.py                   (about 5 min on one H200)
@@ -410,6 +412,28 @@ def build_real_flux2(device: torch.device | str, layers: int = 5) -> Flux2:
     return StubTextFlux2.from_modules(transformer, vae, None, None, device=device)
 
 
+def build_real_flux2_dev(device: torch.device | str, layers: int = 8) -> Flux2:
+    """FLUX.2 [dev]'s transformer (8 joint and 48 single-stream blocks of 48 heads x 128 = 6144, MLP ratio 3, text
+    width 15360 = three stacked Mistral-Small-3.1 layers of 5120, guidance embedding: the published FLUX.2-dev config,
+    which is diffusers' Flux2Transformer2DModel default) with random bf16 weights, the 32-channel AutoencoderKLFlux2
+    at its defaults and a stub text encoder. `layers` joint blocks come with six times as many single ones."""
+    from diffusers.models.autoencoders.autoencoder_kl_flux2 import AutoencoderKLFlux2
+    from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModel
+
+    with real_size(device):
+        transformer = Flux2Transformer2DModel(
+            num_layers=layers,
+            num_single_layers=6 * layers,
+            num_attention_heads=48,
+            attention_head_dim=128,
+            joint_attention_dim=15360,
+            mlp_ratio=3.0,
+            guidance_embeds=True,
+        )
+        vae = AutoencoderKLFlux2()
+    return StubTextFlux2.from_modules(transformer, vae, None, None, device=device)
+
+
 class StubTextZImage(ZImage):
     """Z-Image whose prompt encoder returns random embeddings of the real width (the transformer's cap_feat_dim) and a
     templated prompt's length (about 20 + the prompt's words tokens; no Qwen3)."""
@@ -523,7 +547,8 @@ def _real_size_text_encoder():
 def recipe(model: str):
     """The Config() of family `model`'s experiment file (its registry entry's recipe): the values the benchmark rows
     use."""
-    return load_script(FAMILIES[model].recipe).Config()
+    family = FAMILIES[model]
+    return getattr(load_script(family.recipe), family.preset)()
 
 
 def condition_folder() -> Path:
@@ -613,9 +638,11 @@ def main() -> None:
             "ltx2",
             "flux",
             "flux2",
+            "flux2_dev",
             "zimage",
         ],  # the families with a real-size builder here
-        help="qwen_image (the rows above), qwen_image_edit, ltx2, flux, flux2 or zimage (their experiment recipes' sampling)",
+        help="qwen_image (the rows above), qwen_image_edit, ltx2, flux, flux2, flux2_dev or zimage (their experiment "
+        "recipes' sampling)",
     )
     ap.add_argument("--tiny", action="store_true", help="tiny random model on the CPU (script check)")
     ap.add_argument("--batch-sizes", default="", help="comma-separated B (default 8,16,32; tiny: 2,4)")
@@ -675,6 +702,8 @@ def main() -> None:
         model = build_real_flux(device, args.layers or 19)
     elif args.model == "flux2":
         model = build_real_flux2(device, args.layers or 5)
+    elif args.model == "flux2_dev":
+        model = build_real_flux2_dev(device, args.layers or 8)
     elif args.model == "zimage":
         model = build_real_zimage(device, args.layers or 30)
     else:

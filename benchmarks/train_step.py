@@ -5,7 +5,8 @@ the GPU by benchmarks/rollout.py's `build_real` (`--model sd3`: SD3.5-Medium's 2
 `build_real_sd3`; `--model qwen_image_edit`: Qwen-Image-Edit, `build_real_qwen_image_edit`, with a synthesised
 condition image per prompt; `--model ltx2`: LTX-2.3's transformer, connectors, video and audio VAEs and vocoder,
 `build_real_ltx2`, whose rows count videos; `--model flux`: FLUX.1-dev's 12 B transformer and VAE,
-`build_real_flux`; `--model flux2`: FLUX.2 [klein] base 4B's, `build_real_flux2`; `--model zimage`: Z-Image's
+`build_real_flux`; `--model flux2`: FLUX.2 [klein] base 4B's, `build_real_flux2`; `--model flux2_dev`: FLUX.2
+[dev]'s 32 B transformer and VAE, `build_real_flux2_dev`, recipe experiments/flux2_ocr.py's `dev`; `--model zimage`: Z-Image's
 transformer and VAE, `build_real_zimage`, recipe experiments/zimage_ocr.py; `--model wan`: Wan 2.2 TI2V-5B's
 transformer and VAE, `build_real_wan`, recipe experiments/wan_video_ocr.py; `--model bagel`: BAGEL-7B-MoT's MoT
 decoder and FLUX.1's VAE, `build_real_bagel`, recipe experiments/bagel_ocr.py); the text encoders are replaced by fixed random prompt embeddings of
@@ -35,6 +36,7 @@ prompts, rollout, reward, gathered rewards -> advantages; its "rollout" and "rew
     python benchmarks/train_step.py --compile --model qwen_image_edit   # 2 prompts x 16 edits, micro-batch 4
     python benchmarks/train_step.py --compile --model ltx2          # 2 prompts x 8 videos (81 x 256x384)
     python benchmarks/train_step.py --compile --model flux          # 2 prompts x 24 images, guidance 3.5 embedded
+    python benchmarks/train_step.py --tiny --model flux2_dev --iters 0   # FLUX.2 [dev] wiring on the CPU
     python benchmarks/train_step.py --tiny --model ltx2 --iters 0   # CPU wiring check of a family
     torchrun --nproc-per-node 2 benchmarks/train_step.py --prompts 4   # 2 GPUs, 32 images per GPU
     python benchmarks/train_step.py --opt-steps 1 --iters 0 --save-update /tmp/u.safetensors
@@ -69,6 +71,7 @@ from rollout import (  # benchmarks/rollout.py: the same random models
     build_real_bagel,
     build_real_flux,
     build_real_flux2,
+    build_real_flux2_dev,
     build_real_ltx2,
     build_real_qwen_image_edit,
     build_real_sd3,
@@ -101,10 +104,21 @@ def main() -> None:
     ap.add_argument(
         "--model",
         default="qwen_image",
-        choices=["qwen_image", "sd3", "qwen_image_edit", "ltx2", "flux", "flux2", "zimage", "wan", "bagel"],
+        choices=[
+            "qwen_image",
+            "sd3",
+            "qwen_image_edit",
+            "ltx2",
+            "flux",
+            "flux2",
+            "flux2_dev",
+            "zimage",
+            "wan",
+            "bagel",
+        ],  # fmt: skip
         help="qwen_image: the OCR LoRA recipe (r64, true CFG 4, flow_sde window 2 of [0, 5)); sd3: SD3.5-M with "
         "flow_grpo's SD3 LoRA recipe (r32 on attention, CFG 4.5, CPS noise 0.8 in a 3-step window of [0, 5)); "
-        "qwen_image_edit, ltx2, flux, flux2, zimage, wan, bagel: their experiment files' recipe presets (sampling, "
+        "qwen_image_edit, ltx2, flux, flux2, flux2_dev, zimage, wan, bagel: their experiment files' recipe presets (sampling, "
         "LoRA, optimizer)",
     )
     ap.add_argument(
@@ -302,7 +316,7 @@ def main() -> None:
     d = parallel.init_distributed("cpu" if args.tiny else "cuda")
     rec = (
         recipe(args.model)
-        if args.model in ("qwen_image_edit", "ltx2", "flux", "flux2", "zimage", "wan", "bagel")
+        if args.model in ("qwen_image_edit", "ltx2", "flux", "flux2", "flux2_dev", "zimage", "wan", "bagel")
         else None
     )  # experiments/*.py's recipe
     group = args.group or (rec.grpo.group_size if rec is not None else 16)
@@ -322,6 +336,7 @@ def main() -> None:
             "ltx2": 48,
             "flux": 19,
             "flux2": 5,
+            "flux2_dev": 8,
             "zimage": 30,
             "wan": 30,
             "bagel": 28,
@@ -339,6 +354,8 @@ def main() -> None:
         model = build_real_flux(d.device, layers)
     elif args.model == "flux2":
         model = build_real_flux2(d.device, layers)
+    elif args.model == "flux2_dev":
+        model = build_real_flux2_dev(d.device, layers)
     elif args.model == "zimage":
         model = build_real_zimage(d.device, layers)
     elif args.model == "wan":

@@ -1,7 +1,9 @@
-"""Flow-GRPO on FLUX.2 [klein] base for the OCR task (Flow-Factory's FLUX.2-klein GRPO LoRA recipe).
+"""Flow-GRPO on FLUX.2 [klein] base and FLUX.2 [dev] for the OCR task (Flow-Factory's FLUX.2 GRPO LoRA recipes).
 
 FLUX.2 [klein] base is not guidance-distilled: `sampling.guidance_scale` > 1 is true CFG against the empty prompt,
 two forwards a step (fgrpo.models.flux2). The step-distilled klein checkpoints ignore the scale; train the base.
+FLUX.2 [dev] is guidance-distilled: the scale goes into the transformer's guidance embedding, one forward a step,
+and the negative prompt is unused.
 
 Presets (tyro subcommands; every field can still be overridden with a flag):
     recipe  Flow-Factory's FLUX.2-klein-base GRPO LoRA config (examples/grpo/lora/flux2_klein_base/default.yaml):
@@ -12,14 +14,19 @@ Presets (tyro subcommands; every field can still be overridden with a flag):
     tiny    the same file end to end on a CPU in seconds: a tiny random FLUX.2 [klein] (fgrpo.models.tiny: Qwen3,
             Flux2Transformer2DModel, AutoencoderKLFlux2), 64², 4 steps; it proves the wiring, a random model paints
             no text, so the reward stays flat.
+    dev     Flow-Factory's FLUX.2-dev GRPO LoRA config (examples/grpo/lora/flux2/t2i.yaml): klein's recipe with
+            512², embedded guidance 4 and Flow-SDE noise 1.0, micro-batch 4 (a 32B transformer).
+    dev-tiny  `dev` on a CPU in seconds: a tiny random FLUX.2 [dev] (Mistral-3 and its processor, the transformer
+            with a guidance embedding), 64², 4 steps; wiring only.
 
 How we deviate from Flow-Factory's recipe: the 4B base (it names 4B and 9B; the 9B is a flag away, --model.path);
-validation at the training resolution (it validates at 1024²); no EMA of the adapter; its reward is PickScore, ours
-OCR; the loop's own deviations (experiments/qwen_image_ocr.py).
+validation at the training resolution (it validates at 1024²); no EMA of the adapter; its reward is PickScore (dev:
+CLIP + 0.5 PickScore), ours OCR; the loop's own deviations (experiments/qwen_image_ocr.py).
 
 1 GPU:   uv run python experiments/flux2_ocr.py recipe --data.train-prompts data/ocr/train.txt
 N GPUs:  uv run torchrun --nproc-per-node N experiments/flux2_ocr.py recipe --data.train-prompts ...
-CPU:     uv run python experiments/flux2_ocr.py tiny
+CPU:     uv run python experiments/flux2_ocr.py tiny       (or dev-tiny)
+[dev]:   uv run torchrun --nproc-per-node N experiments/flux2_ocr.py dev --data.train-prompts ...
 """
 
 from __future__ import annotations
@@ -61,7 +68,8 @@ class Config(TrainConfig):
         lora_alpha=128,
         lora_targets=FLUX2_TARGETS,
     )
-    """FLUX.2 [klein] base 4B from the hub or a local diffusers directory, LoRA r64/alpha128."""
+    """FLUX.2 [klein] base 4B from the hub or a local diffusers directory, LoRA r64/alpha128 (`dev`: FLUX.2 [dev],
+    kind flux2_dev, the same LoRA)."""
     sampling: SamplingConfig = SamplingConfig(
         height=384,
         width=384,
@@ -75,7 +83,7 @@ class Config(TrainConfig):
         micro_batch=8,
     )
     """384², 8 steps, true CFG 4 against the empty prompt (Flux2KleinPipeline's), Flow-SDE noise 0.7 in a 1-step
-    window within steps [1, 4)."""
+    window within steps [1, 4) (`dev`: 512², embedded guidance 4, noise 1.0, micro-batch 4)."""
     grpo: GRPOConfig = GRPOConfig(
         group_size=16,
         prompts_per_step=48,
@@ -125,6 +133,35 @@ def tiny() -> Config:
     )
 
 
+def dev() -> Config:
+    """FLUX.2 [dev] with Flow-Factory's FLUX.2-dev GRPO LoRA config (examples/grpo/lora/flux2/t2i.yaml). Its batch,
+    advantages, clipping, optimizer and schedule of validation and checkpoints are klein's recipe; it differs in the
+    model, the resolution, the guidance and the noise level."""
+    return dataclasses.replace(
+        Config(),
+        model=dataclasses.replace(Config().model, kind="flux2_dev", path="black-forest-labs/FLUX.2-dev"),
+        sampling=dataclasses.replace(
+            Config().sampling,
+            height=512,  # Flow-Factory's resolution: 512
+            width=512,
+            guidance_scale=4.0,  # its guidance_scale 4, here the embedded guidance (Flux2Pipeline's default 4)
+            noise_level=1.0,  # its Flow-SDE noise_level 1.0 (klein's recipe: 0.7)
+            micro_batch=4,  # a 32B transformer at 1024 image tokens: half of klein's 8 per forward
+        ),
+    )
+
+
+def dev_tiny() -> Config:
+    """Seconds on a CPU with a tiny random FLUX.2 [dev]: `dev`'s sampling (embedded guidance 4, noise 1.0) at the
+    tiny preset's size, the wiring end to end, not learning."""
+    t = tiny()
+    return dataclasses.replace(
+        t,
+        model=dataclasses.replace(t.model, kind="tiny_flux2_dev"),
+        sampling=dataclasses.replace(t.sampling, noise_level=dev().sampling.noise_level),
+    )
+
+
 def main(cfg: Config) -> dict[str, float]:
     from fgrpo.train import train
 
@@ -138,5 +175,10 @@ if __name__ == "__main__":
             Config(),
         ),
         "tiny": ("Seconds on a CPU: a tiny random FLUX.2 [klein], offline OCR reward (wiring only).", tiny()),
+        "dev": ("Flow-Factory's FLUX.2-dev GRPO LoRA recipe on OCR (GPUs, real weights).", dev()),
+        "dev-tiny": (
+            "Seconds on a CPU: a tiny random FLUX.2 [dev], offline OCR reward (wiring only).",
+            dev_tiny(),
+        ),
     }
     cli(main, presets)

@@ -164,6 +164,29 @@ def test_real_flux2_widths(rollout):
     assert tuple(embeds.shape) == (512, 7680)
 
 
+def test_real_flux2_dev_widths(rollout):
+    model = rollout.build_real_flux2_dev("meta")
+    t = model.transformer
+    p = next(t.parameters())
+    assert (p.device.type, p.dtype) == ("meta", torch.bfloat16)
+    # FLUX.2 [dev]'s published transformer config: 8 joint and 48 single-stream blocks of 48 heads x 128 = 6144, text
+    # width 15360 (three stacked Mistral-Small-3.1 layers of 5120), the guidance embedding (one forward a step):
+    # 32.2 B parameters, the "32B" of its model card
+    assert (len(t.transformer_blocks), len(t.single_transformer_blocks)) == (8, 48)
+    assert t.x_embedder.in_features == 128 and t.x_embedder.out_features == 48 * 128
+    assert t.context_embedder.in_features == 15360 and t.time_guidance_embed.guidance_embedder is not None
+    assert model.guidance_embeds and model.cfg_forwards == 1
+    assert round(sum(q.numel() for q in t.parameters()) / 1e9, 1) == 32.2
+    assert model.latent_shape(512, 512) == (128, 32, 32)
+    (embeds,) = model._encode_one('A storefront sign that says "WORD0"')
+    assert tuple(embeds.shape) == (512, 15360)
+    # the benchmarks sample by experiments/flux2_ocr.py's `dev` preset
+    assert (rollout.recipe("flux2_dev").sampling.height, rollout.recipe("flux2_dev").model.kind) == (
+        512,
+        "flux2_dev",
+    )
+
+
 TRAIN_ARGS = ("--iters", "0", "--prompts", "1", "--group", "2", "--opt-steps", "1")
 
 
@@ -263,6 +286,13 @@ def test_train_step_tiny_ltx2(train_step, monkeypatch, capsys):
     assert "2 videos per step" in out and "ltx2, LoRA r64" in out and "TFLOP per 32x32 9-frame forward" in out
     assert "| phase | s | videos/GPU/s |" in out and "micro-batch 8, peak" in out
     assert "| total (rollout + train) |" in out
+
+
+def test_train_step_tiny_flux2_dev(train_step, monkeypatch, capsys):
+    out = run_main(train_step, monkeypatch, capsys, "--model", "flux2_dev", *TRAIN_ARGS)
+    # the `dev` preset: embedded guidance 4, LoRA r64, micro-batch 4; the tiny model at 64²
+    assert "flux2_dev, LoRA r64" in out and "TFLOP per 64² forward" in out and "## grpo: CFG 4.0" in out
+    assert "micro-batch 4, peak" in out and "| total (rollout + train) |" in out
 
 
 @pytest.mark.slow

@@ -123,6 +123,7 @@ RENDERER_FLAGS = ["--grpo.prompts-per-step", "1", "--data.val-num-prompts", "2",
         ("ltx2_ocr", "tiny", []),
         ("flux_ocr", "tiny", []),
         ("flux2_ocr", "tiny", []),
+        ("flux2_ocr", "dev-tiny", []),
         ("zimage_ocr", "tiny", []),
         ("wan_video_ocr", "tiny", []),
         ("bagel_ocr", "tiny", []),
@@ -505,6 +506,37 @@ def test_flux2_recipe_matches_flow_factory():
     assert (g.adv_std, g.adv_clip_max, g.clip_range, g.kl_coef) == ("group", 5.0, 1e-4, 0.0)
     assert (c.optim.lr, c.optim.weight_decay, c.optim.grad_clip) == (3e-4, 1e-4, 1.0)
     assert (c.run.val_num_steps, c.run.val_every, c.run.ckpt_every, c.reward.name) == (28, 20, 20, "ocr")
+
+
+def test_flux2_dev_recipe_matches_flow_factory():
+    """Flow-Factory's FLUX.2-dev GRPO LoRA config (examples/grpo/lora/flux2/t2i.yaml): klein's recipe but 512²,
+    guidance 4 (embedded), Flow-SDE noise 1.0 on one step of [1, 2, 3]; the tiny preset runs the dev tiny model."""
+    m = load(ROOT / "experiments" / "flux2_ocr.py")
+    c, klein, t = m.dev(), m.Config(), m.dev_tiny()
+    s, g, mc = c.sampling, c.grpo, c.model
+    assert (mc.kind, mc.path, mc.lora_rank, mc.lora_alpha) == (
+        "flux2_dev",
+        "black-forest-labs/FLUX.2-dev",
+        64,
+        128,
+    )
+    assert mc.lora_targets == klein.model.lora_targets
+    assert (s.height, s.width, s.num_steps, s.guidance_scale) == (512, 512, 8, 4.0)
+    assert (s.sde_kind, s.noise_level, s.window_size, s.window_range) == ("flow_sde", 1.0, 1, (1, 4))
+    assert (g.group_size, g.prompts_per_step, g.optimizer_steps_per_step) == (16, 48, 2)
+    assert (g.adv_std, g.adv_clip_max, g.clip_range, g.kl_coef) == ("group", 5.0, 1e-4, 0.0)
+    assert (c.optim.lr, c.optim.weight_decay, c.optim.grad_clip) == (3e-4, 1e-4, 1.0)
+    assert (c.run.val_num_steps, c.run.val_every, c.run.ckpt_every) == (28, 20, 20)
+    assert (t.model.kind, t.device, t.sampling.height, t.sampling.noise_level) == (
+        "tiny_flux2_dev",
+        "cpu",
+        64,
+        1.0,
+    )
+    from fgrpo.algorithms import check_config
+
+    check_config(c, world_size=1)
+    check_config(t, world_size=1)
 
 
 def test_zimage_recipe_matches_flow_factory():

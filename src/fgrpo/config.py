@@ -40,14 +40,16 @@ class ModelConfig:
         "tiny_ltx2",
         "flux2",
         "tiny_flux2",
+        "flux2_dev",
+        "tiny_flux2_dev",
         "wan",
         "tiny_wan",
         "bagel",
         "tiny_bagel",
     ] = "qwen_image"
-    """Which generator: real Qwen-Image / Qwen-Image-Edit / SD3.5 / FLUX.1-dev / Z-Image / LTX-2 (text to audio-video), the
-    pretrained tiny text renderer, or tiny random models. The edit kinds need prompts that name a condition image
-    (.jsonl rows {"prompt": ..., "image": path})."""
+    """Which generator: real Qwen-Image / Qwen-Image-Edit / SD3.5 / FLUX.1-dev / FLUX.2 [klein] (flux2) / FLUX.2 [dev]
+    (flux2_dev) / Z-Image / LTX-2 (text to audio-video), the pretrained tiny text renderer, or tiny random models. The
+    edit kinds need prompts that name a condition image (.jsonl rows {"prompt": ..., "image": path})."""
     path: str = "Qwen/Qwen-Image"
     """Local diffusers directory or hub id (ignored by the tiny kinds; textbed: a checkpoint folder, '' = the bundled
     renderer, 'sd3' = the bundled SD3-architecture renderer)."""

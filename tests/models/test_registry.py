@@ -37,7 +37,7 @@ def test_entries_name_files_and_tiny_kinds_that_exist():
             ), kind
 
 
-@pytest.mark.parametrize("kind", ["qwen_image", "sd3", "flux", "flux2", "wan"])
+@pytest.mark.parametrize("kind", ["qwen_image", "sd3", "flux", "flux2", "flux2_dev", "wan"])
 def test_the_pixel_multiple_is_the_tiny_models_latent_patch(kind):
     """The resolution check reads pixel_multiple: the tiny model takes that multiple and refuses half of it."""
     model = build_tiny(kind)

@@ -1,4 +1,4 @@
-"""FLUX.2 [klein] behind the FlowModel interface, built from diffusers' and transformers' own classes.
+"""FLUX.2 [klein] and [dev] behind the FlowModel interface, built from diffusers' and transformers' own classes.
 
 Text: Qwen3 reads the prompt in its chat template (user turn, generation prompt, thinking off), padded to
 `max_sequence_length` tokens with an attention mask; the hidden states of layers (9, 18, 27) are concatenated per
@@ -21,10 +21,14 @@ Differs from Flux2KleinPipeline:
 - The CFG branch is one batched forward over [positive; negative] (both padded to the same fixed length).
 - Reference images (the pipeline's `image=` editing input) are not supported.
 
-FLUX.2 [dev] (Flux2Pipeline) shares the transformer, VAE, latents and schedule; it differs in its text encoder
-(Mistral-3 through a processor's chat template with a system message, layers (10, 20, 30)) and its guidance (an
-embedding, one forward). `velocity` already feeds the embedded guidance when the transformer has one; the Mistral
-encoding and its loader are not here.
+FLUX.2 [dev] (Flux2Pipeline) shares the transformer, VAE, latents and schedule. Its text encoder is Mistral-3
+(Mistral3ForConditionalGeneration) read through its processor's chat template: a system turn holding the pipeline's
+system message, then the prompt as the user turn, no generation prompt, padded to `max_sequence_length` tokens; the
+hidden states of layers (10, 20, 30) are concatenated per token as with klein
+(Flux2Pipeline._get_mistral_3_small_prompt_embeds). It is guidance-distilled: `guidance_scale` goes into the
+transformer's guidance embedding, one forward a step, no negative prompt. `from_pretrained` tells the two apart by
+the pipeline class in model_index.json. Against Flux2Pipeline the differences above hold too (prompts encoded alone,
+sigma as the timestep, no reference images), and its prompt rewriting (caption_upsample_temperature) is not here.
 """
 
 from __future__ import annotations
@@ -56,6 +60,10 @@ if TYPE_CHECKING:  # diffusers is imported where a model is built
 # Flux2KleinPipeline's defaults: prompt length and the Qwen3 layers whose hidden states are stacked.
 MAX_SEQUENCE_LENGTH = 512
 TEXT_LAYERS = (9, 18, 27)
+# Flux2Pipeline's (FLUX.2 [dev]): the Mistral-3 layers whose hidden states are stacked (its length is klein's 512).
+DEV_TEXT_LAYERS = (10, 20, 30)
+# The pipeline class a saved FLUX.2 directory names in model_index.json -> its variant.
+VARIANTS = {"Flux2KleinPipeline": "klein", "Flux2Pipeline": "dev"}
 # What FLUX.2's schedule needs of a scheduler config; a model built in code (the tiny one) is given this.
 SCHEDULER_CONFIG: dict[str, Any] = {"use_dynamic_shifting": True, "time_shift_type": "exponential"}
 
@@ -106,6 +114,20 @@ def text_ids(length: int, device: torch.device | str | None = None) -> torch.Ten
     return ids
 
 
+def flux2_variant(path: str | Path) -> str:
+    """'dev' or 'klein': which FLUX.2 a diffusers directory or hub id holds, read from its model_index.json."""
+    from diffusers.pipelines.pipeline_utils import DiffusionPipeline
+
+    index: Any = DiffusionPipeline.load_config(str(path))
+    name = index.get("_class_name")
+    if name not in VARIANTS:
+        raise ValueError(
+            f"{path} holds a {name}, not a FLUX.2 pipeline ({' or '.join(VARIANTS)}); point the path at a FLUX.2 "
+            "[klein] or [dev] directory"
+        )
+    return VARIANTS[name]
+
+
 def flux2_scheduler_check(config: Mapping[str, Any]) -> None:
     """Raise unless a scheduler config gives FLUX.2's schedule: dynamic, exponential shift, no terminal stretch."""
     full = complete_scheduler_config(config)
@@ -118,7 +140,8 @@ def flux2_scheduler_check(config: Mapping[str, Any]) -> None:
 
 
 class Flux2(PatchedLatents):
-    """FLUX.2 [klein] (Qwen3, transformer, VAE) as a FlowModel. Weights are frozen; LoRA goes on later."""
+    """FLUX.2 [klein] (Qwen3, transformer, VAE) or FLUX.2 [dev] (Mistral-3 and its processor, transformer with a
+    guidance embedding, VAE) as a FlowModel. Weights are frozen; LoRA goes on later."""
 
     family = "FLUX.2"
 
@@ -137,6 +160,7 @@ class Flux2(PatchedLatents):
         is_distilled: bool = False,
         max_sequence_length: int = MAX_SEQUENCE_LENGTH,
         text_layers: Sequence[int] = TEXT_LAYERS,
+        system_message: str | None = None,
         prompt_cache_size: int = 1024,
     ):
         flux2_scheduler_check(scheduler_config)
@@ -147,6 +171,8 @@ class Flux2(PatchedLatents):
         self.is_distilled = is_distilled
         self.max_sequence_length = max_sequence_length
         self.text_layers = tuple(text_layers)
+        # None: klein's Qwen3 template; a string: [dev]'s Mistral-3 processor template with this system turn
+        self.system_message = system_message
         self.schedule_kwargs = {}  # PatchedLatents' Qwen-Image keywords; FLUX.2 overrides sigmas and sigmas_at
         tcfg: Any = transformer.config
         vcfg: Any = vae.config
@@ -174,27 +200,40 @@ class Flux2(PatchedLatents):
         text_encoder_dtype: torch.dtype | None = None,
         **kwargs,
     ) -> Self:
-        """Load a diffusers-format FLUX.2 [klein] directory or hub id (e.g. black-forest-labs/FLUX.2-klein-base-4B)."""
+        """Load a diffusers-format FLUX.2 directory or hub id: [klein] (e.g. black-forest-labs/FLUX.2-klein-base-4B,
+        Qwen3 and its tokenizer) or [dev] (black-forest-labs/FLUX.2-dev, Mistral-3 and its processor), told apart by
+        the pipeline class its model_index.json names."""
         from diffusers.models.autoencoders.autoencoder_kl_flux2 import AutoencoderKLFlux2
         from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModel
         from diffusers.pipelines.pipeline_utils import DiffusionPipeline
         from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
-        from transformers import AutoTokenizer, Qwen3ForCausalLM
 
         path = str(path)
+        variant = flux2_variant(path)
         transformer = Flux2Transformer2DModel.from_pretrained(
             path, subfolder="transformer", torch_dtype=dtype
         )
         vae = AutoencoderKLFlux2.from_pretrained(path, subfolder="vae", torch_dtype=dtype)
-        encoder = Qwen3ForCausalLM.from_pretrained(
-            path, subfolder="text_encoder", dtype=text_encoder_dtype or dtype
-        )
-        tokenizer = AutoTokenizer.from_pretrained(path, subfolder="tokenizer")
+        text_dtype = text_encoder_dtype or dtype
+        if variant == "dev":
+            from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+            from transformers import AutoProcessor, Mistral3ForConditionalGeneration
+
+            encoder = Mistral3ForConditionalGeneration.from_pretrained(
+                path, subfolder="text_encoder", dtype=text_dtype
+            )
+            tokenizer = AutoProcessor.from_pretrained(path, subfolder="tokenizer")
+            kwargs.setdefault("system_message", SYSTEM_MESSAGE)
+            kwargs.setdefault("text_layers", DEV_TEXT_LAYERS)
+        else:
+            from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+            encoder = Qwen3ForCausalLM.from_pretrained(path, subfolder="text_encoder", dtype=text_dtype)
+            tokenizer = AutoTokenizer.from_pretrained(path, subfolder="tokenizer")
+            # model_index.json records whether the klein checkpoint is step-distilled (guidance ignored).
+            index: Any = DiffusionPipeline.load_config(path)
+            kwargs.setdefault("is_distilled", bool(index.get("is_distilled", False)))
         scheduler_config = FlowMatchEulerDiscreteScheduler.load_config(path, subfolder="scheduler")
-        # model_index.json records whether the klein checkpoint is step-distilled (guidance ignored).
-        index: Any = DiffusionPipeline.load_config(path)
-        is_distilled = bool(index.get("is_distilled", False))
-        kwargs.setdefault("is_distilled", is_distilled)
         return cls.from_modules(
             transformer, vae, encoder, tokenizer, device=device, scheduler_config=scheduler_config, **kwargs
         )
@@ -215,33 +254,52 @@ class Flux2(PatchedLatents):
     # ------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def _encode_one(self, prompt: str) -> tuple[torch.Tensor]:
-        """One prompt -> Qwen3's stacked hidden states [max_sequence_length, len(text_layers) D], transformer dtype."""
+        """One prompt -> the text encoder's stacked hidden states [max_sequence_length, len(text_layers) D],
+        transformer dtype."""
         if self.text_encoder is None:
-            raise RuntimeError("this Flux2 was built without its text encoder; pass Qwen3 to encode prompts")
-        text = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}],
-            tokenize=False,
-            add_generation_prompt=True,
-            enable_thinking=False,
-        )
-        tokens = self.tokenizer(
-            text,
-            padding="max_length",
-            max_length=self.max_sequence_length,
-            truncation=True,
-            return_tensors="pt",
-        ).to(module_device(self.text_encoder))
+            raise RuntimeError(
+                "this Flux2 was built without its text encoder; pass Qwen3 or Mistral-3 to encode"
+            )
+        tokens = self._tokenize(prompt)
+        device = module_device(self.text_encoder)
         out = self.text_encoder(
-            input_ids=tokens.input_ids,
-            attention_mask=tokens.attention_mask,
+            input_ids=tokens["input_ids"].to(device),
+            attention_mask=tokens["attention_mask"].to(device),
             output_hidden_states=True,
             use_cache=False,
         )
         hidden = torch.cat([out.hidden_states[k][0] for k in self.text_layers], dim=-1)  # [L, layers x D]
         return (hidden.to(self.device, self.dtype),)
 
+    def _tokenize(self, prompt: str) -> Mapping[str, torch.Tensor]:
+        """One prompt in its chat template, padded (or cut) to max_sequence_length: input_ids and attention_mask
+        [1, L]."""
+        padding = dict(padding="max_length", max_length=self.max_sequence_length, truncation=True)
+        if self.system_message is None:  # klein: Qwen3's template rendered, then tokenised
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}],
+                tokenize=False,
+                add_generation_prompt=True,
+                enable_thinking=False,
+            )
+            return self.tokenizer(text, return_tensors="pt", **padding)
+        # [dev]: the processor renders and tokenises the system and user turns. "[IMG]" is removed from the prompt,
+        # as the pipeline does: the processor would count it as an image placeholder with no image.
+        turns = [
+            {"role": "system", "content": [{"type": "text", "text": self.system_message}]},
+            {"role": "user", "content": [{"type": "text", "text": prompt.replace("[IMG]", "")}]},
+        ]
+        return self.tokenizer.apply_chat_template(
+            [turns],
+            add_generation_prompt=False,
+            tokenize=True,
+            return_dict=True,
+            return_tensors="pt",
+            processor_kwargs=padding,
+        )
+
     def encode(self, prompts: Sequence[str], *, negative_prompt: str | None = None) -> Cond:
-        """Stacked Qwen3 states [B, L, 3 D]; with a negative prompt also its states, one row per prompt."""
+        """Stacked text-encoder states [B, L, 3 D]; with a negative prompt also its states, one row per prompt."""
         return stacked_prompt_states(self.prompt_cache, prompts, negative_prompt)
 
     def velocity(

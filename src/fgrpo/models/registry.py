@@ -16,7 +16,7 @@ from fgrpo.models import tiny
 from fgrpo.models.bagel import BAGEL_LORA_TARGETS, Bagel
 from fgrpo.models.base import FlowModel
 from fgrpo.models.flux import FLUX_LORA_TARGETS, Flux
-from fgrpo.models.flux2 import FLUX2_LORA_TARGETS, Flux2
+from fgrpo.models.flux2 import FLUX2_LORA_TARGETS, Flux2, flux2_variant
 from fgrpo.models.loading import check_attention_backend, compile_decoder, configure_transformer
 from fgrpo.models.lora import check_lora_file
 from fgrpo.models.ltx2 import LTX2, LTX2_LORA_TARGETS, clip_kwargs
@@ -44,6 +44,8 @@ class Family:
     recipe: str
     """The experiment file (relative to the repository) whose `recipe` preset trains it, or whose `tiny` preset
     runs it (a tiny family)."""
+    preset: str = "Config"
+    """The name in the recipe file that builds the family's recipe config (FLUX.2 [dev] shares klein's file: `dev`)."""
     tiny: str = ""
     """model.kind of its tiny random version ('' = none: it is tiny itself)."""
     sequence_parallel: bool = False
@@ -53,9 +55,28 @@ class Family:
 
 
 def _pretrained(
-    cls: type[QwenImage] | type[SD3] | type[Flux] | type[Flux2] | type[ZImage] | type[Bagel],
+    cls: type[QwenImage] | type[SD3] | type[Flux] | type[ZImage] | type[Bagel],
 ) -> Loader:
     return lambda mcfg, device, dtype, seed: cls.from_pretrained(mcfg.path, dtype=dtype, device=device)
+
+
+def _flux2(variant: str) -> Loader:
+    """FLUX.2's loader for kind `flux2` (klein) or `flux2_dev` (dev): the directory's pipeline class must agree."""
+
+    def load(mcfg: ModelConfig, device: torch.device | str, dtype: torch.dtype, seed: int) -> FlowModel:
+        try:
+            found = flux2_variant(mcfg.path)
+        except ValueError as e:  # not a FLUX.2 pipeline directory
+            raise ConfigError(f"model.path: {e}") from None
+        if found != variant:
+            kind = "flux2_dev" if found == "dev" else "flux2"
+            raise ConfigError(
+                f"model.path={mcfg.path!r} holds FLUX.2 [{found}], model.kind={mcfg.kind!r} wants [{variant}]; "
+                f"use --model.kind {kind}"
+            )
+        return Flux2.from_pretrained(mcfg.path, dtype=dtype, device=device)
+
+    return load
 
 
 def _tiny(build: Callable[..., FlowModel]) -> Loader:
@@ -115,10 +136,13 @@ FAMILIES: dict[str, Family] = {
     "tiny_flux": Family(_tiny(tiny.tiny_flux), FLUX_LORA_TARGETS, 16, "experiments/flux_ocr.py"),
     "tiny_zimage": Family(_tiny(tiny.tiny_zimage), ZIMAGE_LORA_TARGETS, 16, "experiments/zimage_ocr.py"),
     "tiny_ltx2": Family(_tiny(tiny.tiny_ltx2), LTX2_LORA_TARGETS, 32, "experiments/ltx2_ocr.py"),
-    "flux2": Family(
-        _pretrained(Flux2), FLUX2_LORA_TARGETS, 16, "experiments/flux2_ocr.py", tiny="tiny_flux2"
-    ),
+    "flux2": Family(_flux2("klein"), FLUX2_LORA_TARGETS, 16, "experiments/flux2_ocr.py", tiny="tiny_flux2"),
     "tiny_flux2": Family(_tiny(tiny.tiny_flux2), FLUX2_LORA_TARGETS, 16, "experiments/flux2_ocr.py"),
+    # FLUX.2 [dev]: klein's transformer architecture at 32B, so the same LoRA targets and pixel multiple
+    "flux2_dev": Family(
+        _flux2("dev"), FLUX2_LORA_TARGETS, 16, "experiments/flux2_ocr.py", preset="dev", tiny="tiny_flux2_dev"
+    ),
+    "tiny_flux2_dev": Family(_tiny(tiny.tiny_flux2_dev), FLUX2_LORA_TARGETS, 16, "experiments/flux2_ocr.py"),
     # 32: the TI2V-5B's (Wan 2.2 VAE 16 x patch 2), a multiple of the A14B's 16 (Wan 2.1 VAE 8 x 2)
     "wan": Family(
         lambda mcfg, device, dtype, seed: Wan.from_pretrained(

@@ -1,4 +1,5 @@
-"""Tiny random-init Qwen-Image, SD3, FLUX.1, Z-Image, LTX-2 and Wan 2.2 (every component, tokenizers included), built offline in code.
+"""Tiny random-init Qwen-Image, SD3, FLUX.1, FLUX.2 [klein] and [dev], Z-Image, LTX-2 and Wan 2.2 (every component,
+tokenizers included), built offline in code.
 
 Same diffusers / transformers classes as the real models, shrunk until a 64x64 denoising step takes
 milliseconds on a CPU. Used by the tests (parity with diffusers' own pipelines), the experiments' tiny
@@ -699,14 +700,42 @@ FLUX2_TEXT_LENGTH_TINY = 24
 FLUX2_TEXT_LAYERS_TINY = (1, 2, 3)
 
 
-def tiny_flux2_components(seed: int = 0) -> dict:
-    """Random-init tiny FLUX.2 [klein] parts, keyed like Flux2KleinPipeline's constructor (fp32, CPU): a 3-layer
-    Qwen3 (every layer's states stacked), one joint and two single-stream blocks without a guidance embedding, a
-    4-channel VAE whose batch-norm statistics are random (so the normalisation is exercised)."""
+def _tiny_flux2_image_parts(text_width: int, guidance_embeds: bool) -> dict:
+    """The tiny FLUX.2 transformer (one joint and two single-stream blocks reading `text_width`-wide text states) and
+    a 4-channel VAE whose batch-norm statistics are random (so the normalisation is exercised); draws from torch's
+    global generator."""
     from diffusers.models.autoencoders.autoencoder_kl_flux2 import AutoencoderKLFlux2
     from diffusers.models.transformers.transformer_flux2 import Flux2Transformer2DModel
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    transformer = Flux2Transformer2DModel(
+        in_channels=16,  # 4 latent channels x the 2x2 patchify
+        num_layers=1,
+        num_single_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=text_width,
+        timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4),
+        guidance_embeds=guidance_embeds,
+    )
+    vae = AutoencoderKLFlux2(
+        block_out_channels=(8, 8, 16, 16),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=64,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+    bn: Any = vae.bn  # BatchNorm2d annotates its running statistics as optional
+    bn.running_mean.normal_(0, 0.5)
+    bn.running_var.uniform_(0.5, 2.0)
+    return dict(transformer=transformer, vae=vae)
+
+
+def tiny_flux2_components(seed: int = 0) -> dict:
+    """Random-init tiny FLUX.2 [klein] parts, keyed like Flux2KleinPipeline's constructor (fp32, CPU): a 3-layer
+    Qwen3 (every layer's states stacked), the tiny FLUX.2 transformer without a guidance embedding, the tiny VAE."""
     tokenizer = tiny_qwen_tokenizer(FLUX2_PROMPT_TEMPLATE, drop=3)
     tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
     hidden = 16
@@ -725,34 +754,13 @@ def tiny_flux2_components(seed: int = 0) -> dict:
                 pad_token_id=tokenizer.pad_token_id,  # pyright: ignore[reportArgumentType]
             )
         )
-        transformer = Flux2Transformer2DModel(
-            in_channels=16,  # 4 latent channels x the 2x2 patchify
-            num_layers=1,
-            num_single_layers=2,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=hidden * len(FLUX2_TEXT_LAYERS_TINY),
-            timestep_guidance_channels=32,
-            axes_dims_rope=(4, 4, 4, 4),
-            guidance_embeds=False,  # klein's
-        )
-        vae = AutoencoderKLFlux2(
-            block_out_channels=(8, 8, 16, 16),
-            layers_per_block=1,
-            latent_channels=4,
-            norm_num_groups=4,
-            sample_size=64,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-        )
-        bn: Any = vae.bn  # BatchNorm2d annotates its running statistics as optional
-        bn.running_mean.normal_(0, 0.5)
-        bn.running_var.uniform_(0.5, 2.0)
-    for m in (text_encoder, transformer, vae):
+        parts = _tiny_flux2_image_parts(
+            hidden * len(FLUX2_TEXT_LAYERS_TINY), guidance_embeds=False
+        )  # klein's
+    for m in (text_encoder, *parts.values()):
         m.eval()
     return dict(
-        transformer=transformer,
-        vae=vae,
+        **parts,
         text_encoder=text_encoder,
         tokenizer=tokenizer,
         scheduler=FlowMatchEulerDiscreteScheduler.from_config(flux2.SCHEDULER_CONFIG),
@@ -768,6 +776,123 @@ def tiny_flux2(
         c["transformer"].to(dtype)
     kwargs.setdefault("max_sequence_length", FLUX2_TEXT_LENGTH_TINY)
     kwargs.setdefault("text_layers", FLUX2_TEXT_LAYERS_TINY)
+    return Flux2.from_modules(
+        c["transformer"], c["vae"], c["text_encoder"], c["tokenizer"], device=device, **kwargs
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# FLUX.2 [dev]
+
+# A Mistral-style chat template for the tiny processor: the bos token, then [SYSTEM_PROMPT]...[/SYSTEM_PROMPT] and
+# [INST]...[/INST] turns whose content is a list of typed parts (the text parts joined), as Flux2Pipeline passes
+# them; the real processor ships its own, which the model applies the same way.
+MISTRAL3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['content'] is string %}{% set text = m['content'] %}"
+    "{% else %}{% set text = m['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') %}"
+    "{% endif %}"
+    "{% if m['role'] == 'system' %}[SYSTEM_PROMPT]{{ text }}[/SYSTEM_PROMPT]"
+    "{% elif m['role'] == 'user' %}[INST]{{ text }}[/INST]"
+    "{% else %}{{ text }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+MISTRAL3_SPECIALS = [
+    "<unk>",
+    "<s>",
+    "</s>",
+    "<pad>",
+    "[INST]",
+    "[/INST]",
+    "[SYSTEM_PROMPT]",
+    "[/SYSTEM_PROMPT]",
+]
+PIXTRAL_IMAGE_TOKENS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]  # the processor looks their ids up
+# The system message takes 30 tokens of the tiny vocabulary, a tests' prompt up to 12 more with the turn markers.
+FLUX2_DEV_TEXT_LENGTH_TINY = 48
+
+
+def tiny_mistral3_processor():
+    """PixtralProcessor (Mistral-3's) around a byte-level BPE that learns Flux2Pipeline's system message and the
+    tests' words whole, with Mistral's turn and image special tokens and the chat template above."""
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+    from transformers import PixtralProcessor
+    from transformers.models.pixtral.image_processing_pixtral import PixtralImageProcessor
+
+    specials = MISTRAL3_SPECIALS + PIXTRAL_IMAGE_TOKENS
+    pre = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    vocab, merges = _train_bpe(f"{SYSTEM_MESSAGE} {_EXTRA_TEXT}", specials, pre)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+    return PixtralProcessor(
+        image_processor=PixtralImageProcessor(), tokenizer=fast, chat_template=MISTRAL3_CHAT_TEMPLATE
+    )
+
+
+def tiny_flux2_dev_components(seed: int = 0) -> dict:
+    """Random-init tiny FLUX.2 [dev] parts, keyed like Flux2Pipeline's constructor (fp32, CPU): a Mistral-3 with a
+    3-layer Mistral language model (every layer's states stacked) and a 1-layer Pixtral vision tower, its processor,
+    the tiny FLUX.2 transformer with a guidance embedding, the tiny VAE."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    processor = tiny_mistral3_processor()
+    tokenizer: Any = processor.tokenizer
+    hidden = 16
+    config = Mistral3Config(
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=hidden,
+            intermediate_size=32,
+            num_hidden_layers=len(FLUX2_TEXT_LAYERS_TINY),
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            max_position_embeddings=128,
+            pad_token_id=tokenizer.pad_token_id,
+        ),
+        vision_config=dict(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            head_dim=8,
+            patch_size=4,
+            image_size=32,
+        ),  # fmt: skip
+        image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"),
+        spatial_merge_size=1,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        text_encoder = Mistral3ForConditionalGeneration(config)
+        parts = _tiny_flux2_image_parts(hidden * len(FLUX2_TEXT_LAYERS_TINY), guidance_embeds=True)  # dev's
+    for m in (text_encoder, *parts.values()):
+        m.eval()
+    return dict(
+        **parts,
+        text_encoder=text_encoder,
+        tokenizer=processor,
+        scheduler=FlowMatchEulerDiscreteScheduler.from_config(flux2.SCHEDULER_CONFIG),
+    )
+
+
+def tiny_flux2_dev(
+    seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, **kwargs
+) -> Flux2:
+    """A tiny random FLUX.2 [dev] FlowModel (embedded guidance, one forward a step; 64x64 images take a few ms per
+    step on a CPU)."""
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+
+    c = tiny_flux2_dev_components(seed)
+    if dtype != torch.float32:
+        c["transformer"].to(dtype)
+    kwargs.setdefault("max_sequence_length", FLUX2_DEV_TEXT_LENGTH_TINY)
+    kwargs.setdefault("text_layers", FLUX2_TEXT_LAYERS_TINY)
+    kwargs.setdefault("system_message", SYSTEM_MESSAGE)
     return Flux2.from_modules(
         c["transformer"], c["vae"], c["text_encoder"], c["tokenizer"], device=device, **kwargs
     )
