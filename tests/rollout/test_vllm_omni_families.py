@@ -280,3 +280,5 @@ def test_wan_lora_names_and_the_two_expert_refusal(fake_families, tmp_path):
     )
     with pytest.raises(ValueError, match="two-expert Wan"):
         two.update_lora(state, cfg)
+    with pytest.raises(ValueError, match=r"no readable model_index.json .* pass a local diffusers Wan 2.2"):
+        fake_families.VllmOmniEngine(str(tmp_path / "none"), kind="wan", work_dir=tmp_path / "c")

@@ -308,6 +308,9 @@ class VllmOmniEngine:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.adapter = adapter_for(kind)
+        # The Wan adapter reads the directory's model_index.json and scheduler config on the worker: a path
+        # without them fails here, before vLLM-Omni starts. With two experts, one LoRA request cannot sync both.
+        self.two_experts = self.adapter.kind == "wan" and wan_settings(model)["boundary_ratio"] is not None
         self.model_kwargs = dict(model_kwargs or {})
         json.dumps(self.model_kwargs)  # they cross a process boundary inside extra_args: plain values only
         self.keep = check_keep(keep)
@@ -364,7 +367,7 @@ class VllmOmniEngine:
         `config` (peft.LoraConfig). Either way the engine gets a fresh directory and a fresh adapter id,
         because vllm-omni would otherwise serve the cached adapter of the same id.
         """
-        if self.adapter.kind == "wan" and wan_settings(self.path)["boundary_ratio"] is not None:
+        if self.two_experts:
             # one LoRARequest reaches one set of names; the trainer's second expert would not be synced
             raise ValueError(
                 "update_lora: a two-expert Wan (T2V-A14B) cannot take one LoRA on vLLM-Omni here; "

@@ -64,9 +64,8 @@ INFO_KEY = "fgrpo"  # prompt["additional_information"][INFO_KEY] = {"seed", "ind
 CFG_KEY = "fgrpo_cfg"  # sampling_params.extra_args[CFG_KEY] = SamplingConfig fields
 KEEP_KEY = "fgrpo_keep"  # sampling_params.extra_args[KEEP_KEY] = names of OPTIONAL_FIELDS to send back
 TRAJ_KEY = "trajectory"  # payload key that vllm-omni forwards to multimodal_output
-MODEL_KEY = (
-    "fgrpo_model"  # sampling_params.extra_args[MODEL_KEY] = the family's model keywords (Wan: num_frames)
-)
+# sampling_params.extra_args[MODEL_KEY] = the family's model keywords (Wan: num_frames)
+MODEL_KEY = "fgrpo_model"
 PIXELS_KEY = "pixels"  # the decoded uint8 pixels inside each sample's trajectory dict
 # QwenImage.encode's keys, as (embeds, mask) pairs; the negative pair exists only with CFG. A conditioning key of
 # another family (no mask: its prompts share one length) is stacked as it is (merge_cond).
