@@ -1,7 +1,15 @@
 """GPU check of the vLLM-Omni rollout engine against the in-process engine and the trainer: one table.
 
+--model picks the family (default qwen_image; every section runs for it). For sd3 and wan only `parity` runs, on a
+tiny random directory in diffusers' layout (tokenizers of the classes vLLM-Omni's loader instantiates: CLIP and T5
+for SD3.5; Wan's with --wan-experts 1 (TI2V-5B-like) or 2 (T2V-A14B-like)). For bagel, `parity` is issue #44's: a
+tiny random BAGEL directory in BAGEL's released layout (ema.safetensors, ae.safetensors, llm/vit/config JSONs, the
+tokenizer; plus vae/, the diffusers VAE fgrpo's loader reads), sampled by vLLM-Omni's own BagelPipeline
+(single-stage deploy, NOT fgrpo's custom pipeline) and by fgrpo's in-process transition from vLLM-Omni's initial
+noise; same prompt, seed and noise, eta 0; the max abs/rel difference of the latents after every step.
+
 Sections (each prints its rows and never stops the others):
-  parity      a tiny random Qwen-Image directory saved by fgrpo's tiny builder; the same prompts and seeds
+  parity      a tiny random directory of the family saved by fgrpo's tiny builders; the same prompts and seeds
               through VllmOmniEngine and DiffusersEngine (bf16 both) with every step stochastic
               (noise_level > 0, window = all steps) and pure ODE (window_size 0). Per timestep:
               |x_next| gap, |log-prob| gap engine vs in-process rollout, and engine vs the trainer's
@@ -21,7 +29,11 @@ GPU (vllm 0.30.0 + vllm-omni 0.30.0 installed, e.g. `uv sync --extra vllm`; offl
 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1):
   python3 benchmarks/vllm_omni_check.py                        # parity, lora, weights, sleep (~3 min)
   python3 benchmarks/vllm_omni_check.py --sections throughput  # on its own: writes ~41 GB, ~8 min
-CPU (no vllm): `python benchmarks/vllm_omni_check.py --cpu-selftest` checks the helpers on the tiny model.
+  python3 benchmarks/vllm_omni_check.py --model sd3            # parity of each added family
+  python3 benchmarks/vllm_omni_check.py --model wan --wan-experts 2
+  python3 benchmarks/vllm_omni_check.py --model bagel          # issue #44: vLLM-Omni's BAGEL vs fgrpo's
+CPU (no vllm): `python benchmarks/vllm_omni_check.py --cpu-selftest` checks the helpers on the tiny model and the
+family directory writers (what runs without vLLM-Omni).
 """
 
 from __future__ import annotations
@@ -29,7 +41,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -40,9 +54,15 @@ from typing import Any
 import torch
 
 from fgrpo.config import SamplingConfig
+from fgrpo.models import tiny
+from fgrpo.models.bagel import Bagel, patchify, unpatchify
+from fgrpo.models.bagel_mot import BagelTransformer, sincos_2d
 from fgrpo.models.base import FlowModel
 from fgrpo.models.loading import configure_transformer
 from fgrpo.models.qwen_image import QwenImage
+from fgrpo.models.sd3 import SD3
+from fgrpo.models.wan import Wan
+from fgrpo.policy import transition
 from fgrpo.recompute import recompute_log_probs
 from fgrpo.rollout.base import Trajectory
 from fgrpo.rollout.engine import DiffusersEngine
@@ -159,6 +179,220 @@ def seeds_for(n: int, run: int = 0) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------------
+# Tiny random directories of the added families, in the layouts vLLM-Omni's loaders read (CPU-testable but the
+# parts of BAGEL only vLLM-Omni instantiates)
+# ------------------------------------------------------------------------------------------------
+# The model keywords both sides build the family with (the tiny builders' text lengths and clip length).
+FAMILY_KWARGS: dict[str, dict[str, Any]] = {
+    "sd3": {"max_sequence_length": tiny.T5_MAX_LENGTH_TINY},
+    "wan": {"num_frames": tiny.TINY_WAN_FRAMES, "max_sequence_length": tiny.TINY_WAN_TEXT_LENGTH},
+}
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's printable stand-ins of the 256 bytes (the alphabet of CLIP's byte-level BPE)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    rest = [b for b in range(256) if b not in keep]
+    return [chr(c) for c in keep] + [chr(256 + i) for i in range(len(rest))]
+
+
+def clip_t5_tokenizers() -> tuple[Any, Any]:
+    """A CLIP tokenizer (bytes only, no merges) and a T5 unigram one (letters), of the classes vLLM-Omni's SD3
+    loader instantiates (CLIPTokenizer, T5Tokenizer; fgrpo's tiny tokenizers are not of those classes)."""
+    from transformers import CLIPTokenizer, T5Tokenizer
+
+    chars = _byte_chars()
+    vocab = {c: i for i, c in enumerate(chars)} | {c + "</w>": 256 + i for i, c in enumerate(chars)}
+    vocab |= {"<|startoftext|>": 512, "<|endoftext|>": 513}
+    clip = CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    pieces += [(c, -1.0) for c in letters] + [("\u2581" + c, -1.5) for c in letters]
+    t5 = T5Tokenizer(vocab=pieces, extra_ids=0)
+    return clip, t5
+
+
+def save_tiny_sd3_dir(path: Path) -> Path:
+    """fgrpo's tiny SD3.5 (seed 0) with CLIP/T5-class tokenizers (the CLIP encoders' vocabularies resized to
+    theirs), saved by diffusers' StableDiffusion3Pipeline."""
+    from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import StableDiffusion3Pipeline
+
+    c = tiny.tiny_sd3_components(0)
+    clip, t5 = clip_t5_tokenizers()
+    for name in ("text_encoder", "text_encoder_2"):
+        enc = c[name]
+        enc.resize_token_embeddings(len(clip))
+        enc.config.bos_token_id, enc.config.eos_token_id = clip.bos_token_id, clip.eos_token_id
+        enc.config.pad_token_id = clip.pad_token_id
+    if len(t5) > c["text_encoder_3"].config.vocab_size:
+        raise ValueError("the T5 tokenizer outgrew the tiny T5's vocabulary")
+    c |= {"tokenizer": clip, "tokenizer_2": clip, "tokenizer_3": t5}
+    StableDiffusion3Pipeline(**c).save_pretrained(str(path))
+    return path
+
+
+def save_tiny_wan_dir(path: Path, experts: int) -> Path:
+    """fgrpo's tiny Wan 2.2 (seed 0), saved by diffusers' WanPipeline with the released repos' scheduler config
+    (UniPC, flow_shift), which fgrpo's loader and vLLM-Omni both read."""
+    from diffusers.pipelines.wan.pipeline_wan import WanPipeline
+    from diffusers.schedulers.scheduling_unipc_multistep import UniPCMultistepScheduler
+
+    c = tiny.tiny_wan_components(0, experts=experts)
+    scheduler: Any = UniPCMultistepScheduler(  # the released repos' (WanPipeline annotates FlowMatch's)
+        flow_shift=tiny.TINY_WAN_FLOW_SHIFT, prediction_type="flow_prediction", use_flow_sigmas=True
+    )
+    WanPipeline(
+        tokenizer=c["tokenizer"], text_encoder=c["text_encoder"], vae=c["vae"], scheduler=scheduler,
+        transformer=c["transformer"], transformer_2=c["transformer_2"], boundary_ratio=c["boundary_ratio"],
+        expand_timesteps=c["expand_timesteps"],
+    ).save_pretrained(str(path))  # fmt: skip
+    return path
+
+
+# BAGEL at a width every attention backend takes (head_dim 64), FLUX's 16 latent channels (vLLM-Omni's BAGEL builds
+# FLUX's autoencoder, 16 channels, whatever the checkpoint), a 16 x 16 latent grid (128 px images at most).
+BAGEL_TINY: dict[str, Any] = dict(
+    hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    latent_channels=16, max_latent_size=16,
+)  # fmt: skip
+BAGEL_VIT: dict[str, Any] = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, patch_size=14,
+    image_size=980, vision_use_head=False,
+)  # fmt: skip
+_LAYER = re.compile(r"layers\.(\d+)\.(und|gen)\.([a-z_]+)(\..+)$")
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+
+
+def released_bagel_name(name: str) -> str:
+    """BagelTransformer's parameter name -> BAGEL's released checkpoint key (models.bagel_mot.bagel_key's inverse:
+    the understanding expert unsuffixed, the generation expert `_moe_gen`, attention parts under self_attn)."""
+    if m := _LAYER.match(name):
+        layer, expert, part, rest = m.groups()
+        where = "self_attn." if part in _ATTENTION else ""
+        return (
+            f"language_model.model.layers.{layer}.{where}{part}{'_moe_gen' if expert == 'gen' else ''}{rest}"
+        )
+    fixed = {"embed_tokens.weight": "language_model.model.embed_tokens.weight"}
+    fixed["norm_gen.weight"] = "language_model.model.norm_moe_gen.weight"
+    return fixed.get(name, name)  # time_embedder.*, vae2llm.*, llm2vae.* keep their names
+
+
+def save_tiny_bagel_dir(path: Path, *, vllm_omni_parts: bool, seed: int = 0) -> Path:
+    """A random BAGEL in BAGEL's released layout, which both loaders read: fgrpo's (llm_config.json,
+    ema.safetensors, the tokenizer, a diffusers VAE in vae/) and vLLM-Omni's (config.json, vit_config.json,
+    preprocessor_config.json, every tensor its BagelPipeline holds: the ViT, connector, LM head and ae.safetensors,
+    FLUX's autoencoder). vllm_omni_parts=False leaves out the parts only vLLM-Omni's classes can build (the CPU
+    self-test); text-to-image reads neither the ViT nor the autoencoder, so the latents do not depend on them."""
+    from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
+    from safetensors.torch import save_file
+    from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+
+    from fgrpo.models.qwen_image_edit import EDIT_PROMPT_DROP, EDIT_PROMPT_TEMPLATE
+
+    tokenizer = tiny.tiny_qwen_tokenizer(
+        EDIT_PROMPT_TEMPLATE, EDIT_PROMPT_DROP
+    )  # has BAGEL's chat/vision markers
+    dims = dict(BAGEL_TINY)
+    hidden, vocab = dims["hidden_size"], len(tokenizer)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        transformer = BagelTransformer(vocab_size=vocab, **dims)
+        for n, p in transformer.named_parameters():
+            if "norm" in n:  # RMSNorm weights start at 1; random ones make each norm count
+                p.data.uniform_(0.5, 1.5)
+        state = {released_bagel_name(k): v.contiguous() for k, v in transformer.state_dict().items()}
+        state["latent_pos_embed.pos_embed"] = sincos_2d(hidden, dims["max_latent_size"])  # fgrpo rebuilds it
+        state["language_model.model.norm.weight"] = torch.rand(hidden) + 0.5  # the understanding expert's
+        state["language_model.lm_head.weight"] = torch.randn(vocab, hidden) * 0.02
+        vit_config = SiglipVisionConfig(**BAGEL_VIT)
+        if vllm_omni_parts:
+            vit = SiglipVisionModel(vit_config)
+            state |= {f"vit_model.{k}": v.contiguous() for k, v in vit.state_dict().items()}
+            side = BAGEL_VIT["image_size"] // BAGEL_VIT["patch_size"]
+            state |= {
+                "connector.fc1.weight": torch.randn(hidden, BAGEL_VIT["hidden_size"]) * 0.02,
+                "connector.fc1.bias": torch.zeros(hidden),
+                "connector.fc2.weight": torch.randn(hidden, hidden) * 0.02,
+                "connector.fc2.bias": torch.zeros(hidden),
+                "vit_pos_embed.pos_embed": sincos_2d(hidden, side),
+            }
+        vae = AutoencoderKL(
+            in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,  # pyright: ignore[reportArgumentType]
+            up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 16, 16),  # pyright: ignore[reportArgumentType]
+            layers_per_block=1, latent_channels=16, norm_num_groups=4, sample_size=64, scaling_factor=0.3611,
+            shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False,
+        )  # fmt: skip
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(tmp / "ema.safetensors"))
+    vae.save_pretrained(str(tmp / "vae"))
+    tokenizer.save_pretrained(str(tmp))
+    llm = dict(
+        model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=vocab, hidden_size=hidden,
+        intermediate_size=dims["intermediate_size"], num_hidden_layers=dims["num_hidden_layers"],
+        num_attention_heads=dims["num_attention_heads"], num_key_value_heads=dims["num_key_value_heads"],
+        rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position_embeddings=32768, hidden_act="silu",
+        tie_word_embeddings=False, layer_module="Qwen2MoTDecoderLayer", qk_norm=True, torch_dtype="bfloat16",
+    )  # fmt: skip
+    (tmp / "llm_config.json").write_text(json.dumps(llm, indent=1))
+    vit_config.to_json_file(str(tmp / "vit_config.json"))
+    SiglipImageProcessor().save_pretrained(str(tmp))
+    top = dict(
+        model_type="bagel", architectures=["BagelForConditionalGeneration"],
+        vae_config={"z_channels": dims["latent_channels"], "downsample": 8},
+        vit_config={"patch_size": BAGEL_VIT["patch_size"], "hidden_size": BAGEL_VIT["hidden_size"]},
+        latent_patch_size=2, max_latent_size=dims["max_latent_size"], vit_max_num_patch_per_side=70,
+        connector_act="gelu_pytorch_tanh", interpolate_pos=False, timestep_shift=1.0,
+    )  # fmt: skip
+    if vllm_omni_parts:  # vLLM-Omni's own FLUX autoencoder, random, under BAGEL's ae.safetensors names
+        from vllm_omni.diffusion.models.bagel.autoencoder import AutoEncoder  # pyright: ignore[reportMissingImports]
+        from vllm_omni.diffusion.models.bagel.pipeline_bagel import default_ae_params  # pyright: ignore[reportMissingImports]
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + 1)
+            ae = AutoEncoder(default_ae_params())
+        save_file({k: v.contiguous() for k, v in ae.state_dict().items()}, str(tmp / "ae.safetensors"))
+    (tmp / "config.json").write_text(
+        json.dumps(top, indent=1)
+    )  # last: its presence marks a finished directory
+    tmp.rename(path)
+    return path
+
+
+def bagel_inprocess_latents(
+    model: FlowModel, prompt: str, x1: torch.Tensor, num_steps: int, guidance: float, height: int, width: int
+) -> list[torch.Tensor]:
+    """fgrpo's ODE (eta 0) from a given x_1 [C, h, w]: the in-process engine's deterministic step
+    (policy.transition, stochastic=False, as DiffusersEngine runs it outside the SDE window) on the model's
+    schedule. Returns the latents before the first step and after each, [C, h, w] fp32 on the CPU."""
+    cfg = SamplingConfig(
+        height=height, width=width, num_steps=num_steps, guidance_scale=guidance,
+        negative_prompt="" if guidance > 1.0 else None, window_size=0, window_range=(0, 0), micro_batch=1,
+    )  # fmt: skip
+    device = next(model.transformer.parameters()).device
+    cond = model.encode([prompt], negative_prompt=cfg.negative_prompt if guidance > 1.0 else None)
+    sigmas = model.sigmas(num_steps, height, width).to(device)
+    x = x1[None].to(device).float()
+    out = [x[0].cpu()]
+    with torch.no_grad():
+        for i in range(num_steps):
+            x, _ = transition(
+                model, x, sigmas[i].expand(1), sigmas[i + 1].expand(1), cond, cfg, stochastic=False
+            )
+            out.append(x[0].float().cpu())
+    return out
+
+
+def latent_gaps(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> list[dict[str, Any]]:
+    """Per trajectory point: max |got - want| and that over max |want| (the relative gap)."""
+    rows = []
+    for i, (g, w) in enumerate(zip(got, want)):
+        d = (g.float() - w.float()).abs().max().item()
+        rows.append({"point": i, "max_abs": d, "max_rel": d / max(w.float().abs().max().item(), 1e-12)})
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
 # Sections
 # ------------------------------------------------------------------------------------------------
 class Ctx:
@@ -167,7 +401,8 @@ class Ctx:
         self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.device = torch.device("cuda")
-        self.tiny_dir = self.out / "tiny_qwen_image"
+        suffix = f"_{args.wan_experts}" if args.model == "wan" else ""
+        self.tiny_dir = self.out / f"tiny_{args.model}{suffix}"
         self.summary: list[dict[str, Any]] = []
 
     def note(self, section: str, check: str, value: Any, ok: bool | None = None) -> None:
@@ -193,15 +428,27 @@ def tiny_cfg(args: argparse.Namespace, **kw: Any) -> SamplingConfig:
 
 
 def ensure_tiny_dir(ctx: Ctx) -> Path:
-    if not (ctx.tiny_dir / "model_index.json").exists():
-        from fgrpo.models.tiny import save_tiny_qwen_image
+    model, path = ctx.args.model, ctx.tiny_dir
+    done = path / ("config.json" if model == "bagel" else "model_index.json")
+    if not done.exists():
+        if model == "qwen_image":
+            tiny.save_tiny_qwen_image(path, seed=0)
+        elif model == "sd3":
+            save_tiny_sd3_dir(path)
+        elif model == "wan":
+            save_tiny_wan_dir(path, ctx.args.wan_experts)
+        else:
+            save_tiny_bagel_dir(path, vllm_omni_parts=True)
+    return path
 
-        save_tiny_qwen_image(ctx.tiny_dir, seed=0)
-    return ctx.tiny_dir
 
-
-def in_process(path: Path, device: torch.device) -> FlowModel:
-    return as_flow_model(QwenImage.from_pretrained(path, dtype=torch.bfloat16, device=device))
+def in_process(path: Path, device: torch.device, model: str = "qwen_image") -> FlowModel:
+    """fgrpo's model of the family from the directory, bf16, with the tiny builders' text lengths and clip."""
+    kwargs: dict[str, Any] = dict(dtype=torch.bfloat16, device=device, **FAMILY_KWARGS.get(model, {}))
+    if model == "bagel":
+        return as_flow_model(Bagel.from_pretrained(path, **kwargs))
+    cls = {"qwen_image": QwenImage, "sd3": SD3, "wan": Wan}[model]
+    return as_flow_model(cls.from_pretrained(path, **kwargs))
 
 
 def vllm_engine(path: Path, ctx: Ctx, max_batch: int = len(PROMPTS), **kw: Any):
@@ -212,6 +459,8 @@ def vllm_engine(path: Path, ctx: Ctx, max_batch: int = len(PROMPTS), **kw: Any):
         omni_kwargs["diffusion_attention_backend"] = ctx.args.attention_backend
     return VllmOmniEngine(
         str(path),
+        kind=ctx.args.model,
+        model_kwargs=FAMILY_KWARGS.get(ctx.args.model, {}),
         max_batch=max_batch,
         work_dir=ctx.out / "engine_work",
         omni_kwargs=omni_kwargs,
@@ -220,9 +469,12 @@ def vllm_engine(path: Path, ctx: Ctx, max_batch: int = len(PROMPTS), **kw: Any):
 
 
 def section_parity(ctx: Ctx) -> None:
+    if ctx.args.model == "bagel":
+        section_bagel_parity(ctx)
+        return
     path = ensure_tiny_dir(ctx)
     engine = vllm_engine(path, ctx)
-    model = in_process(path, ctx.device)
+    model = in_process(path, ctx.device, ctx.args.model)
     try:
         seeds = seeds_for(len(PROMPTS))
         cfg = tiny_cfg(ctx.args)
@@ -231,7 +483,8 @@ def section_parity(ctx: Ctx) -> None:
         recomputed = recompute_log_probs(model, got.to(ctx.device), cfg)
         rows = step_gaps(got, want, recomputed)
         print(
-            f"\n## parity, noise_level {cfg.noise_level}, {cfg.sde_kind}, every step stochastic (tiny, bf16)"
+            f"\n## parity of {ctx.args.model}, noise_level {cfg.noise_level}, {cfg.sde_kind}, every step stochastic "
+            "(tiny, bf16)"
         )
         print(
             fmt_table(
@@ -280,6 +533,72 @@ def section_parity(ctx: Ctx) -> None:
         )
     finally:
         engine.close()
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def section_bagel_parity(ctx: Ctx) -> None:
+    """Issue #44: vLLM-Omni's own BAGEL pipeline (single-stage deploy; not fgrpo's custom pipeline) against fgrpo's
+    in-process BAGEL on the same tiny random weights, prompt and seed, eta 0. vLLM-Omni draws the initial noise on
+    its worker and returns it as the first trajectory latent; fgrpo starts from that noise, so the gap is the
+    kernels' (bf16) and any difference of the two implementations."""
+    import vllm_omni  # pyright: ignore[reportMissingImports]  # the optional vllm extra
+    from vllm_omni.entrypoints.omni import Omni  # pyright: ignore[reportMissingImports]
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams  # pyright: ignore[reportMissingImports]
+
+    args = ctx.args
+    path = ensure_tiny_dir(ctx)
+    deploy = Path(str(vllm_omni.__file__)).parent / "deploy" / "bagel_single_stage.yaml"
+    kwargs: dict[str, Any] = {"model": str(path), "deploy_config": str(deploy)}
+    if args.attention_backend:
+        kwargs["diffusion_attention_backend"] = args.attention_backend
+    omni = Omni(**kwargs)
+    model = in_process(path, ctx.device, "bagel")
+    try:
+        size, steps, g = args.size, args.steps, args.bagel_guidance
+        worst = 0.0
+        for k, (prompt, seed) in enumerate(zip(PROMPTS, seeds_for(len(PROMPTS)))):
+            params = OmniDiffusionSamplingParams(
+                height=size, width=size, num_inference_steps=steps + 1,  # BAGEL counts the N + 1 grid points
+                seed=int(seed), return_trajectory_latents=True,
+                extra_args={
+                    "cfg_text_scale": g, "cfg_img_scale": 1.0, "cfg_interval": [0.4, 1.0], "cfg_renorm_min": 0.0,
+                    "cfg_renorm_type": "global", "timestep_shift": 3.0,
+                },
+            )  # fmt: skip
+            outs = [o for o in omni.generate([{"prompt": prompt}], params, use_tqdm=False) if o is not None]
+            out = outs[-1]
+            traj = getattr(out, "trajectory_latents", None)
+            if traj is None:
+                traj = ((getattr(out, "multimodal_output", None) or {}).get("trajectory") or {}).get(
+                    "latents"
+                )
+            if traj is None:
+                raise RuntimeError(
+                    "vLLM-Omni's BAGEL returned no trajectory_latents (return_trajectory_latents)"
+                )
+            traj = traj.float().cpu()  # [points, tokens, p * p * C], BAGEL's packed layout
+            C, p = BAGEL_TINY["latent_channels"], 2
+            h = w = size // 8
+            ref = [unpatchify(t[None], p, C, h, w)[0] for t in traj]
+            n = len(ref) - 1  # the steps vLLM-Omni took
+            mine = bagel_inprocess_latents(model, prompt, ref[0], n, g, size, size)
+            rows = latent_gaps(ref, mine)
+            if k == 0:
+                print(f"\n## BAGEL parity: vLLM-Omni's BagelPipeline vs fgrpo in-process (tiny, bf16, eta 0, "
+                      f"guidance {g}, {n} steps, {size}px); latents after each step")  # fmt: skip
+                print(fmt_table(rows, ["point", "max_abs", "max_rel"]))
+            assert torch.equal(patchify(ref[0][None], p)[0], traj[0])  # the packing round-trips
+            worst = max(worst, rows[-1]["max_rel"])
+            ctx.note(
+                "parity",
+                f"bagel prompt {k}: final latents max abs / rel |vLLM-Omni - fgrpo|",
+                f"{rows[-1]['max_abs']:.3e} / {rows[-1]['max_rel']:.3e}",
+            )
+        ctx.note("parity", "bagel worst final max rel gap", f"{worst:.3e}", ok=worst < args.bagel_tol)
+    finally:
+        omni.close()
         del model
         gc.collect()
         torch.cuda.empty_cache()
@@ -539,6 +858,7 @@ def section_throughput(ctx: Ctx) -> None:
         vllm_mode(mode)
 
 
+MODELS = ("qwen_image", "sd3", "wan", "bagel")
 SECTIONS: dict[str, Callable[[Ctx], None]] = {
     "parity": section_parity,
     "lora": section_lora,
@@ -564,13 +884,74 @@ def cpu_selftest() -> None:
     b = DiffusersEngine(model).generate(PROMPTS[:2], seeds, cfg)
     assert (b.x_next - a.x_next).abs().mean() > 0
     print(fmt_table(step_gaps(b, a), ["step", "sigma", "n", "dx_mean", "dx_max", "dlp_rollout"]))
+    selftest_family_dirs()
     print("cpu selftest ok")
+
+
+def selftest_family_dirs() -> None:
+    """The added families' directory writers: fgrpo's loaders read them (and, for SD3, the tokenizer classes
+    vLLM-Omni instantiates agree with fgrpo's), the Wan adapter reads the settings fgrpo's loader does, and the
+    BAGEL reference loop is the in-process engine's ODE bit for bit."""
+    import tempfile
+
+    from transformers import AutoTokenizer, CLIPTokenizer, T5Tokenizer
+
+    from fgrpo.rollout.seeds import sample_generator
+    from fgrpo.rollout.vllm_omni_pipeline import wan_settings
+
+    root = Path(tempfile.mkdtemp(prefix="fgrpo-vllm-check-"))
+    sd3_dir = save_tiny_sd3_dir(root / "sd3")
+    for sub, cls in (
+        ("tokenizer", CLIPTokenizer),
+        ("tokenizer_2", CLIPTokenizer),
+        ("tokenizer_3", T5Tokenizer),
+    ):
+        a, b = (
+            cls.from_pretrained(str(sd3_dir), subfolder=sub),
+            AutoTokenizer.from_pretrained(str(sd3_dir), subfolder=sub),
+        )
+        assert a(PROMPTS[0]).input_ids == b(PROMPTS[0]).input_ids, sub
+    cfg = tiny_cfg(argparse.Namespace(size=64, steps=2))
+    sd3 = as_flow_model(
+        SD3.from_pretrained(sd3_dir, dtype=torch.float32, device="cpu", **FAMILY_KWARGS["sd3"])
+    )
+    assert torch.isfinite(DiffusersEngine(sd3).generate(PROMPTS[:1], seeds_for(1), cfg).log_prob).all()
+    for experts in (1, 2):
+        wan_dir = save_tiny_wan_dir(root / f"wan{experts}", experts)
+        wan = Wan.from_pretrained(wan_dir, dtype=torch.float32, device="cpu", **FAMILY_KWARGS["wan"])
+        settings = wan_settings(wan_dir)
+        assert (
+            settings["expand_timesteps"] == wan.expand_timesteps and settings["flow_shift"] == wan.flow_shift
+        )
+        boundary = settings["boundary_ratio"]
+        assert (None if boundary is None else boundary * 1000) == wan.boundary_timestep, (boundary, experts)
+    bagel_dir = save_tiny_bagel_dir(root / "bagel", vllm_omni_parts=False)
+    bagel = as_flow_model(Bagel.from_pretrained(bagel_dir, dtype=torch.float32, device="cpu"))  # strict load
+    ode = dataclasses.replace(cfg, guidance_scale=4.0, negative_prompt="", window_size=0, window_range=(0, 0))
+    seed = seeds_for(1)[0]
+    want = DiffusersEngine(bagel).generate(PROMPTS[:1], [seed], ode)
+    x1 = torch.randn(bagel.latent_shape(64, 64), generator=sample_generator(seed))  # the engine's x_1 draw
+    mine = bagel_inprocess_latents(bagel, PROMPTS[0], x1, ode.num_steps, 4.0, 64, 64)
+    assert want.x0 is not None
+    final = want.x0[0].float()
+    assert torch.equal(mine[-1], final), latent_gaps([mine[-1]], [final])
+    assert torch.equal(unpatchify(patchify(x1[None], 2), 2, 16, 8, 8)[0], x1)
+    print(f"family directories ok ({root})")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
-        "--sections", default="parity,lora,weights,sleep", help=f"comma-separated: {','.join(SECTIONS)}"
+        "--model",
+        default="qwen_image",
+        choices=MODELS,
+        help="family: qwen_image (every section), sd3, wan, bagel (parity only)",
+    )
+    ap.add_argument(
+        "--sections",
+        default="",
+        help=f"comma-separated: {','.join(SECTIONS)} (default parity,lora,weights,sleep; parity for --model other "
+        "than qwen_image)",
     )
     ap.add_argument(
         "--out", default=os.environ.get("OUT", "/tmp/fgrpo_vllm_omni_check"), help="output folder"
@@ -592,8 +973,36 @@ def main() -> None:
         "--in-process-modes", default="eager,compile", help="throughput: in-process eager and/or compile"
     )
     ap.add_argument("--skip-in-process", action="store_true", help="throughput: only the vllm-omni rows")
+    ap.add_argument(
+        "--wan-experts", type=int, default=1, choices=(1, 2), help="wan: 1 (TI2V-5B-like) or 2 (A14B)"
+    )
+    ap.add_argument(
+        "--bagel-guidance", type=float, default=4.0, help="bagel: text guidance (BAGEL's default 4)"
+    )
+    ap.add_argument(
+        "--bagel-tol", type=float, default=0.05, help="bagel: max relative gap of the final latents"
+    )
     ap.add_argument("--cpu-selftest", action="store_true", help="check the helpers on the CPU (no vllm)")
     args = ap.parse_args()
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()] or (
+        ["parity", "lora", "weights", "sleep"] if args.model == "qwen_image" else ["parity"]
+    )
+    unknown = [s for s in sections if s not in SECTIONS]
+    if unknown:
+        ap.error(f"--sections {','.join(unknown)}: not among {','.join(SECTIONS)}")
+    if args.model != "qwen_image" and sections != ["parity"]:
+        ap.error(
+            f"--sections {','.join(sections)}: --model {args.model} runs parity only; pass --sections parity"
+        )
+    if args.model == "wan" and args.size % 32:
+        ap.error(
+            f"--size {args.size}: --model wan needs a multiple of 32 (VAE 16 x patch 2); e.g. --size 128"
+        )
+    top = 8 * BAGEL_TINY["max_latent_size"]
+    if args.model == "bagel" and (args.size % 16 or args.size > top):
+        ap.error(
+            f"--size {args.size}: --model bagel needs a multiple of 16 up to {top} (its tiny latent grid)"
+        )
     if args.cpu_selftest:
         cpu_selftest()
         return
@@ -606,7 +1015,7 @@ def main() -> None:
         f"# vllm-omni {vllm_omni.__version__}, torch {torch.__version__}, {torch.cuda.get_device_name()}, out={ctx.out}",
         flush=True,
     )
-    for name in [s.strip() for s in args.sections.split(",") if s.strip()]:
+    for name in sections:
         t = time.perf_counter()
         try:
             SECTIONS[name](ctx)

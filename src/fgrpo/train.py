@@ -54,6 +54,7 @@ from fgrpo.errors import RunCollapsed
 from fgrpo.models.base import FlowModel
 from fgrpo.models.lora import export_lora, setup_trainable
 from fgrpo.models.registry import build_model
+from fgrpo.models.wan import wan_kwargs
 from fgrpo.rewards import build_reward
 from fgrpo.rewards.base import Reward, check_scores
 from fgrpo.rewards.client import HttpReward
@@ -160,6 +161,8 @@ class Trainer:
             merged_lora=cfg.model.merged_rollout,
             float8=cfg.model.merged_float8,
             keep=self.algo.rollout_fields(),
+            kind=cfg.model.kind,
+            model_kwargs=wan_kwargs(cfg.model),
         )
         # The asynchronous mode's weights the rollout still samples with, checkpointed (empty when synchronous).
         self.lagging = async_mode.Lagging.of(self.rollout_weights, split, cfg.parallel.max_staleness)

@@ -211,7 +211,8 @@ class FakeOmni:
         self.engine = FakeEngine(self)
         name = kwargs["custom_pipeline_args"]["pipeline_class"]
         module, qual = name.rsplit(".", 1)  # what vllm's resolve_obj_by_qualname does
-        self.pipeline = getattr(importlib.import_module(module), qual)(od_config=None)
+        od_config = types.SimpleNamespace(model=model)  # the real one's, of which pipelines read `model`
+        self.pipeline = getattr(importlib.import_module(module), qual)(od_config=od_config)
         ext_name = kwargs["worker_extension_cls"]
         ext = getattr(importlib.import_module(ext_name.rsplit(".", 1)[0]), ext_name.rsplit(".", 1)[1])
         self.worker = ext()
@@ -230,9 +231,13 @@ class FakeOmni:
                 batch = FakeRequestBatch(requests[s : s + step])
                 for j, o in enumerate(self.pipeline.forward(batch)):
                     payload = o.output["payload"]
-                    img = ((payload["image"][0].permute(1, 2, 0) / 2 + 0.5).clamp(0, 1) * 255).round()
-                    pil = Image.fromarray(img.to(torch.uint8).numpy())
-                    outs.append(FakeRequestOutput(f"{s + j}_x", [pil], {"trajectory": payload["trajectory"]}))
+                    images = []  # an image pipeline's post-processing; a video one's is not modelled
+                    if "image" in payload:
+                        img = ((payload["image"][0].permute(1, 2, 0) / 2 + 0.5).clamp(0, 1) * 255).round()
+                        images.append(Image.fromarray(img.to(torch.uint8).numpy()))
+                    outs.append(
+                        FakeRequestOutput(f"{s + j}_x", images, {"trajectory": payload["trajectory"]})
+                    )
         random.Random(len(outs)).shuffle(outs)
         return outs
 

@@ -102,7 +102,9 @@ FAMILIES: dict[str, Family] = {
         "experiments/qwen_image_edit_ocr.py",
         tiny="tiny_qwen_image_edit",
     ),
-    "sd3": Family(_pretrained(SD3), SD3_LORA_TARGETS, 16, "experiments/sd35_ocr.py", tiny="tiny_sd3"),
+    "sd3": Family(
+        _pretrained(SD3), SD3_LORA_TARGETS, 16, "experiments/sd35_ocr.py", tiny="tiny_sd3", vllm_omni=True
+    ),
     "flux": Family(_pretrained(Flux), FLUX_LORA_TARGETS, 16, "experiments/flux_ocr.py", tiny="tiny_flux"),
     "zimage": Family(
         _pretrained(ZImage), ZIMAGE_LORA_TARGETS, 16, "experiments/zimage_ocr.py", tiny="tiny_zimage"
@@ -152,6 +154,7 @@ FAMILIES: dict[str, Family] = {
         32,
         "experiments/wan_video_ocr.py",
         tiny="tiny_wan",
+        vllm_omni=True,
     ),
     "tiny_wan": Family(
         lambda mcfg, device, dtype, seed: tiny.tiny_wan(

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from fgrpo.models.base import FlowModel
 from fgrpo.models.lora import Float8
@@ -20,10 +21,15 @@ def build_engine(
     merged_lora: bool = False,
     float8: Float8 = "off",
     keep: Sequence[str] = (),
+    kind: str = "qwen_image",
+    model_kwargs: Mapping[str, Any] | None = None,
 ) -> RolloutEngine:
     """The configured rollout engine: this process's diffusers modules (train_graph, merged_lora, float8: see
     DiffusersEngine), or vLLM-Omni with its own weights. keep: the Trajectory's optional fields the run reads
-    (`Algorithm.rollout_fields`), which vLLM-Omni then sends back; the in-process engine fills them all."""
+    (`Algorithm.rollout_fields`), which vLLM-Omni then sends back; the in-process engine fills them all. kind,
+    model_kwargs: model.kind and the family's model keywords (vLLM-Omni builds its own copy of the model)."""
     if engine == "vllm_omni":
-        return VllmOmniEngine(model_path, enable_sleep_mode=True, keep=keep)
+        return VllmOmniEngine(
+            model_path, kind=kind, model_kwargs=model_kwargs, enable_sleep_mode=True, keep=keep
+        )
     return DiffusersEngine(model, train_graph=train_graph, merged_lora=merged_lora, float8=float8)

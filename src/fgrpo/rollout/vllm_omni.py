@@ -1,8 +1,9 @@
-"""Rollout on vLLM-Omni: the same Trajectory as the in-process engine, from vllm-omni's Qwen-Image kernels.
+"""Rollout on vLLM-Omni: the same Trajectory as the in-process engine, from vllm-omni's transformer kernels.
 
 `VllmOmniEngine` implements `fgrpo.rollout.base.RolloutEngine` on `vllm_omni.Omni` (0.30.x, the
-optional extra `vllm`). The denoising loop runs on vllm-omni's worker inside
-`fgrpo.rollout.vllm_omni_pipeline.FgrpoQwenImagePipeline`, which calls `fgrpo.policy.transition`, so
+optional extra `vllm`) for the families of `fgrpo.rollout.vllm_omni_pipeline.ADAPTERS` (Qwen-Image, SD3.5,
+Wan 2.2). The denoising loop runs on vllm-omni's worker inside fgrpo's subclass of vllm-omni's pipeline of the
+family (e.g. `FgrpoQwenImagePipeline`), which calls `fgrpo.policy.transition`, so
 the schedule, the SDE window, the step mean/std, the sampling and the log-prob are fgrpo's. Only the
 transformer's kernels are vllm-omni's; their rounding differs from the trainer's, so with this engine
 the trainer recomputes old log-probs and logs the per-timestep |rollout - trainer| gap.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -33,7 +35,6 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import numpy as np
 import torch
 
 from fgrpo.config import SamplingConfig
@@ -43,18 +44,21 @@ from fgrpo.rollout.base import Trajectory
 from fgrpo.rollout.engine import check_request
 from fgrpo.rollout.seeds import sample_generator
 from fgrpo.rollout.vllm_omni_pipeline import (
+    ADAPTERS,
     CFG_KEY,
-    COND_PAIRS,
     INFO_KEY,
     KEEP_KEY,
+    MODEL_KEY,
     OPTIONAL_FIELDS,
-    PIPELINE_QUALNAME,
+    PIXELS_KEY,
     TRAJ_KEY,
     WORKER_EXTENSION_QUALNAME,
+    FamilyAdapter,
     as_flow_model,
     config_to_dict,
     merge_cond,
     spec_from_dir,
+    wan_settings,
 )
 
 SUPPORTED_SERIES = "0.30"
@@ -93,6 +97,20 @@ def check_keep(keep: Sequence[str]) -> tuple[str, ...]:
     return tuple(keep)
 
 
+def adapter_for(kind: str) -> FamilyAdapter:
+    """The vLLM-Omni adapter of model.kind (a tiny kind: its real family's), or a one-line error naming the
+    supported families."""
+    from fgrpo.models.registry import FAMILIES  # the registry imports every family; only the host needs it
+
+    family = next((k for k, f in FAMILIES.items() if f.tiny == kind), kind)
+    if family not in ADAPTERS:
+        raise ValueError(
+            f"rollout_engine='vllm_omni' supports model.kind in {tuple(ADAPTERS)}, got {kind!r}; "
+            "use --rollout-engine diffusers"
+        )
+    return ADAPTERS[family]
+
+
 def build_requests(
     prompts: Sequence[str],
     seeds: Sequence[int],
@@ -101,6 +119,7 @@ def build_requests(
     lora_scale: float = 1.0,
     spec: QwenImage | None = None,
     keep: Sequence[str] = (),
+    model_kwargs: Mapping[str, Any] | None = None,
 ) -> tuple[list[Any], Any]:
     """vllm-omni prompts (one per sample, carrying its seed and index) and the shared sampling params.
 
@@ -109,6 +128,7 @@ def build_requests(
     window and noise from `fgrpo.rollout.seeds.sample_generator(seed)`, as the in-process engine does.
     With `spec` (the checkpoint's configs), every check of the in-process engine runs here first.
     keep: the Trajectory's optional fields (`mean`, `x0`) the worker sends back besides the window's.
+    model_kwargs: the family's model keywords the worker builds its FlowModel with (Wan: num_frames).
     """
     check_keep(keep)
     if spec is not None:
@@ -137,24 +157,14 @@ def build_requests(
         output_type="pil",
         lora_request=lora_request,
         lora_scale=lora_scale,
-        extra_args={CFG_KEY: config_to_dict(cfg), KEEP_KEY: list(keep)},
+        extra_args={CFG_KEY: config_to_dict(cfg), KEEP_KEY: list(keep), MODEL_KEY: dict(model_kwargs or {})},
     )
     return requests, params
 
 
-def _image_u8(image: Any) -> torch.Tensor:
-    if isinstance(image, torch.Tensor):  # [3, H, W] float in [0, 1] or uint8 [H, W, 3]
-        return (
-            image
-            if image.dtype == torch.uint8
-            else (image.permute(1, 2, 0) * 255).round().clamp(0, 255).byte()
-        )
-    return torch.from_numpy(np.asarray(image.convert("RGB"), dtype=np.uint8).copy())
-
-
 def unpack_outputs(outputs: Sequence[Any], prompts: Sequence[str], seeds: Sequence[int]) -> Trajectory:
     """OmniRequestOutputs (any order) -> one Trajectory in the caller's sample order."""
-    by_index: dict[int, tuple[dict[str, Any], Any]] = {}
+    by_index: dict[int, dict[str, Any]] = {}
     for out in outputs:
         if getattr(out, "finished", True) is False:  # lifecycle/streaming notices carry no result
             continue
@@ -163,20 +173,16 @@ def unpack_outputs(outputs: Sequence[Any], prompts: Sequence[str], seeds: Sequen
         traj = (out.multimodal_output or {}).get(TRAJ_KEY)
         if traj is None:
             raise RuntimeError(
-                "vllm-omni returned no fgrpo trajectory: the engine is not running "
-                f"{PIPELINE_QUALNAME} (check custom_pipeline_args)"
+                "vllm-omni returned no fgrpo trajectory: the engine is not running fgrpo's pipeline "
+                "(check custom_pipeline_args)"
             )
-        if not out.images:
-            raise RuntimeError(f"vllm-omni request {getattr(out, 'request_id', '?')} returned no image")
-        by_index[int(traj["index"])] = (traj, out.images[0])
+        by_index[int(traj["index"])] = traj
     if sorted(by_index) != list(range(len(prompts))):
         raise RuntimeError(f"vllm-omni returned samples {sorted(by_index)} for {len(prompts)} requests")
-    trajs = [by_index[i][0] for i in range(len(prompts))]
+    trajs = [by_index[i] for i in range(len(prompts))]
     for i, (t, seed) in enumerate(zip(trajs, seeds)):
         if int(t["seed"]) != int(seed):
             raise RuntimeError(f"sample {i}: engine used seed {t['seed']}, expected {seed}")
-    cond_keys = [k for pair in COND_PAIRS for k in pair]
-    conds = [{k: t[k] for k in cond_keys if k in t} for t in trajs]
     # the optional fields the request asked for (build_requests' keep); the others stay None
     optional = {k: torch.stack([t[k] for t in trajs]).float() for k in OPTIONAL_FIELDS if k in trajs[0]}
     return Trajectory(
@@ -187,8 +193,8 @@ def unpack_outputs(outputs: Sequence[Any], prompts: Sequence[str], seeds: Sequen
         x_t=torch.stack([t["x_t"] for t in trajs]).float(),
         x_next=torch.stack([t["x_next"] for t in trajs]).float(),
         log_prob=torch.stack([t["log_probs"] for t in trajs]).float(),
-        cond=merge_cond(conds),
-        images=torch.stack([_image_u8(by_index[i][1]) for i in range(len(prompts))]),
+        cond=merge_cond([t["cond"] for t in trajs]),
+        images=torch.stack([t[PIXELS_KEY] for t in trajs]),  # the in-process engine's uint8 decode
         **optional,
     )
 
@@ -210,25 +216,38 @@ def write_peft_dir(path: str | os.PathLike[str], state_dict: Mapping[str, torch.
 
 
 def vllm_omni_lora_names(
-    state_dict: Mapping[str, torch.Tensor], config: Any
+    state_dict: Mapping[str, torch.Tensor],
+    config: Any,
+    renames: Sequence[tuple[str, str]] = ADAPTERS["qwen_image"].lora_renames,
 ) -> tuple[dict[str, torch.Tensor], dict]:
-    """A diffusers/PEFT Qwen-Image LoRA renamed to vllm-omni's module names: (state_dict, config dict).
+    """A diffusers/PEFT LoRA renamed to vllm-omni's module names: (state_dict, config dict).
 
-    vllm-omni's Qwen-Image block holds the attention output projection as `attn.to_out` (a Linear), where
-    diffusers has `attn.to_out.0` (the Linear inside a ModuleList with a Dropout); its weight loader maps
-    the name, its LoRA loader does not, and rejects `to_out.0` as an unknown module (seen on the GPU). The
-    other targets (to_q/k/v, add_*_proj, to_add_out, img_mlp.net.0.proj, ...) have the same names on both.
+    renames: (diffusers module name, vllm-omni's) of the family (FamilyAdapter.lora_renames; default
+    Qwen-Image's). vllm-omni's Qwen-Image block holds the attention output projection as `attn.to_out` (a
+    Linear), where diffusers has `attn.to_out.0` (the Linear inside a ModuleList with a Dropout); its weight
+    loader maps the name, its LoRA loader does not, and rejects `to_out.0` as an unknown module (seen on the
+    GPU). The other targets (to_q/k/v, add_*_proj, to_add_out, img_mlp.net.0.proj, ...) have the same names.
     """
     cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
 
     def rename(name: str) -> str:
-        return name.replace(".to_out.0.", ".to_out.")
+        for old, new in renames:
+            name = name.replace(f".{old}.", f".{new}.")
+        return name
+
+    def rename_target(t: str) -> str:
+        for old, new in renames:
+            if t == old or t.endswith("." + old):
+                t = t[: -len(old)] + new
+        return t
 
     targets = cfg.get("target_modules")
     if isinstance(targets, str):  # a regex: rewrite the literal module name inside it
-        cfg["target_modules"] = targets.replace("to_out.0", "to_out").replace(r"to_out\.0", "to_out")
+        for old, new in renames:
+            targets = targets.replace(old, new).replace(re.escape(old), new)
+        cfg["target_modules"] = targets
     elif targets is not None:
-        cfg["target_modules"] = sorted({t[: -len(".0")] if t.endswith("to_out.0") else t for t in targets})
+        cfg["target_modules"] = sorted({rename_target(t) for t in targets})
     return {rename(k): v for k, v in state_dict.items()}, cfg
 
 
@@ -247,10 +266,15 @@ def _check_rpc(method: str, results: Sequence[Any]) -> list[Any]:
 
 
 class VllmOmniEngine:
-    """RolloutEngine on vllm_omni.Omni for Qwen-Image checkpoints (diffusers layout, local directory).
+    """RolloutEngine on vllm_omni.Omni for the families of ADAPTERS (diffusers layout, local directory).
 
     Args:
-        model: local diffusers directory of a Qwen-Image pipeline (or a hub id vllm-omni can fetch).
+        model: local diffusers directory of the family's pipeline (or a hub id vllm-omni can fetch; Wan needs a
+            local one, whose model_index.json and scheduler config its adapter reads).
+        kind: fgrpo's model.kind (a tiny kind stands for its family): picks vllm-omni's pipeline to subclass and
+            fgrpo's model to wrap its modules in; other kinds are refused.
+        model_kwargs: the family's model keywords (`fgrpo.models.wan.wan_kwargs`: Wan's num_frames and
+            guidance_scale_2), sent with every request; the worker builds its FlowModel with them.
         max_batch: requests per worker forward call (vllm-omni's max_num_seqs); inside one call the rows
             run in micro-batches of SamplingConfig.micro_batch, as in-process. A multiple of micro_batch
             keeps the forward shapes (and so the rounding) of the in-process engine.
@@ -270,6 +294,8 @@ class VllmOmniEngine:
         self,
         model: str,
         *,
+        kind: str = "qwen_image",
+        model_kwargs: Mapping[str, Any] | None = None,
         max_batch: int = 8,
         batch_wait_ms: float = 20.0,
         enforce_eager: bool = True,
@@ -281,6 +307,12 @@ class VllmOmniEngine:
     ):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.adapter = adapter_for(kind)
+        # The Wan adapter reads the directory's model_index.json and scheduler config on the worker: a path
+        # without them fails here, before vLLM-Omni starts. With two experts, one LoRA request cannot sync both.
+        self.two_experts = self.adapter.kind == "wan" and wan_settings(model)["boundary_ratio"] is not None
+        self.model_kwargs = dict(model_kwargs or {})
+        json.dumps(self.model_kwargs)  # they cross a process boundary inside extra_args: plain values only
         self.keep = check_keep(keep)
         import_vllm_omni()
         from vllm_omni.entrypoints.omni import Omni  # pyright: ignore[reportMissingImports] - the optional `vllm` extra
@@ -291,7 +323,7 @@ class VllmOmniEngine:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         kwargs: dict[str, Any] = {
             "model": str(model),
-            "custom_pipeline_args": {"pipeline_class": PIPELINE_QUALNAME},
+            "custom_pipeline_args": {"pipeline_class": self.adapter.qualname},
             "worker_extension_cls": WORKER_EXTENSION_QUALNAME,
             "max_num_seqs": max_batch,
             "request_batch_max_wait_ms": batch_wait_ms,
@@ -302,8 +334,10 @@ class VllmOmniEngine:
         kwargs.update(omni_kwargs or {})
         self.sleep_enabled = enable_sleep_mode
         self.omni = Omni(**kwargs)
-        # Configs of the resolved local directory (Omni downloads hub ids) for host-side request checks.
-        self.spec = spec_from_dir(getattr(self.omni, "model", model))
+        # Configs of the resolved local directory (Omni downloads hub ids) for host-side request checks
+        # (Qwen-Image's; another family's requests are checked on the worker, by the same check_request).
+        self.path = str(getattr(self.omni, "model", model))
+        self.spec = spec_from_dir(self.path) if self.adapter.kind == "qwen_image" else None
         self.lora_request: Any = None  # the adapter every later request uses; None = base weights
         self.lora_scale = 1.0
         self.weight_version = 0
@@ -314,7 +348,7 @@ class VllmOmniEngine:
         if self.asleep:
             raise RuntimeError("VllmOmniEngine.generate() while asleep: call wake() after the training step")
         requests, params = build_requests(
-            prompts, seeds, cfg, self.lora_request, self.lora_scale, self.spec, self.keep
+            prompts, seeds, cfg, self.lora_request, self.lora_scale, self.spec, self.keep, self.model_kwargs
         )
         outputs = self.omni.generate(requests, params, use_tqdm=False)
         return unpack_outputs(list(outputs), prompts, seeds)
@@ -333,6 +367,12 @@ class VllmOmniEngine:
         `config` (peft.LoraConfig). Either way the engine gets a fresh directory and a fresh adapter id,
         because vllm-omni would otherwise serve the cached adapter of the same id.
         """
+        if self.two_experts:
+            # one LoRARequest reaches one set of names; the trainer's second expert would not be synced
+            raise ValueError(
+                "update_lora: a two-expert Wan (T2V-A14B) cannot take one LoRA on vLLM-Omni here; "
+                "use a one-expert Wan (TI2V-5B) or --rollout-engine diffusers"
+            )
         if isinstance(source, Mapping):
             if config is None:
                 raise ValueError("update_lora(state_dict) needs config= (the peft.LoraConfig of the adapter)")
@@ -349,7 +389,7 @@ class VllmOmniEngine:
         self.weight_version += 1
         v = self.weight_version
         dst = self.work_dir / f"lora_v{v:06d}"
-        write_peft_dir(dst, *vllm_omni_lora_names(source, config))
+        write_peft_dir(dst, *vllm_omni_lora_names(source, config, self.adapter.lora_renames))
         from vllm.lora.request import LoRARequest  # pyright: ignore[reportMissingImports] - the optional `vllm` extra
 
         self.lora_request = LoRARequest(lora_name=f"fgrpo_v{v}", lora_int_id=v, lora_path=str(dst))

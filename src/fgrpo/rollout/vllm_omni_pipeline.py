@@ -1,16 +1,17 @@
-"""The worker side of the vLLM-Omni engine: a Qwen-Image pipeline whose `forward` is fgrpo's rollout.
+"""The worker side of the vLLM-Omni engine: vLLM-Omni's pipeline of a family whose `forward` is fgrpo's rollout.
 
 vllm-omni 0.30 lets a caller replace a model's pipeline class through
 `Omni(..., custom_pipeline_args={"pipeline_class": "<module>.<qualname>"})`; its worker imports the
 class by that name and calls `forward(req: DiffusionRequestBatch) -> list[DiffusionOutput]`, one output
-per request, under `torch.inference_mode()`. We subclass its `QwenImagePipeline` to keep everything it
-loads (text encoder, VAE, its fused-kernel transformer, its LoRA manager) and replace only `forward`:
-it wraps those modules in fgrpo's own `QwenImage` FlowModel and runs fgrpo's in-process engine
-(`fgrpo.rollout.engine.DiffusersEngine`) on them. So the prompt template, latent packing, true CFG, the
-schedule, the per-sample generators and SDE windows, `fgrpo.policy.transition` and the VAE decode are
-the very code the in-process engine and the trainer run; only the transformer's kernels are vllm-omni's.
+per request, under `torch.inference_mode()`. For each family in ADAPTERS we subclass vllm-omni's pipeline of
+that family (Qwen-Image: `QwenImagePipeline`, SD3.5: `StableDiffusion3Pipeline`, Wan 2.2: `Wan22Pipeline`) to keep
+everything it loads (text encoders, VAE, its fused-kernel transformer(s), its LoRA manager) and replace only
+`forward`: it wraps those modules in fgrpo's own FlowModel of the family (the adapter's `wrap`) and runs fgrpo's
+in-process engine (`fgrpo.rollout.engine.DiffusersEngine`) on them. So the prompt encoding, latent layout, CFG,
+the schedule, the per-sample generators and SDE windows, `fgrpo.policy.transition` and the VAE decode are the very
+code the in-process engine and the trainer run; only the transformer's kernels are vllm-omni's.
 
-Everything except the two classes at the bottom imports without vllm: the classes are built on first
+Everything except the classes built at the bottom imports without vllm: the classes are built on first
 attribute access (module `__getattr__`), which is exactly what vllm's `resolve_obj_by_qualname` does
 (`import_module`, then `getattr`).
 
@@ -19,20 +20,24 @@ request; one sampling-params object serves all prompts of an `Omni.generate` cal
 and index. The trajectory returns in the output envelope's `payload["trajectory"]`, which vllm-omni
 passes through to `OmniRequestOutput.multimodal_output["trajectory"]`.
 
-What travels back per sample (fp32 unless said; `latent` = QwenImage.latent_shape, [16, H/8, W/8] for
+What travels back per sample (fp32 unless said; `latent` = the model's latent_shape, [16, H/8, W/8] for
 Qwen-Image, 64 KiB per 256 px squared: 256 KiB at 512², 1 MiB at 1024²): the window's x_t and x_next
 ([W, *latent] each), its log-probs [W], the window's step indices, the sigmas [T + 1], the prompt embeddings
-and masks (and the negative pair with CFG), and only those of the Trajectory's optional fields that the
-request names in `sampling_params.extra_args[KEEP_KEY]`, which the trainer sets to what its algorithm reads
-(`Algorithm.rollout_fields`): `mean` [W, *latent] (Flow-DPPO's old means, when it reuses the rollout's
-log-probs) and `x0` [*latent] (the clean latents DiffusionNFT and AWM train on).
+(and masks, pooled embeddings, the negative ones with CFG), the decoded pixels (uint8, as the in-process engine's
+`images`: a family's own post-processing in vllm-omni, e.g. a video's, need not round-trip them), and only those
+of the Trajectory's optional fields that the request names in `sampling_params.extra_args[KEEP_KEY]`, which the
+trainer sets to what its algorithm reads (`Algorithm.rollout_fields`): `mean` [W, *latent] (Flow-DPPO's old
+means, when it reuses the rollout's log-probs) and `x0` [*latent] (the clean latents DiffusionNFT and AWM train
+on).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, cast
@@ -44,6 +49,8 @@ from fgrpo.config import SamplingConfig
 from fgrpo.models.base import Cond, FlowModel
 from fgrpo.models.common import pad_to
 from fgrpo.models.qwen_image import QwenImage
+from fgrpo.models.sd3 import SD3
+from fgrpo.models.wan import Wan
 from fgrpo.rollout.base import Trajectory
 from fgrpo.rollout.engine import DiffusersEngine
 
@@ -57,7 +64,11 @@ INFO_KEY = "fgrpo"  # prompt["additional_information"][INFO_KEY] = {"seed", "ind
 CFG_KEY = "fgrpo_cfg"  # sampling_params.extra_args[CFG_KEY] = SamplingConfig fields
 KEEP_KEY = "fgrpo_keep"  # sampling_params.extra_args[KEEP_KEY] = names of OPTIONAL_FIELDS to send back
 TRAJ_KEY = "trajectory"  # payload key that vllm-omni forwards to multimodal_output
-# QwenImage.encode's keys, as (embeds, mask) pairs; the negative pair exists only with CFG.
+# sampling_params.extra_args[MODEL_KEY] = the family's model keywords (Wan: num_frames)
+MODEL_KEY = "fgrpo_model"
+PIXELS_KEY = "pixels"  # the decoded uint8 pixels inside each sample's trajectory dict
+# QwenImage.encode's keys, as (embeds, mask) pairs; the negative pair exists only with CFG. A conditioning key of
+# another family (no mask: its prompts share one length) is stacked as it is (merge_cond).
 COND_PAIRS = (("prompt_embeds", "prompt_mask"), ("neg_prompt_embeds", "neg_prompt_mask"))
 
 PIPELINE_QUALNAME = f"{__name__}.FgrpoQwenImagePipeline"
@@ -134,7 +145,7 @@ class OmniTransformer(nn.Module):
         return (out[0],)
 
 
-def flow_model(pipeline: QwenImagePipeline) -> QwenImage:
+def flow_model(pipeline: QwenImagePipeline, model_kwargs: Mapping[str, Any] | None = None) -> QwenImage:
     """fgrpo's QwenImage FlowModel on the modules vllm-omni loaded (shared, not copied)."""
     scheduler: Any = pipeline.scheduler  # diffusers types from_pretrained's result loosely
     transformer: Any = OmniTransformer(pipeline.transformer)
@@ -144,13 +155,153 @@ def flow_model(pipeline: QwenImagePipeline) -> QwenImage:
         pipeline.text_encoder,
         pipeline.tokenizer,
         scheduler_config=scheduler.config,
+        **(model_kwargs or {}),
     )
 
 
-def as_flow_model(model: QwenImage) -> FlowModel:
-    """QwenImage is a FlowModel (tests check it at runtime); pyright cannot tell, because it does not
-    see diffusers' QwenImageTransformer2DModel (QwenImage.transformer's annotation) as an nn.Module."""
+class OmniConfigured(nn.Module):
+    """A vllm-omni transformer whose forward already takes diffusers' keywords (SD3, Wan), with the `config` fields
+    fgrpo's model reads: vllm-omni keeps them as plain attributes (SD3) or on a config object of its own (Wan)."""
+
+    def __init__(self, transformer: Any, **config: Any):
+        super().__init__()
+        self.inner = transformer
+        self.config = SimpleNamespace(**config)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner(*args, **kwargs)
+
+
+def sd3_flow_model(pipeline: Any, model_kwargs: Mapping[str, Any] | None = None) -> SD3:
+    """fgrpo's SD3 on vllm-omni's StableDiffusion3Pipeline modules: CLIP-L, CLIP-G, T5 and their tokenizers."""
+    t = pipeline.transformer
+    transformer: Any = OmniConfigured(
+        t,
+        patch_size=int(t.patch_size),
+        in_channels=int(t.in_channels),
+        joint_attention_dim=int(t.joint_attention_dim),
+    )
+    return SD3(
+        transformer,
+        pipeline.vae,
+        [pipeline.text_encoder, pipeline.text_encoder_2, pipeline.text_encoder_3],
+        [pipeline.tokenizer, pipeline.tokenizer_2, pipeline.tokenizer_3],
+        scheduler_config=pipeline.scheduler.config,
+        **(model_kwargs or {}),
+    )
+
+
+def wan_settings(path: str | Path) -> dict[str, Any]:
+    """What fgrpo's Wan.from_pretrained takes from a diffusers Wan 2.2 directory besides the modules: the expert
+    boundary and expand_timesteps (model_index.json) and the flow shift (the scheduler's config). Read from the
+    files, not from vllm-omni's pipeline, whose values may come from its own engine arguments instead."""
+    root = Path(path)
+    try:
+        index = json.loads((root / "model_index.json").read_text())
+        sched = json.loads((root / "scheduler" / "scheduler_config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"model path '{root}': no readable model_index.json and scheduler/scheduler_config.json; pass a local "
+            "diffusers Wan 2.2 directory"
+        ) from e
+    return dict(
+        boundary_ratio=index.get("boundary_ratio"),
+        expand_timesteps=bool(index.get("expand_timesteps", False)),
+        flow_shift=float(sched["flow_shift"]),
+    )
+
+
+def wan_flow_model(pipeline: Any, model_kwargs: Mapping[str, Any] | None = None) -> Wan:
+    """fgrpo's Wan on vllm-omni's Wan22Pipeline modules: UMT5, the Wan VAE and one or two experts."""
+
+    def expert(t: Any) -> Any:
+        if t is None:
+            return None
+        return OmniConfigured(t, patch_size=tuple(t.config.patch_size), in_channels=int(t.config.in_channels))
+
+    return Wan(
+        expert(pipeline.transformer),
+        pipeline.vae,
+        pipeline.text_encoder,
+        pipeline.tokenizer,
+        transformer_2=expert(getattr(pipeline, "transformer_2", None)),
+        **wan_settings(pipeline.od_config.model),
+        **(model_kwargs or {}),
+    )
+
+
+def wan_plain_kwargs(params: Any) -> dict[str, Any]:
+    """A plain request's clip length (vllm-omni's own field), so its warm-up does not sample Wan's default 81."""
+    frames = getattr(params, "num_frames", None)
+    return {"num_frames": int(frames)} if isinstance(frames, int) else {}
+
+
+def as_flow_model(model: Any) -> FlowModel:
+    """fgrpo's families are FlowModels (tests check it at runtime); pyright cannot tell, because it does not see
+    diffusers' transformer classes (the families' `transformer` annotations) as nn.Modules."""
     return cast(FlowModel, model)
+
+
+@dataclass(frozen=True)
+class FamilyAdapter:
+    """How one family runs on vllm-omni: the pipeline class of vllm-omni's to subclass, how its loaded modules
+    become fgrpo's FlowModel of the family, and what differs at the boundary (output key, LoRA module names)."""
+
+    kind: str
+    """fgrpo's model.kind."""
+    base_module: str
+    base_class: str
+    """vllm-omni's pipeline: `<base_module>.<base_class>`."""
+    wrap: Callable[[Any, Mapping[str, Any]], Any]
+    """(vllm-omni's pipeline, the family's model keywords) -> fgrpo's FlowModel on its modules."""
+    output_key: str = "image"
+    """The payload key vllm-omni's post-processing of this pipeline reads: 'image' ([B, 3, H, W]) or 'video'
+    ([B, 3, F, H, W]), in [-1, 1]."""
+    lora_renames: tuple[tuple[str, str], ...] = ()
+    """(diffusers module name, vllm-omni's) where they differ; vllm-omni's LoRA loader knows only its own."""
+    plain_kwargs: Callable[[Any], dict[str, Any]] = lambda params: {}
+    """Model keywords of a request that is not fgrpo's (vllm-omni's warm-up), from its sampling params."""
+
+    @property
+    def pipeline_class(self) -> str:
+        return f"Fgrpo{self.base_class}"
+
+    @property
+    def qualname(self) -> str:
+        return f"{__name__}.{self.pipeline_class}"
+
+
+_MODELS = "vllm_omni.diffusion.models"
+ADAPTERS: dict[str, FamilyAdapter] = {
+    a.kind: a
+    for a in (
+        # vllm-omni names diffusers' attn.to_out.0 (a Linear in a ModuleList with a Dropout) `attn.to_out`
+        FamilyAdapter(
+            "qwen_image",
+            f"{_MODELS}.qwen_image.pipeline_qwen_image",
+            "QwenImagePipeline",
+            flow_model,
+            lora_renames=(("to_out.0", "to_out"),),
+        ),
+        # vllm-omni's SD3 keeps to_out a ModuleList, so diffusers' names hold
+        FamilyAdapter("sd3", f"{_MODELS}.sd3.pipeline_sd3", "StableDiffusion3Pipeline", sd3_flow_model),
+        # Wan: to_out a Linear, and the feed-forward's net.0 / net.2 are attributes net_0 / net_2
+        FamilyAdapter(
+            "wan",
+            f"{_MODELS}.wan2_2.pipeline_wan2_2",
+            "Wan22Pipeline",
+            wan_flow_model,
+            output_key="video",
+            lora_renames=(
+                ("to_out.0", "to_out"),
+                ("ffn.net.0.proj", "ffn.net_0.proj"),
+                ("ffn.net.2", "ffn.net_2"),
+            ),
+            plain_kwargs=wan_plain_kwargs,
+        ),
+    )
+}
+assert ADAPTERS["qwen_image"].qualname == PIPELINE_QUALNAME  # the name runs and tests already know
 
 
 def request_info(prompt: Any) -> dict[str, Any]:
@@ -158,7 +309,7 @@ def request_info(prompt: Any) -> dict[str, Any]:
     info = prompt.get("additional_information", {}).get(INFO_KEY) if isinstance(prompt, dict) else None
     if info is None:
         raise ValueError(
-            "FgrpoQwenImagePipeline needs prompt['additional_information']['fgrpo'] (seed, index); "
+            "fgrpo's vLLM-Omni pipeline needs prompt['additional_information']['fgrpo'] (seed, index); "
             "drive it through fgrpo.rollout.vllm_omni.VllmOmniEngine"
         )
     return info
@@ -169,8 +320,8 @@ def split_trajectory(
 ) -> list[dict[str, Any]]:
     """One plain dict of CPU tensors per sample (what crosses vllm-omni's process boundary).
 
-    Latents, log-probs, sigmas and prompt embeddings travel in fp32; masks as bool. keep: the optional fields
-    (OPTIONAL_FIELDS) to send as well, each under its Trajectory name.
+    Latents, log-probs, sigmas and conditioning travel in fp32 (masks as bool) and the pixels as uint8. keep: the
+    optional fields (OPTIONAL_FIELDS) to send as well, each under its Trajectory name.
     """
     out = []
     for b, index in enumerate(indices):
@@ -182,9 +333,11 @@ def split_trajectory(
             "x_t": traj.x_t[b].float().cpu(),
             "x_next": traj.x_next[b].float().cpu(),
             "log_probs": traj.log_prob[b].float().cpu(),  # ... and this one as trajectory_log_probs
+            PIXELS_KEY: traj.images[b].cpu(),
+            "cond": {
+                k: (v[b].float() if v.is_floating_point() else v[b]).cpu() for k, v in traj.cond.items()
+            },
         }
-        for k, v in traj.cond.items():
-            d[k] = (v[b].float() if v.is_floating_point() else v[b]).cpu()
         for name in keep:
             value = getattr(traj, name)
             assert value is not None, f"the in-process engine fills Trajectory.{name}"
@@ -194,15 +347,21 @@ def split_trajectory(
 
 
 def merge_cond(per_sample: Sequence[Cond]) -> Cond:
-    """Stack per-sample conditioning of different text lengths: zero embeds, False mask on the padding."""
+    """Stack per-sample conditioning. Embeddings with a mask (Qwen-Image's text of different lengths): zero embeds
+    and a False mask on the padding; any other key (pooled embeddings, fixed-length text) as it is."""
     out: Cond = {}
+    paired: set[str] = set()
     for emb_key, mask_key in COND_PAIRS:
-        if emb_key not in per_sample[0]:
+        if emb_key not in per_sample[0] or mask_key not in per_sample[0]:
             continue
+        paired |= {emb_key, mask_key}
         L = max(c[emb_key].shape[0] for c in per_sample)
         pairs = [pad_to(c[emb_key][None], c[mask_key][None], L) for c in per_sample]
         out[emb_key] = torch.cat([e for e, _ in pairs])
         out[mask_key] = torch.cat([m for _, m in pairs]).bool()
+    for k in per_sample[0]:
+        if k not in paired:
+            out[k] = torch.stack([c[k] for c in per_sample])
     return out
 
 
@@ -229,60 +388,77 @@ def plain_request(params: Any, prompts: Sequence[Any]) -> tuple[SamplingConfig, 
     return cfg, texts, [int(params.seed or 0)] * len(prompts)
 
 
+def pixels_to_payload(images: torch.Tensor) -> torch.Tensor:
+    """The in-process engine's uint8 pixels [B, ..., 3] as the [-1, 1] channel-first tensor vllm-omni's
+    post-processing reads ([B, 3, H, W], a video [B, 3, F, H, W]); its uint8 conversion gives the pixels back."""
+    return images.movedim(-1, 1).float() / 255 * 2 - 1
+
+
 def run_batch(
-    flow: QwenImage, prompts: Sequence[Any], cfg: SamplingConfig, keep: Sequence[str] = ()
+    flow: FlowModel, prompts: Sequence[Any], cfg: SamplingConfig, keep: Sequence[str] = ()
 ) -> tuple[torch.Tensor, list[dict[str, Any]]]:
     """One vllm-omni request batch through fgrpo's in-process engine.
 
-    Returns images [B, 3, H, W] in [-1, 1] (vllm-omni's Qwen-Image post-processing turns them into
-    PIL; they are QwenImage.decode's uint8 pixels, mapped back exactly) and one trajectory per request,
-    with the optional fields named in `keep`.
+    Returns the images for vllm-omni's post-processing (pixels_to_payload) and one trajectory per request, with
+    the optional fields named in `keep`.
     """
     infos = [request_info(p) for p in prompts]
     texts = [p["prompt"] for p in prompts]
-    traj = DiffusersEngine(as_flow_model(flow)).generate(texts, [int(i["seed"]) for i in infos], cfg)
-    images = (
-        traj.images.permute(0, 3, 1, 2).float() / 255 * 2 - 1
-    )  # uint8 -> [-1, 1], inverted by postprocess
-    return images, split_trajectory(traj, [int(i["index"]) for i in infos], keep)
+    traj = DiffusersEngine(flow).generate(texts, [int(i["seed"]) for i in infos], cfg)
+    return pixels_to_payload(traj.images), split_trajectory(traj, [int(i["index"]) for i in infos], keep)
+
+
+def pipeline_forward(adapter: FamilyAdapter) -> Callable[[Any, Any], list[Any]]:
+    """The `forward` of fgrpo's pipeline for `adapter`'s family (the same for every family)."""
+    from vllm_omni.diffusion.data import DiffusionOutput  # pyright: ignore[reportMissingImports] - the optional `vllm` extra
+
+    def forward(self: Any, req: Any) -> list[Any]:
+        params = req.sampling_params_list[0]
+        extra = params.extra_args or {}
+        fgrpo_request = CFG_KEY in extra
+        kwargs = dict(extra.get(MODEL_KEY) or {}) if fgrpo_request else adapter.plain_kwargs(params)
+        key = json.dumps(kwargs, sort_keys=True)
+        if self._fgrpo_flow is None or self._fgrpo_key != key:
+            # built once per model keywords: its prompt cache then lives as long as the engine
+            self._fgrpo_flow = as_flow_model(adapter.wrap(self, kwargs))
+            self._fgrpo_key = key
+        flow = self._fgrpo_flow
+        if fgrpo_request:
+            images, trajs = run_batch(
+                flow, req.prompts, config_from_dict(extra[CFG_KEY]), extra.get(KEEP_KEY, ())
+            )
+            payloads = [{adapter.output_key: images[b : b + 1], TRAJ_KEY: t} for b, t in enumerate(trajs)]
+        else:  # vllm-omni's start-up warm-up request (and any plain request): same model path, ODE
+            cfg, texts, seeds = plain_request(params, req.prompts)
+            images = pixels_to_payload(DiffusersEngine(flow).generate(texts, seeds, cfg).images)
+            payloads = [{adapter.output_key: images[b : b + 1]} for b in range(len(texts))]
+        return [DiffusionOutput(output={"payload": p, "metadata": {}}, to_cpu=True) for p in payloads]
+
+    return forward
 
 
 _CLASSES: dict[str, type] = {}
 
 
-def _build_classes() -> dict[str, type]:
-    """Subclass vllm-omni's pipeline and worker extension (imports vllm_omni; the worker process calls this)."""
-    if _CLASSES:
-        return _CLASSES
-    # vllm-omni is the optional `vllm` extra: without it these do not resolve (nor run).
-    from vllm_omni.diffusion.data import DiffusionOutput  # pyright: ignore[reportMissingImports]
-    from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline  # pyright: ignore[reportMissingImports]
-    from vllm_omni.diffusion.worker.diffusion_worker import CustomPipelineWorkerExtension  # pyright: ignore[reportMissingImports]
-    from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch  # pyright: ignore[reportMissingImports]
+def _build_pipeline(adapter: FamilyAdapter) -> type:
+    """Subclass vllm-omni's pipeline of the family (imports vllm_omni; the worker process calls this)."""
+    base: Any = getattr(importlib.import_module(adapter.base_module), adapter.base_class)
+    return type(
+        adapter.pipeline_class,
+        (base,),
+        {
+            "__doc__": f"vllm-omni's {adapter.base_class} with fgrpo's rollout as `forward`.",
+            "supports_request_batch": True,
+            "supports_step_execution": False,  # fgrpo's loop runs whole requests; no per-step scheduling
+            "_fgrpo_flow": None,
+            "_fgrpo_key": None,
+            "forward": pipeline_forward(adapter),
+        },
+    )
 
-    class FgrpoQwenImagePipeline(QwenImagePipeline):
-        """vllm-omni's Qwen-Image pipeline with fgrpo's Flow-GRPO rollout as `forward`."""
 
-        supports_request_batch = True
-        supports_step_execution = False  # fgrpo's loop runs whole requests; no per-step scheduling
-        _fgrpo_flow: QwenImage | None = None
-
-        def forward(self, req: DiffusionRequestBatch) -> list[DiffusionOutput]:
-            if self._fgrpo_flow is None:  # built once: its prompt cache then lives as long as the engine
-                self._fgrpo_flow = flow_model(self)
-            params = req.sampling_params_list[0]
-            extra = params.extra_args or {}
-            if CFG_KEY in extra:
-                images, trajs = run_batch(
-                    self._fgrpo_flow, req.prompts, config_from_dict(extra[CFG_KEY]), extra.get(KEEP_KEY, ())
-                )
-                payloads = [{"image": images[b : b + 1], TRAJ_KEY: t} for b, t in enumerate(trajs)]
-            else:  # vllm-omni's start-up warm-up request (and any plain request): same model path, ODE
-                cfg, texts, seeds = plain_request(params, req.prompts)
-                u8 = DiffusersEngine(as_flow_model(self._fgrpo_flow)).generate(texts, seeds, cfg).images
-                images = u8.permute(0, 3, 1, 2).float() / 255 * 2 - 1
-                payloads = [{"image": images[b : b + 1]} for b in range(len(texts))]
-            return [DiffusionOutput(output={"payload": p, "metadata": {}}, to_cpu=True) for p in payloads]
+def _build_worker_extension() -> type:
+    from vllm_omni.diffusion.worker.diffusion_worker import CustomPipelineWorkerExtension  # pyright: ignore[reportMissingImports] - the optional `vllm` extra
 
     class FgrpoWorkerExtension(CustomPipelineWorkerExtension):
         """Adds full-weight sync to the diffusion worker (vllm-omni 0.30 has no weight-update RPC)."""
@@ -300,15 +476,23 @@ def _build_classes() -> dict[str, type]:
             loaded = self.model_runner.pipeline.transformer.load_weights(state.items())
             return len(loaded)
 
-    for cls in (FgrpoQwenImagePipeline, FgrpoWorkerExtension):
+    return FgrpoWorkerExtension
+
+
+def _build_class(name: str) -> type:
+    if name not in _CLASSES:
+        if name == "FgrpoWorkerExtension":
+            cls = _build_worker_extension()
+        else:
+            cls = _build_pipeline(next(a for a in ADAPTERS.values() if a.pipeline_class == name))
         # vllm resolves classes by "<module>.<qualname>"; make that name point here.
         cls.__module__ = __name__
-        cls.__qualname__ = cls.__name__
-        _CLASSES[cls.__name__] = cls
-    return _CLASSES
+        cls.__qualname__ = cls.__name__ = name
+        _CLASSES[name] = cls
+    return _CLASSES[name]
 
 
 def __getattr__(name: str) -> type:
-    if name in ("FgrpoQwenImagePipeline", "FgrpoWorkerExtension"):
-        return _build_classes()[name]
+    if name == "FgrpoWorkerExtension" or any(a.pipeline_class == name for a in ADAPTERS.values()):
+        return _build_class(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,284 @@
+"""The vLLM-Omni engine on the families beyond Qwen-Image (SD3.5, Wan 2.2), against fakes of vLLM-Omni 0.30's
+pipelines of them.
+
+The fakes hold the tiny random modules of fgrpo's builders behind what fgrpo touches of vllm-omni's classes (read
+from vllm-omni 0.30.0's sources): `StableDiffusion3Pipeline` (transformer whose config fields are plain attributes
+`patch_size`, `in_channels`, `joint_attention_dim`; `text_encoder`..`text_encoder_3`, `tokenizer`..`tokenizer_3`,
+`vae`, `scheduler`) and `Wan22Pipeline` (`transformer`, `transformer_2` or None, each with a config object of its
+own; `text_encoder`, `tokenizer`, `vae`; `od_config.model`, the checkpoint directory). The rest of the fake vLLM-Omni
+is test_vllm_omni.py's. The real vllm is never imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import test_vllm_omni as base  # the fake vllm-omni surface of the Qwen-Image tests (tests/rollout on sys.path)
+import torch
+from test_vllm_omni import fake_vllm  # noqa: F401 - a fixture, used by name
+from torch import nn
+
+from fgrpo.config import SamplingConfig
+from fgrpo.models import tiny
+from fgrpo.models.base import FlowModel
+from fgrpo.models.registry import VLLM_OMNI_KINDS
+from fgrpo.models.sd3 import SD3
+from fgrpo.models.wan import Wan
+from fgrpo.rollout import vllm_omni_pipeline as vop
+from fgrpo.rollout.engine import DiffusersEngine
+
+PROMPTS, SEEDS = base.PROMPTS, base.SEEDS
+
+
+# ---------------------------------------------------------------------------------------------
+# Fakes of vllm-omni 0.30's SD3 and Wan 2.2 pipelines
+# ---------------------------------------------------------------------------------------------
+class FakeOmniSD3Transformer(nn.Module):
+    """vllm-omni's SD3Transformer2DModel: diffusers' keywords, its config fields as attributes, no `config`."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+        cfg: Any = inner.config
+        self.patch_size, self.in_channels = cfg.patch_size, cfg.in_channels
+        self.joint_attention_dim = cfg.joint_attention_dim
+
+    def forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, return_dict=True):
+        assert not return_dict
+        return self.inner(
+            hidden_states=hidden_states,
+            encoder_hidden_states=encoder_hidden_states,
+            pooled_projections=pooled_projections,
+            timestep=timestep,
+            return_dict=False,
+        )
+
+
+class FakeStableDiffusion3Pipeline(nn.Module):
+    def __init__(self, *, od_config: Any = None, prefix: str = ""):
+        super().__init__()
+        c = tiny.tiny_sd3_components(0)
+        self.od_config = od_config
+        self.transformer = FakeOmniSD3Transformer(c["transformer"])
+        for k in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
+            setattr(self, k, c[k])
+        self.tokenizer, self.tokenizer_2, self.tokenizer_3 = (
+            c["tokenizer"],
+            c["tokenizer_2"],
+            c["tokenizer_3"],
+        )
+        self.scheduler = c["scheduler"]
+
+
+class FakeOmniWanTransformer(nn.Module):
+    """vllm-omni's WanTransformer3DModel: diffusers' keywords plus its own, a plain config object."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+        cfg: Any = inner.config
+        self.config = type(
+            "Config", (), {"patch_size": tuple(cfg.patch_size), "in_channels": cfg.in_channels}
+        )()
+
+    def forward(
+        self,
+        hidden_states,
+        timestep,
+        encoder_hidden_states,
+        encoder_hidden_states_image=None,
+        intermediate_tensors=None,
+        return_dict=True,
+        attention_kwargs=None,
+    ):
+        assert not return_dict and encoder_hidden_states_image is None
+        return self.inner(
+            hidden_states=hidden_states,
+            timestep=timestep,
+            encoder_hidden_states=encoder_hidden_states,
+            return_dict=False,
+        )
+
+
+class FakeWan22Pipeline(nn.Module):
+    def __init__(self, *, od_config: Any = None, prefix: str = ""):
+        super().__init__()
+        self.od_config = od_config
+        experts = (
+            2 if json.loads((Path(od_config.model) / "model_index.json").read_text())["boundary_ratio"] else 1
+        )
+        c = tiny.tiny_wan_components(0, experts=experts)
+        self.transformer = FakeOmniWanTransformer(c["transformer"])
+        self.transformer_2 = (
+            None if c["transformer_2"] is None else FakeOmniWanTransformer(c["transformer_2"])
+        )
+        self.vae, self.text_encoder, self.tokenizer = c["vae"], c["text_encoder"], c["tokenizer"]
+        self.scheduler = types.SimpleNamespace(config={"flow_shift": 5.0})  # vllm-omni's own, unused by fgrpo
+
+
+def wan_dir(root: Path, experts: int) -> Path:
+    """The files of a diffusers Wan 2.2 directory that the adapter reads (the fake pipeline builds the modules)."""
+    (root / "scheduler").mkdir(parents=True, exist_ok=True)
+    index = {
+        "_class_name": "WanPipeline",
+        "boundary_ratio": tiny.TINY_WAN_BOUNDARY_RATIO if experts == 2 else None,
+        "expand_timesteps": experts == 1,
+    }
+    (root / "model_index.json").write_text(json.dumps(index))
+    sched = {"_class_name": "UniPCMultistepScheduler", "flow_shift": tiny.TINY_WAN_FLOW_SHIFT}
+    (root / "scheduler" / "scheduler_config.json").write_text(json.dumps(sched))
+    return root
+
+
+@pytest.fixture
+def fake_families(fake_vllm, monkeypatch):  # noqa: F811 - the fixture imported above
+    models = "vllm_omni.diffusion.models"
+    mods = {
+        f"{models}.sd3": base._module(f"{models}.sd3"),
+        f"{models}.sd3.pipeline_sd3": base._module(
+            f"{models}.sd3.pipeline_sd3", StableDiffusion3Pipeline=FakeStableDiffusion3Pipeline
+        ),
+        f"{models}.wan2_2": base._module(f"{models}.wan2_2"),
+        f"{models}.wan2_2.pipeline_wan2_2": base._module(
+            f"{models}.wan2_2.pipeline_wan2_2", Wan22Pipeline=FakeWan22Pipeline
+        ),
+    }
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    return fake_vllm
+
+
+# (kind, fake base, fgrpo's class, model keywords, sampling size, in-process reference builder, experts)
+SD3_CASE = (
+    "sd3",
+    FakeStableDiffusion3Pipeline,
+    SD3,
+    {"max_sequence_length": tiny.T5_MAX_LENGTH_TINY},
+    (32, 48),
+    1,
+)
+WAN_KW = {"num_frames": tiny.TINY_WAN_FRAMES, "max_sequence_length": tiny.TINY_WAN_TEXT_LENGTH}
+CASES = {
+    "sd3": SD3_CASE,
+    "wan_ti2v": ("wan", FakeWan22Pipeline, Wan, WAN_KW, (32, 64), 1),
+    "wan_a14b": ("wan", FakeWan22Pipeline, Wan, WAN_KW, (32, 64), 2),
+}
+
+
+def _model_dir(case: str, tmp_path: Path) -> Path:
+    kind, *_, experts = CASES[case]
+    return wan_dir(tmp_path / "ckpt", experts) if kind == "wan" else tmp_path / "ckpt"
+
+
+def _reference(case: str, cfg: SamplingConfig, prompts=PROMPTS, seeds=SEEDS):
+    """The in-process engine on the family's tiny model from the same seed: what the vLLM-Omni engine must give."""
+    kind, _, _, kwargs, _, experts = CASES[case]
+    model = tiny.tiny_sd3(0, **kwargs) if kind == "sd3" else tiny.tiny_wan(0, experts=experts, **kwargs)
+    return DiffusersEngine(vop.as_flow_model(model)).generate(prompts, seeds, cfg)
+
+
+def _cfg(case: str) -> SamplingConfig:
+    h, w = CASES[case][4]
+    return dataclasses.replace(base.CFG, height=h, width=w)
+
+
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", list(CASES))
+def test_pipeline_wraps_the_loaded_modules_in_the_familys_model(fake_families, tmp_path, case):
+    kind, fake, model_cls, kwargs, *_ = CASES[case]
+    adapter = vop.ADAPTERS[kind]
+    cls = getattr(vop, adapter.pipeline_class)
+    assert issubclass(cls, fake) and cls.__qualname__ == adapter.pipeline_class == f"Fgrpo{fake.__name__[4:]}"
+    assert cls.__module__ == vop.__name__ and cls.supports_request_batch and not cls.supports_step_execution
+    pipeline = cls(od_config=types.SimpleNamespace(model=str(_model_dir(case, tmp_path))))
+    flow: Any = adapter.wrap(pipeline, kwargs)
+    assert isinstance(flow, model_cls) and isinstance(vop.as_flow_model(flow), FlowModel)
+    assert flow.transformer.inner is pipeline.transformer  # shared, not copied: LoRA and weight sync reach it
+    if kind == "sd3":
+        assert (
+            flow.clips == (pipeline.text_encoder, pipeline.text_encoder_2)
+            and flow.t5 is pipeline.text_encoder_3
+        )
+    else:
+        assert flow.text_encoder is pipeline.text_encoder and flow.num_frames == tiny.TINY_WAN_FRAMES
+        assert (flow.transformer_2 is None) == (CASES[case][-1] == 1)
+        assert flow.transformer_2 is None or flow.transformer_2.inner is pipeline.transformer_2
+        assert flow.expand_timesteps == (CASES[case][-1] == 1) and flow.flow_shift == tiny.TINY_WAN_FLOW_SHIFT
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_generate_equals_the_in_process_engine(fake_families, tmp_path, case):
+    """Worker batches of 2 = the reference's micro-batches of 2: the same forwards, bit for bit, with the optional
+    fields the trainer asks for."""
+    kind, _, _, kwargs, *_ = CASES[case]
+    engine = fake_families.VllmOmniEngine(
+        str(_model_dir(case, tmp_path)),
+        kind=kind,
+        model_kwargs=kwargs,
+        max_batch=2,
+        work_dir=tmp_path / "work",
+        keep=("x0",),
+    )
+    assert base.FakeOmni.instances[-1].kwargs["custom_pipeline_args"] == {
+        "pipeline_class": vop.ADAPTERS[kind].qualname
+    }
+    cfg = _cfg(case)
+    got, want = engine.generate(PROMPTS, SEEDS, cfg), _reference(case, cfg)
+    base._assert_same(got, want, exact=True)
+    assert got.x0 is not None and want.x0 is not None and torch.equal(got.x0, want.x0.float())
+    assert got.images.shape == want.images.shape and got.images.dtype == torch.uint8
+
+
+def test_a_tiny_kind_runs_its_familys_adapter(fake_families, tmp_path):
+    engine = fake_families.VllmOmniEngine(str(tmp_path), kind="tiny_sd3", work_dir=tmp_path / "w")
+    assert engine.adapter is vop.ADAPTERS["sd3"]
+
+
+def test_the_engine_refuses_a_family_without_an_adapter(fake_families, tmp_path):
+    for kind in ("flux", "bagel", "tiny_zimage"):
+        with pytest.raises(
+            ValueError,
+            match=r"^rollout_engine='vllm_omni' supports model.kind in \('qwen_image', 'sd3', 'wan'\), got "
+            f"'{kind}'; use --rollout-engine diffusers$",
+        ):
+            fake_families.VllmOmniEngine(str(tmp_path), kind=kind, work_dir=tmp_path / "w")
+    assert not base.FakeOmni.instances  # refused before vllm-omni starts
+    assert VLLM_OMNI_KINDS == tuple(vop.ADAPTERS)  # the config check and the engine agree
+
+
+def test_wan_lora_names_and_the_two_expert_refusal(fake_families, tmp_path):
+    from fgrpo.rollout.vllm_omni import vllm_omni_lora_names
+
+    a = torch.randn(2, 8)
+    state = {
+        f"base_model.model.blocks.0.{m}.lora_A.weight": a
+        for m in ("attn1.to_out.0", "attn2.to_q", "ffn.net.0.proj", "ffn.net.2")
+    }
+    cfg = {
+        "r": 2,
+        "lora_alpha": 4,
+        "target_modules": ["attn1.to_out.0", "to_q", "ffn.net.0.proj", "ffn.net.2"],
+    }
+    renamed, new_cfg = vllm_omni_lora_names(state, cfg, vop.ADAPTERS["wan"].lora_renames)
+    assert sorted(renamed) == [
+        f"base_model.model.blocks.0.{m}.lora_A.weight"
+        for m in ("attn1.to_out", "attn2.to_q", "ffn.net_0.proj", "ffn.net_2")
+    ]
+    assert new_cfg["target_modules"] == ["attn1.to_out", "ffn.net_0.proj", "ffn.net_2", "to_q"]
+    one = fake_families.VllmOmniEngine(
+        str(wan_dir(tmp_path / "ti2v", 1)), kind="wan", model_kwargs=WAN_KW, work_dir=tmp_path / "a"
+    )
+    assert one.update_lora(state, cfg).lora_int_id == 1
+    two = fake_families.VllmOmniEngine(
+        str(wan_dir(tmp_path / "a14b", 2)), kind="wan", model_kwargs=WAN_KW, work_dir=tmp_path / "b"
+    )
+    with pytest.raises(ValueError, match="two-expert Wan"):
+        two.update_lora(state, cfg)
+    with pytest.raises(ValueError, match=r"no readable model_index.json .* pass a local diffusers Wan 2.2"):
+        fake_families.VllmOmniEngine(str(tmp_path / "none"), kind="wan", work_dir=tmp_path / "c")
