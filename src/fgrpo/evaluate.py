@@ -33,8 +33,8 @@ from fgrpo import checkpoint, guard, parallel
 from fgrpo.config import ModelConfig
 from fgrpo.errors import ConfigError, MissingFileError
 from fgrpo.files import read_safetensors_metadata
-from fgrpo.models.base import FlowModel
-from fgrpo.models.lora import ADAPTER_WEIGHTS, setup_trainable
+from fgrpo.models.base import FlowModel, trained_module, trained_transformers
+from fgrpo.models.lora import ADAPTER_WEIGHTS, setup_trainable_model
 from fgrpo.models.registry import build_model
 from fgrpo.rewards import build_reward
 from fgrpo.rewards.base import check_scores
@@ -279,12 +279,11 @@ def build_column(spec: EvalSpec, column: Column, device: torch.device) -> FlowMo
         mcfg = dataclasses.replace(mcfg, lora=True, init_lora=column.lora, **adapter_settings(column.lora))
     torch.manual_seed(spec.seed)  # the LoRA init draws from the global RNG, as in training
     model = build_model(mcfg, device, spec.seed)
-    setup_trainable(model.transformer, mcfg)
-    parallel.shard_transformer(
-        model.transformer, param_dtype=torch.bfloat16 if mcfg.dtype == "bf16" else None
-    )
+    setup_trainable_model(model, mcfg)
+    for transformer in trained_transformers(model).values():
+        parallel.shard_transformer(transformer, param_dtype=torch.bfloat16 if mcfg.dtype == "bf16" else None)
     if column.checkpoint:
-        checkpoint.load(column.checkpoint, model=model.transformer)
+        checkpoint.load(column.checkpoint, model=trained_module(model))
     return model
 
 
