@@ -122,3 +122,56 @@ def test_exported_experts_load_into_the_pipeline_with_the_trained_outputs(tmp_pa
             got, want = t(**inputs)[0], trained(**inputs)[0]
             assert not torch.equal(got, b), name  # the trained adapter changes the expert
             torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_init_lora_and_evaluation_read_the_exported_experts(tmp_path, dist):
+    """model.init_lora (and an evaluation's --lora) given the exported `lora/` start each expert from its own
+    adapter."""
+    from fgrpo.evaluate import adapter_settings
+    from fgrpo.models.lora import setup_trainable_model
+    from fgrpo.models.registry import check_config
+
+    cfg = _config(tmp_path, "both")
+    trainer = Trainer(cfg, dist)
+    trainer.train()
+    lora = tmp_path / cfg.exp_name / "lora"
+    assert adapter_settings(lora)["lora_rank"] == cfg.model.lora_rank
+    mcfg = dataclasses.replace(cfg.model, init_lora=str(lora))
+    check_config(dataclasses.replace(cfg, model=mcfg))
+    model = tiny.tiny_wan(seed=cfg.seed, experts=2)
+    setup_trainable_model(model, mcfg)
+    for name, t in trained_transformers(model).items():
+        want = _adapters(trainer)[name]
+        got = {n: p.detach() for n, p in t.named_parameters() if p.requires_grad}
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), name
+
+
+def test_the_reference_policy_and_the_merged_rollout_take_both_experts():
+    """The KL's reference (adapters_disabled over the trained transformers) is the base model at both stages; the
+    merged rollout's copies cover the layers of both experts."""
+    from fgrpo.config import ModelConfig
+    from fgrpo.models.base import trained_module
+    from fgrpo.models.lora import MergedLora, adapters_disabled, setup_trainable_model
+    from fgrpo.models.wan import WAN_LORA_TARGETS
+
+    model = tiny.tiny_wan(seed=1, experts=2)
+    x = torch.randn(1, *model.latent_shape(32, 32), generator=torch.Generator().manual_seed(0))
+    cond = model.encode(["a cat"])
+    base = [model.velocity(x, torch.tensor(s), cond, guidance_scale=1.0) for s in (0.95, 0.3)]
+    mcfg = ModelConfig(
+        kind="tiny_wan", dtype="fp32", lora_rank=2, lora_alpha=4, lora_targets=",".join(WAN_LORA_TARGETS)
+    )
+    for p in setup_trainable_model(model, mcfg):
+        torch.nn.init.normal_(p.data)  # B != 0: the adapters change both experts
+    adapted = [model.velocity(x, torch.tensor(s), cond, guidance_scale=1.0) for s in (0.95, 0.3)]
+    assert all(not torch.equal(a, b) for a, b in zip(adapted, base))
+    with torch.no_grad(), adapters_disabled(*trained_transformers(model).values()):
+        ref = [model.velocity(x, torch.tensor(s), cond, guidance_scale=1.0) for s in (0.95, 0.3)]
+    assert all(torch.equal(r, b) for r, b in zip(ref, base))
+    merged = MergedLora(trained_module(model))
+    names = {
+        n.split(".")[0]
+        for n, m in trained_module(model).named_modules()
+        if any(m is layer for layer, _, _ in merged.layers)
+    }
+    assert names == {"transformer", "transformer_2"}

@@ -34,7 +34,7 @@ from fgrpo.config import ModelConfig
 from fgrpo.errors import ConfigError, MissingFileError
 from fgrpo.files import read_safetensors_metadata
 from fgrpo.models.base import FlowModel, trained_module, trained_transformers
-from fgrpo.models.lora import ADAPTER_WEIGHTS, setup_trainable_model
+from fgrpo.models.lora import ADAPTER_WEIGHTS, lora_files, setup_trainable_model
 from fgrpo.models.registry import build_model
 from fgrpo.rewards import build_reward
 from fgrpo.rewards.base import check_scores
@@ -224,7 +224,7 @@ def check_adapter_dir(path: str | Path) -> Path:
         raise MissingFileError(
             f"--lora {path}: no such directory; pass an exported adapter (runs/<exp_name>/lora)"
         )
-    f = p / ADAPTER_WEIGHTS
+    f = lora_files(p)[0] / ADAPTER_WEIGHTS  # a model of several transformers: its first one's
     if not f.is_file():
         raise MissingFileError(
             f"--lora {path}: no {ADAPTER_WEIGHTS} in it; pass a directory fgrpo exported (runs/<exp_name>/lora or "
@@ -236,8 +236,9 @@ def check_adapter_dir(path: str | Path) -> Path:
 
 def adapter_settings(path: str | Path) -> dict[str, int | str]:
     """The LoraConfig an exported adapter keeps in its safetensors header (diffusers' `lora_adapter_metadata`)
-    as model.* fields: lora_rank, lora_alpha, lora_targets; {} when the header has none."""
-    f = Path(path) / ADAPTER_WEIGHTS
+    as model.* fields: lora_rank, lora_alpha, lora_targets; {} when the header has none. A directory of one adapter
+    per transformer (models.lora.export_loras): the first one's (the loop exports them all with one config)."""
+    f = lora_files(path)[0] / ADAPTER_WEIGHTS
     try:
         header = json.loads(read_safetensors_metadata(f).get("lora_adapter_metadata", "{}"))
     except Exception as e:  # safetensors' and json's own errors do not say which file
