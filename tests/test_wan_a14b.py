@@ -175,3 +175,15 @@ def test_the_reference_policy_and_the_merged_rollout_take_both_experts():
         if any(m is layer for layer, _, _ in merged.layers)
     }
     assert names == {"transformer", "transformer_2"}
+
+
+def test_model_experts_is_checked():
+    """model.experts picks the tiny model's variant; a count Wan has not is refused in one line naming the field."""
+    from fgrpo.errors import ConfigError
+    from fgrpo.models.registry import build_model
+    from fgrpo.models.wan import WanConfig
+
+    two = build_model(WanConfig(kind="tiny_wan", dtype="fp32", experts=2), torch.device("cpu"), seed=0)
+    assert list(trained_transformers(two)) == ["transformer", "transformer_2"]
+    with pytest.raises(ConfigError, match=r"model.experts=3: Wan has 1 \(TI2V-5B\) or 2"):
+        build_model(WanConfig(kind="tiny_wan", dtype="fp32", experts=3), torch.device("cpu"), seed=0)
