@@ -474,13 +474,7 @@ class StubTextWan(Wan):
 def build_real_wan(device: torch.device | str, layers: int = 30, num_frames: int = 41) -> Wan:
     """Wan 2.2 TI2V-5B at real size with random bf16 weights (its transformer config: `layers` blocks of 24 heads x
     128, FFN 14336, text width 4096, 48 latent channels; the Wan 2.2 VAE: base 160 / decoder 256, z 48, 16x spatial
-    and 4x temporal, patchified 2x2; flow shift 5, one timestep per token) and a stub text encoder.
-
-    The T2V-A14B doubles the transformer (two experts of 40 blocks of 40 heads x 128, ~14 B each, ~28 GB each in
-    bf16): with LoRA on one H200 both bf16 bases should fit beside the activations of a checkpointed step (an
-    estimate, not measured: two 28 GB bases, adapters and their AdamW state small); for full fine-tuning or larger clips, FSDP2 over the ranks with each
-    expert sharded by its blocks as its own unit (parallel.shard_transformer on each), only one expert's blocks
-    gathered at a time since a step runs one expert."""
+    and 4x temporal, patchified 2x2; flow shift 5, one timestep per token) and a stub text encoder."""
     from diffusers.models.autoencoders.autoencoder_kl_wan import AutoencoderKLWan
     from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
 
@@ -501,6 +495,41 @@ def build_real_wan(device: torch.device | str, layers: int = 30, num_frames: int
         None,
         expand_timesteps=True,
         flow_shift=5.0,
+        num_frames=num_frames,
+        device=device,
+    )
+
+
+def build_real_wan_a14b(device: torch.device | str, layers: int = 40, num_frames: int = 5) -> Wan:
+    """Wan 2.2 T2V-A14B at real size with random bf16 weights: two experts of the published transformer config
+    (`layers` blocks of 40 heads x 128 = 5120 wide, FFN 13824, text width 4096, 16 latent channels; ~14 B and ~28 GB
+    in bf16 each), the high-noise one at t >= 875 (boundary_ratio 0.875), the Wan 2.1 VAE (diffusers' defaults: base
+    96, z 16, 8x spatial and 4x temporal), a flow shift of 3, and a stub text encoder. docs/models.md has the memory
+    plan."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import AutoencoderKLWan
+    from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
+
+    with real_size(device):
+        experts = [
+            WanTransformer3DModel(
+                num_attention_heads=40,
+                attention_head_dim=128,
+                in_channels=16,
+                out_channels=16,
+                ffn_dim=13824,
+                num_layers=layers,
+            )  # fmt: skip
+            for _ in range(2)
+        ]
+        vae = AutoencoderKLWan()
+    return StubTextWan.from_modules(
+        experts[0],
+        vae,
+        None,
+        None,
+        transformer_2=experts[1],
+        boundary_ratio=0.875,
+        flow_shift=3.0,
         num_frames=num_frames,
         device=device,
     )
@@ -544,11 +573,11 @@ def _real_size_text_encoder():
     return Qwen2_5_VLForConditionalGeneration(config), tiny_qwen_tokenizer()
 
 
-def recipe(model: str):
-    """The Config() of family `model`'s experiment file (its registry entry's recipe): the values the benchmark rows
-    use."""
+def recipe(model: str, preset: str = ""):
+    """The recipe Config of family `model`'s experiment file (its registry entry's recipe and preset), or another
+    preset function of that file (`a14b`): the values the benchmark rows use."""
     family = FAMILIES[model]
-    return getattr(load_script(family.recipe), family.preset)()
+    return getattr(load_script(family.recipe), preset or family.preset)()
 
 
 def condition_folder() -> Path:

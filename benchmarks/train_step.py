@@ -8,7 +8,8 @@ condition image per prompt; `--model ltx2`: LTX-2.3's transformer, connectors, v
 `build_real_flux`; `--model flux2`: FLUX.2 [klein] base 4B's, `build_real_flux2`; `--model flux2_dev`: FLUX.2
 [dev]'s 32 B transformer and VAE, `build_real_flux2_dev`, recipe experiments/flux2_ocr.py's `dev`; `--model zimage`: Z-Image's
 transformer and VAE, `build_real_zimage`, recipe experiments/zimage_ocr.py; `--model wan`: Wan 2.2 TI2V-5B's
-transformer and VAE, `build_real_wan`, recipe experiments/wan_video_ocr.py; `--model bagel`: BAGEL-7B-MoT's MoT
+transformer and VAE, `build_real_wan`, recipe experiments/wan_video_ocr.py (`--wan-variant a14b`: the T2V-A14B's two
+14 B experts and the Wan 2.1 VAE, `build_real_wan_a14b`, its `a14b` preset, both experts' LoRA trained); `--model bagel`: BAGEL-7B-MoT's MoT
 decoder and FLUX.1's VAE, `build_real_bagel`, recipe experiments/bagel_ocr.py); the text encoders are replaced by fixed random prompt embeddings of
 the real shapes (their cost is one forward per distinct prompt, cached over the group). Qwen-Image-Edit,
 LTX-2.3 and FLUX.1-dev sample, train their LoRA and batch by their experiment files' `recipe` presets
@@ -38,6 +39,7 @@ prompts, rollout, reward, gathered rewards -> advantages; its "rollout" and "rew
     python benchmarks/train_step.py --compile --model flux          # 2 prompts x 24 images, guidance 3.5 embedded
     python benchmarks/train_step.py --tiny --model flux2_dev --iters 0   # FLUX.2 [dev] wiring on the CPU
     python benchmarks/train_step.py --tiny --model ltx2 --iters 0   # CPU wiring check of a family
+    python benchmarks/train_step.py --model wan --wan-variant a14b  # Wan 2.2 T2V-A14B, both experts (~57 GB bf16)
     torchrun --nproc-per-node 2 benchmarks/train_step.py --prompts 4   # 2 GPUs, 32 images per GPU
     python benchmarks/train_step.py --opt-steps 1 --iters 0 --save-update /tmp/u.safetensors
     torchrun --nproc-per-node 2 benchmarks/train_step.py --opt-steps 1 --iters 0 --compare-update /tmp/u.safetensors
@@ -76,6 +78,7 @@ from rollout import (  # benchmarks/rollout.py: the same random models
     build_real_qwen_image_edit,
     build_real_sd3,
     build_real_wan,
+    build_real_wan_a14b,
     build_real_zimage,
     condition_folder,
     edit_prompts,
@@ -83,6 +86,8 @@ from rollout import (  # benchmarks/rollout.py: the same random models
     recipe,
 )
 
+from fgrpo.models import tiny
+from fgrpo.models.base import trained_transformers
 from fgrpo.models.registry import build_tiny
 
 MATMUL_TFLOPS_H200 = 755.0  # bf16, measured on an H200 (RESULTS.md)
@@ -120,6 +125,12 @@ def main() -> None:
         "flow_grpo's SD3 LoRA recipe (r32 on attention, CFG 4.5, CPS noise 0.8 in a 3-step window of [0, 5)); "
         "qwen_image_edit, ltx2, flux, flux2, flux2_dev, zimage, wan, bagel: their experiment files' recipe presets (sampling, "
         "LoRA, optimizer)",
+    )
+    ap.add_argument(
+        "--wan-variant",
+        default="ti2v-5b",
+        choices=("ti2v-5b", "a14b"),
+        help="--model wan: the TI2V-5B (its `recipe` preset) or the T2V-A14B (two experts, its `a14b` preset)",
     )
     ap.add_argument(
         "--cfg", type=float, default=0.0, help="CFG scale (0 = the recipe's: 4 / 4.5; 1 = no CFG)"
@@ -314,11 +325,12 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--algo: unknown {unknown}; choose from {' '.join(algorithms.ALGORITHMS)}")
     d = parallel.init_distributed("cpu" if args.tiny else "cuda")
+    a14b = args.model == "wan" and args.wan_variant == "a14b"
     rec = (
-        recipe(args.model)
+        recipe(args.model, "a14b" if a14b else "")
         if args.model in ("qwen_image_edit", "ltx2", "flux", "flux2", "flux2_dev", "zimage", "wan", "bagel")
         else None
-    )  # experiments/*.py's recipe
+    )  # experiments/*.py's recipe (the Wan A14B: its a14b preset)
     group = args.group or (rec.grpo.group_size if rec is not None else 16)
     micro_batch = args.micro_batch or (rec.sampling.micro_batch if rec is not None else 8)
     n = args.prompts * group
@@ -338,12 +350,12 @@ def main() -> None:
             "flux2": 5,
             "flux2_dev": 8,
             "zimage": 30,
-            "wan": 30,
+            "wan": 40 if a14b else 30,
             "bagel": 28,
         }[args.model]
     )
     if args.tiny:
-        model = build_tiny(args.model)
+        model = tiny.tiny_wan(experts=2) if a14b else build_tiny(args.model)
     elif args.model == "qwen_image":
         model = build_real(d.device, text_encoder=False, layers=layers)
     elif sd3:
@@ -358,6 +370,9 @@ def main() -> None:
         model = build_real_flux2_dev(d.device, layers)
     elif args.model == "zimage":
         model = build_real_zimage(d.device, layers)
+    elif a14b:
+        assert rec is not None
+        model = build_real_wan_a14b(d.device, layers, num_frames=rec.model.num_frames)
     elif args.model == "wan":
         assert rec is not None
         model = build_real_wan(d.device, layers, num_frames=rec.model.num_frames)
@@ -426,7 +441,8 @@ def main() -> None:
     if args.attention_backend:
         mcfg = dataclasses.replace(mcfg, attention_backend=args.attention_backend)
     if mcfg.attention_backend and not args.tiny:  # the recipe's (LTX-2: 'native'), as build_model sets it
-        configure_transformer(model.transformer, attention_backend=mcfg.attention_backend)
+        for transformer in trained_transformers(model).values():
+            configure_transformer(transformer, attention_backend=mcfg.attention_backend)
     unit = "videos" if isinstance(model, LTX2 | Wan) else "images"
     # built once, before any timing; build_random_vlm forks the RNG, so the LoRA init is the stub run's
     reward = (
@@ -444,7 +460,8 @@ def main() -> None:
         AsyncRewardRunner(on_side_stream(reward, d.device), kind="thread") if args.reward_stream else None
     )
     if args.compile:  # what model.compile does, before the Trainer adds LoRA and shards (as build_model)
-        configure_transformer(model.transformer, compile_blocks=True)
+        for transformer in trained_transformers(model).values():
+            configure_transformer(transformer, compile_blocks=True)
         if not args.eager_vae:
             compile_decoder(model)
     # The run's prompts, one per group: --prompt-file's lines or the default prompts (an edit model's each with a
@@ -619,7 +636,7 @@ def main() -> None:
                     f"# warning: {m['skipped_steps']:.0f} optimizer step(s) skipped (non-finite gradient norm)"
                 )
             if it == 0 and (args.save_update or args.compare_update):
-                names = [k for k, p in model.transformer.named_parameters() if p.requires_grad]
+                names = [k for k, p in trainer.trained.named_parameters() if p.requires_grad]
                 save_or_compare_update(
                     names, trainer.params, trainer.optimizer, args.save_update, args.compare_update, d.is_main
                 )

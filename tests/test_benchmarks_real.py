@@ -187,6 +187,21 @@ def test_real_flux2_dev_widths(rollout):
     )
 
 
+def test_real_wan_a14b_widths(rollout):
+    """Wan 2.2 T2V-A14B's published transformer config for each of its two experts: 40 blocks of 40 heads x 128 =
+    5120, FFN 13824, text width 4096, 16 latent channels (the Wan 2.1 VAE, 8x): 14.3 B parameters each, 28.6 GB in
+    bf16; the high-noise expert at t >= 875."""
+    model = rollout.build_real_wan_a14b("meta")
+    assert len(model.experts) == 2 and model.boundary_timestep == 875.0
+    for t in model.experts:
+        p = next(t.parameters())
+        assert (p.device.type, p.dtype) == ("meta", torch.bfloat16)
+        assert len(t.blocks) == 40 and t.config.num_attention_heads * t.config.attention_head_dim == 5120
+        assert (t.config.ffn_dim, t.config.text_dim, t.config.in_channels) == (13824, 4096, 16)
+        assert round(sum(q.numel() for q in t.parameters()) / 1e9, 1) == 14.3
+    assert model.latent_shape(480, 480) == (16, 2, 60, 60)  # the a14b preset's 5 frames of 480x480
+
+
 TRAIN_ARGS = ("--iters", "0", "--prompts", "1", "--group", "2", "--opt-steps", "1")
 
 
@@ -277,6 +292,14 @@ def test_train_step_tiny_vlm_reward_scores_the_rollout(train_step, monkeypatch, 
     )
     assert re.search(rf"^\| {label} \| [0-9.]+ \| [0-9.]+ \| - \|$", out, re.M)
     assert "| total (rollout + reward + train) |" in out
+
+
+@pytest.mark.slow
+def test_train_step_tiny_wan_a14b(train_step, monkeypatch, capsys):
+    out = run_main(train_step, monkeypatch, capsys, "--model", "wan", "--wan-variant", "a14b", *TRAIN_ARGS)
+    # the a14b preset: CFG 4, LoRA r64 on both experts of the tiny two-expert model
+    assert "2 videos per step" in out and "wan, LoRA r64" in out
+    assert "| phase | s | videos/GPU/s |" in out and "| total (rollout + train) |" in out
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """Every experiment file: --help parses, its presets instantiate, the tiny presets run 2 steps end to end."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -126,6 +127,7 @@ RENDERER_FLAGS = ["--grpo.prompts-per-step", "1", "--data.val-num-prompts", "2",
         ("flux2_ocr", "dev-tiny", []),
         ("zimage_ocr", "tiny", []),
         ("wan_video_ocr", "tiny", []),
+        ("wan_video_ocr", "a14b-tiny", []),
         ("bagel_ocr", "tiny", []),
     ],
 )
@@ -147,8 +149,35 @@ def test_tiny_preset_runs_two_steps(tmp_path, name, preset, flags):
     assert [r["step"] for r in rows if "reward/mean" in r] == [0, 1]
     assert any("val/reward_mean" in r for r in rows)
     assert (run / "checkpoints" / "step_000002" / "meta.json").is_file()
-    assert (run / "lora" / "adapter_model.safetensors").is_file()
+    experts = ("transformer", "transformer_2") if preset == "a14b-tiny" else ("",)  # one adapter per expert
+    assert all((run / "lora" / e / "adapter_model.safetensors").is_file() for e in experts)
     assert (run / "config.json").is_file() and (run / f"{name}.py").is_file()  # config + source saved
+
+
+def test_wan_a14b_preset_is_flow_factorys_wan22_t2v_config():
+    """Flow-Factory's examples/grpo/lora/wan22_t2v.yaml on the model it names, Wan2.2-T2V-A14B: 480 px, 5 frames,
+    10 steps, CFG 4 (high-noise expert) and 3 (low-noise), r64/a128 on both experts; the rest is the 5B recipe's."""
+    m = load(ROOT / "experiments" / "wan_video_ocr.py")
+    c, base = m.a14b(), m.Config()
+    mc, s = c.model, c.sampling
+    assert (mc.path, mc.experts, mc.num_frames, mc.guidance_scale_2, mc.lora_rank, mc.lora_alpha) == (
+        "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
+        2,
+        5,
+        3.0,
+        64,
+        128,
+    )
+    assert (s.height, s.width, s.num_steps, s.guidance_scale) == (480, 480, 10, 4.0)
+    assert (c.grpo, c.optim, dataclasses.replace(s, height=256, width=256, guidance_scale=5.0)) == (
+        base.grpo,
+        base.optim,
+        base.sampling,
+    )
+    from fgrpo.algorithms import check_config
+
+    check_config(c, world_size=8)
+    check_config(m.a14b_tiny(), world_size=1)
 
 
 def test_qwen_image_edit_recipe_matches_verl_omni():

@@ -48,7 +48,7 @@ from fgrpo.config import SamplingConfig, TrainConfig, validate_config
 from fgrpo.core import awm, dppo, ema, grpo, nft, schedule, sde
 from fgrpo.errors import ConfigError
 from fgrpo.models import registry
-from fgrpo.models.base import FlowModel, cond_index
+from fgrpo.models.base import FlowModel, cond_index, trained_transformers
 from fgrpo.models.lora import adapters_disabled
 from fgrpo.parallel import is_dtensor, world_size
 from fgrpo.policy import transition
@@ -604,7 +604,7 @@ def window_update(
         if g.kl_coef > 0:
             steps = traj.window[rows, j]
             sigma, sigma_next = traj.sigmas[steps], traj.sigmas[steps + 1]
-            with torch.no_grad(), adapters_disabled(model.transformer):
+            with torch.no_grad(), adapters_disabled(*trained_transformers(model).values()):
                 ref_mean, _ = transition(
                     model, traj.x_t[rows, j], sigma, sigma_next, cond_index(traj.cond, rows), s
                 )
@@ -729,7 +729,7 @@ def forward_process_update(
         at = {name: t[rows, k] for name, t in old.items()}
         loss, metrics = algo.point_loss(v, x_t, x0, eps, sigma, at, advantages[rows])
         if g.kl_coef > 0:  # the references' KL to the frozen model
-            with torch.no_grad(), adapters_disabled(model.transformer):
+            with torch.no_grad(), adapters_disabled(*trained_transformers(model).values()):
                 v_ref = model.velocity(x_t, sigma, cond, guidance_scale=1.0).float()
             kl = grpo.velocity_kl(v, v_ref).mean()
             loss = loss + g.kl_coef * kl

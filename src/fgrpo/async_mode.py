@@ -231,6 +231,8 @@ class Sides(Protocol):
     start_step: int
     lagging: Lagging
     model: FlowModel
+    trained: torch.nn.Module
+    """The model's trained transformers as one module (models.base.trained_module)."""
 
     def rollout_weights(self) -> dict[str, torch.Tensor]: ...
 
@@ -339,7 +341,7 @@ def run_rollout(run: Sides) -> None:
     """The rollout ranks' loop: sample batch b (run.experience) with the weights of version b - max_staleness,
     from b = run.start_step, send it, until the trainer's last update; after each update the trainer reports, join
     the collectives it runs then (run.save_if_due: the checkpoint)."""
-    cfg, split, transformer, start_step = run.cfg, run.split, run.model.transformer, run.start_step
+    cfg, split, transformer, start_step = run.cfg, run.split, run.trained, run.start_step
     if start_step >= cfg.num_steps:
         return
     wire, s = Wire(split), cfg.parallel.max_staleness

@@ -33,8 +33,8 @@ from fgrpo import checkpoint, guard, parallel
 from fgrpo.config import ModelConfig
 from fgrpo.errors import ConfigError, MissingFileError
 from fgrpo.files import read_safetensors_metadata
-from fgrpo.models.base import FlowModel
-from fgrpo.models.lora import ADAPTER_WEIGHTS, setup_trainable
+from fgrpo.models.base import FlowModel, trained_module, trained_transformers
+from fgrpo.models.lora import ADAPTER_WEIGHTS, lora_files, setup_trainable_model
 from fgrpo.models.registry import build_model
 from fgrpo.rewards import build_reward
 from fgrpo.rewards.base import check_scores
@@ -224,7 +224,7 @@ def check_adapter_dir(path: str | Path) -> Path:
         raise MissingFileError(
             f"--lora {path}: no such directory; pass an exported adapter (runs/<exp_name>/lora)"
         )
-    f = p / ADAPTER_WEIGHTS
+    f = lora_files(p)[0] / ADAPTER_WEIGHTS  # a model of several transformers: its first one's
     if not f.is_file():
         raise MissingFileError(
             f"--lora {path}: no {ADAPTER_WEIGHTS} in it; pass a directory fgrpo exported (runs/<exp_name>/lora or "
@@ -236,8 +236,9 @@ def check_adapter_dir(path: str | Path) -> Path:
 
 def adapter_settings(path: str | Path) -> dict[str, int | str]:
     """The LoraConfig an exported adapter keeps in its safetensors header (diffusers' `lora_adapter_metadata`)
-    as model.* fields: lora_rank, lora_alpha, lora_targets; {} when the header has none."""
-    f = Path(path) / ADAPTER_WEIGHTS
+    as model.* fields: lora_rank, lora_alpha, lora_targets; {} when the header has none. A directory of one adapter
+    per transformer (models.lora.export_loras): the first one's (the loop exports them all with one config)."""
+    f = lora_files(path)[0] / ADAPTER_WEIGHTS
     try:
         header = json.loads(read_safetensors_metadata(f).get("lora_adapter_metadata", "{}"))
     except Exception as e:  # safetensors' and json's own errors do not say which file
@@ -279,12 +280,11 @@ def build_column(spec: EvalSpec, column: Column, device: torch.device) -> FlowMo
         mcfg = dataclasses.replace(mcfg, lora=True, init_lora=column.lora, **adapter_settings(column.lora))
     torch.manual_seed(spec.seed)  # the LoRA init draws from the global RNG, as in training
     model = build_model(mcfg, device, spec.seed)
-    setup_trainable(model.transformer, mcfg)
-    parallel.shard_transformer(
-        model.transformer, param_dtype=torch.bfloat16 if mcfg.dtype == "bf16" else None
-    )
+    setup_trainable_model(model, mcfg)
+    for transformer in trained_transformers(model).values():
+        parallel.shard_transformer(transformer, param_dtype=torch.bfloat16 if mcfg.dtype == "bf16" else None)
     if column.checkpoint:
-        checkpoint.load(column.checkpoint, model=model.transformer)
+        checkpoint.load(column.checkpoint, model=trained_module(model))
     return model
 
 

@@ -10,6 +10,7 @@ import gc
 import io
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, TypeGuard
 
@@ -373,6 +374,18 @@ def is_dtensor(t: torch.Tensor) -> TypeGuard[DTensor]:
     """Whether `t` is an FSDP2 (DTensor) shard. Asked of the tensor's methods, so a run that never shards
     does not import torch.distributed.tensor (seconds)."""
     return hasattr(t, "full_tensor")
+
+
+def any_across_shards(flags: Sequence[bool], module: nn.Module) -> list[bool]:
+    """Each flag OR-ed over the ranks that `module`'s FSDP2 parameters are sharded over (as given when it is not
+    sharded, or over one rank). For a choice of which sharded modules to run that every rank of the mesh must make
+    alike: an FSDP2 forward all-gathers and its backward reduce-scatters, collectives every rank has to join."""
+    p = next((p for p in module.parameters() if is_dtensor(p)), None)
+    if p is None or p.device_mesh.size() == 1:
+        return list(flags)
+    t = torch.tensor([int(f) for f in flags], device=p.to_local().device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=p.device_mesh.get_group())
+    return [bool(v) for v in t.tolist()]
 
 
 def shard_transformer(

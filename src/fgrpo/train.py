@@ -51,8 +51,8 @@ from fgrpo.core import grpo
 from fgrpo.core.schedule import lr_multiplier
 from fgrpo.data import load_prompts, step_prompt_indices
 from fgrpo.errors import RunCollapsed
-from fgrpo.models.base import FlowModel
-from fgrpo.models.lora import export_lora, setup_trainable
+from fgrpo.models.base import FlowModel, trained_module, trained_transformers
+from fgrpo.models.lora import export_loras, setup_trainable_model
 from fgrpo.models.registry import build_model
 from fgrpo.models.wan import wan_kwargs
 from fgrpo.rewards import build_reward
@@ -128,16 +128,20 @@ class Trainer:
         if model is None:
             torch.manual_seed(cfg.seed)  # LoRA init is the only draw from the global RNG
             model = model_builder(cfg.model, d.device, cfg.seed)
-            setup_trainable(model.transformer, cfg.model)
-            parallel.shard_transformer(
-                model.transformer,
-                param_dtype=torch.bfloat16 if cfg.model.dtype == "bf16" else None,
-                mesh=split.mesh(d.device),
-                shard=cfg.parallel.shard,
-            )
-            parallel.enable_sequence_parallel(model.transformer)  # rollout and training forwards alike
+            setup_trainable_model(model, cfg.model)
+            for transformer in trained_transformers(model).values():  # each its own FSDP units
+                parallel.shard_transformer(
+                    transformer,
+                    param_dtype=torch.bfloat16 if cfg.model.dtype == "bf16" else None,
+                    mesh=split.mesh(d.device),
+                    shard=cfg.parallel.shard,
+                )
+                parallel.enable_sequence_parallel(transformer)  # rollout and training forwards alike
         self.model = model
-        self.params = [p for p in model.transformer.parameters() if p.requires_grad]  # now DTensors
+        # The transformers' trainable parameters as one module (checkpoints, weight pushes): model.transformer
+        # itself when it is the only one.
+        self.trained = trained_module(model)
+        self.params = [p for p in self.trained.parameters() if p.requires_grad]  # now DTensors
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(
             self.params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay
@@ -171,7 +175,7 @@ class Trainer:
         if resume_from is not None:
             self.start_step, _ = checkpoint.load(
                 resume_from,
-                model=model.transformer,
+                model=self.trained,
                 optimizer=self.optimizer if split.trains else None,
                 lr_scheduler=self.lr_scheduler if split.trains else None,
                 rank_tensors=self.algo.state() | self.lagging.state(),
@@ -279,7 +283,7 @@ class Trainer:
             self.logger.log(final, step=cfg.num_steps)
             flog.print0(f"final validation: {final}")
         if cfg.run.export_lora and cfg.model.lora:
-            export_lora(run.path / "lora", self.model.transformer)
+            self.export_lora(run.path / "lora")
         self.logger.finish()
         run.unlock()
         return final
@@ -314,9 +318,8 @@ class Trainer:
         cfg, tracker = self.cfg, self.tracker
         score = val["val/reward_mean"]
         if tracker.observe(step, score) and cfg.model.lora:
-            export_lora(
+            self.export_lora(
                 self.run.path / guard.BEST_DIR,
-                self.model.transformer,
                 group=self.trainer_group,
                 extra_json=guard.best_record(step, score),
             )
@@ -392,7 +395,12 @@ class Trainer:
     def sync_engine(self) -> None:
         """An engine with its own weights (vLLM-Omni) gets the trained adapter; the in-process one shares it."""
         if isinstance(self.engine, LoraSyncedEngine):
-            self.engine.update_lora(export_lora(self.run.path / "engine_lora", self.model.transformer))
+            self.engine.update_lora(self.export_lora(self.run.path / "engine_lora"))
+
+    def export_lora(self, out_dir: Path, **kwargs) -> Path:
+        """The trained LoRA in diffusers' layout (models.lora.export_loras: one directory of each transformer's
+        where the model has several)."""
+        return export_loras(out_dir, trained_transformers(self.model), **kwargs)
 
     def record(
         self,
@@ -445,7 +453,7 @@ class Trainer:
         checkpoint.save(
             self.run.checkpoints,
             step + 1,
-            model=self.model.transformer,
+            model=self.trained,
             optimizer=self.optimizer if trains else None,
             lr_scheduler=self.lr_scheduler if trains else None,
             extra_state={"exp_name": cfg.exp_name},
@@ -456,7 +464,7 @@ class Trainer:
     def rollout_weights(self) -> dict[str, torch.Tensor]:
         """What the asynchronous mode pushes: the trainable tensors the rollout samples with (NFT: the EMA)."""
         with self.algo.sampling_weights():
-            return async_mode.trainable_tensors(self.model.transformer)
+            return async_mode.trainable_tensors(self.trained)
 
 
 def validate(

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, TypeAlias, runtime_checkable
 
 import torch
+from torch import nn
 
 if TYPE_CHECKING:
     from diffusers.models.transformers.transformer_flux import FluxTransformer2DModel
@@ -81,7 +82,8 @@ class FlowModel(VelocityModel, Protocol):
     @property
     def transformer(self) -> Transformer:
         """The module that LoRA wraps, FSDP shards and the optimizer trains (read-only here, so a model may
-        declare it as its own diffusers class)."""
+        declare it as its own diffusers class). A model with several (Wan 2.2 T2V-A14B's experts) also has a
+        `trained_transformers` mapping of them all, this one first: see `trained_transformers` below."""
         ...
 
     def encode(self, prompts: Sequence[str], *, negative_prompt: str | None = None) -> Cond:
@@ -105,3 +107,20 @@ class FlowModel(VelocityModel, Protocol):
         """Clean latents [B, *latent_shape] -> images uint8 [B, height, width, 3] (a video model: its frames,
         uint8 [B, F, height, width, 3])."""
         ...
+
+
+def trained_transformers(model: FlowModel) -> dict[str, Transformer]:
+    """The transformers that LoRA adapts, FSDP shards and the optimizer trains, by attribute name: the model's
+    `trained_transformers` where it has several (Wan 2.2 T2V-A14B's two experts), else {"transformer": ...}."""
+    several = getattr(model, "trained_transformers", None)
+    return dict(several) if several is not None else {"transformer": model.transformer}
+
+
+def trained_module(model: FlowModel) -> nn.Module:
+    """All of `trained_transformers` as one module, the one that checkpoints, weight pushes and merged rollouts
+    walk: the transformer itself when there is one (its own parameter names: one-transformer checkpoints are
+    unchanged), else an nn.ModuleDict keyed by attribute name (`transformer.<name>`, `transformer_2.<name>`)."""
+    named = trained_transformers(model)
+    if len(named) == 1:
+        return next(iter(named.values()))
+    return nn.ModuleDict(named)  # pyright: ignore[reportArgumentType] - every Transformer is an nn.Module

@@ -6,9 +6,10 @@ for the rollout (`MergedLora`), and write it out, in diffusers' layout (`export_
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -19,13 +20,14 @@ from torch import nn
 from fgrpo import files
 from fgrpo.config import TORCHAO_MISSING
 from fgrpo.errors import ConfigError, MissingFileError
+from fgrpo.models.base import trained_transformers
 from fgrpo.models.loading import configure_transformer
 from fgrpo.models.qwen_image import QWEN_IMAGE_LORA_TARGETS
 from fgrpo.parallel import barrier, is_dtensor, rank
 
 if TYPE_CHECKING:
     from fgrpo.config import ModelConfig
-    from fgrpo.models.base import Transformer
+    from fgrpo.models.base import FlowModel, Transformer
 
 # How MergedLora keeps its merged copies: 'off' in the base weight's dtype, else float8 with this scaling.
 Float8 = Literal["off", "rowwise", "tensorwise"]
@@ -76,6 +78,30 @@ def setup_trainable(transformer: Transformer, mcfg: ModelConfig) -> list[nn.Para
         checkpoint_policy=mcfg.checkpoint_policy,
     )
     return params
+
+
+def setup_trainable_model(model: FlowModel, mcfg: ModelConfig) -> list[nn.Parameter]:
+    """`setup_trainable` on each of the model's trained transformers (models.base.trained_transformers), in order;
+    with several, model.init_lora is a directory of one adapter each, `<init_lora>/<name>` (the layout `export_loras`
+    writes for them). Returns all their trainable parameters."""
+    named = trained_transformers(model)
+    params: list[nn.Parameter] = []
+    for name, transformer in named.items():
+        own = mcfg
+        if mcfg.init_lora and len(named) > 1:
+            own = dataclasses.replace(mcfg, init_lora=str(Path(mcfg.init_lora) / name))
+        params += setup_trainable(transformer, own)
+    return params
+
+
+def lora_files(path: str | Path) -> list[Path]:
+    """The adapters that model.init_lora names: itself, or, for a directory of per-transformer adapters (what
+    `export_loras` writes for a model of several), each of its `transformer*` subdirectories."""
+    p = Path(path)
+    subdirs = (
+        sorted(d for d in p.glob("transformer*") if (d / ADAPTER_WEIGHTS).is_file()) if p.is_dir() else []
+    )
+    return [p] if not subdirs or (p / ADAPTER_WEIGHTS).is_file() else subdirs
 
 
 def _lora_file(path: str | Path) -> Path:
@@ -159,13 +185,15 @@ def load_lora_weights(
 
 
 @contextlib.contextmanager
-def adapters_disabled(transformer: Transformer) -> Iterator[None]:
-    """The reference policy for the KL: the same transformer with its LoRA adapters switched off."""
-    transformer.disable_adapters()
+def adapters_disabled(*transformers: Transformer) -> Iterator[None]:
+    """The reference policy for the KL: the same transformers with their LoRA adapters switched off."""
+    for transformer in transformers:
+        transformer.disable_adapters()
     try:
         yield
     finally:
-        transformer.enable_adapters()
+        for transformer in transformers:
+            transformer.enable_adapters()
 
 
 class MergedLora:
@@ -391,24 +419,57 @@ def export_lora(
     (the ranks that hold the model's shards; None = all ranks), whose first rank must be rank 0. `extra_json` ({file name: object}) is
     written into the same directory before it is renamed into place, so it always describes this adapter.
     """
-    from diffusers.loaders.lora_pipeline import QwenImageLoraLoaderMixin
-
     cfg = _peft_config(model, adapter_name)
     sd = lora_state_dict(model, adapter_name=adapter_name)
     out = Path(out_dir)
     if rank() == 0:
-        cfg_dict = _lora_config_dict(cfg)
         with files.atomic_dir(out) as tmp:
-            # A transformer-only file: SD3's loader reads the same layout (its saver writes the same keys).
-            QwenImageLoraLoaderMixin.save_lora_weights(
-                tmp,
-                # diffusers annotates this read-only argument as an invariant dict of Module | Tensor.
-                transformer_lora_layers=sd,  # pyright: ignore[reportArgumentType]
-                weight_name=ADAPTER_WEIGHTS,
-                transformer_lora_adapter_metadata=cfg_dict,
-            )
-            files.fsync_file(tmp / ADAPTER_WEIGHTS)
-            files.write_json(tmp / ADAPTER_CONFIG, cfg_dict)
+            _write_lora(tmp, sd, cfg)
+            for name, obj in (extra_json or {}).items():
+                files.write_json(tmp / name, obj)
+    barrier(group)
+    return out
+
+
+def _write_lora(out: Path, sd: dict[str, torch.Tensor], cfg: Any) -> None:
+    """`export_lora`'s two files in `out` (made here): the safetensors by diffusers' own saver, the config JSON."""
+    from diffusers.loaders.lora_pipeline import QwenImageLoraLoaderMixin
+
+    cfg_dict = _lora_config_dict(cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    # A transformer-only file: SD3's loader reads the same layout (its saver writes the same keys).
+    QwenImageLoraLoaderMixin.save_lora_weights(
+        out,
+        # diffusers annotates this read-only argument as an invariant dict of Module | Tensor.
+        transformer_lora_layers=sd,  # pyright: ignore[reportArgumentType]
+        weight_name=ADAPTER_WEIGHTS,
+        transformer_lora_adapter_metadata=cfg_dict,
+    )
+    files.fsync_file(out / ADAPTER_WEIGHTS)
+    files.write_json(out / ADAPTER_CONFIG, cfg_dict)
+
+
+def export_loras(
+    out_dir: str | os.PathLike,
+    transformers: Mapping[str, nn.Module],
+    *,
+    group: dist.ProcessGroup | None = None,
+    extra_json: dict[str, Any] | None = None,
+    subdirs: bool | None = None,
+) -> Path:
+    """The LoRA of each of a model's trained transformers (models.base.trained_transformers), as `export_lora`
+    writes one: one transformer straight into `out_dir`, several (or `subdirs=True`) each into `out_dir/<name>`
+    (Wan 2.2 T2V-A14B: `transformer/`, `transformer_2/`), in one atomic directory with `extra_json` at its top.
+    Collective as `export_lora`."""
+    if not (subdirs if subdirs is not None else len(transformers) > 1):
+        (only,) = transformers.values()
+        return export_lora(out_dir, only, group=group, extra_json=extra_json)
+    gathered = {name: (_peft_config(t, "default"), lora_state_dict(t)) for name, t in transformers.items()}
+    out = Path(out_dir)
+    if rank() == 0:
+        with files.atomic_dir(out) as tmp:
+            for name, (cfg, sd) in gathered.items():
+                _write_lora(tmp / name, sd, cfg)
             for name, obj in (extra_json or {}).items():
                 files.write_json(tmp / name, obj)
     barrier(group)

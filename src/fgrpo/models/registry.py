@@ -14,17 +14,17 @@ from fgrpo.config import ModelConfig, TrainConfig
 from fgrpo.errors import ConfigError
 from fgrpo.models import tiny
 from fgrpo.models.bagel import BAGEL_LORA_TARGETS, Bagel
-from fgrpo.models.base import FlowModel
+from fgrpo.models.base import FlowModel, trained_transformers
 from fgrpo.models.flux import FLUX_LORA_TARGETS, Flux
 from fgrpo.models.flux2 import FLUX2_LORA_TARGETS, Flux2, flux2_variant
 from fgrpo.models.loading import check_attention_backend, compile_decoder, configure_transformer
-from fgrpo.models.lora import check_lora_file
+from fgrpo.models.lora import check_lora_file, lora_files
 from fgrpo.models.ltx2 import LTX2, LTX2_LORA_TARGETS, clip_kwargs
 from fgrpo.models.qwen_image import QWEN_IMAGE_LORA_TARGETS, QwenImage
 from fgrpo.models.qwen_image_edit import QwenImageEdit
 from fgrpo.models.sd3 import SD3, SD3_LORA_TARGETS
 from fgrpo.models.textbed import load_textbed
-from fgrpo.models.wan import WAN_LORA_TARGETS, Wan, wan_kwargs
+from fgrpo.models.wan import WAN_LORA_TARGETS, Wan, check_experts, wan_experts, wan_kwargs
 from fgrpo.models.zimage import ZIMAGE_LORA_TARGETS, ZImage
 
 # (model section, device, dtype, seed) -> the family's model, frozen (the seed draws a random model's weights)
@@ -147,8 +147,8 @@ FAMILIES: dict[str, Family] = {
     "tiny_flux2_dev": Family(_tiny(tiny.tiny_flux2_dev), FLUX2_LORA_TARGETS, 16, "experiments/flux2_ocr.py"),
     # 32: the TI2V-5B's (Wan 2.2 VAE 16 x patch 2), a multiple of the A14B's 16 (Wan 2.1 VAE 8 x 2)
     "wan": Family(
-        lambda mcfg, device, dtype, seed: Wan.from_pretrained(
-            mcfg.path, dtype=dtype, device=device, **wan_kwargs(mcfg)
+        lambda mcfg, device, dtype, seed: check_experts(
+            mcfg, Wan.from_pretrained(mcfg.path, dtype=dtype, device=device, **wan_kwargs(mcfg))
         ),
         WAN_LORA_TARGETS,
         32,
@@ -158,7 +158,7 @@ FAMILIES: dict[str, Family] = {
     ),
     "tiny_wan": Family(
         lambda mcfg, device, dtype, seed: tiny.tiny_wan(
-            seed=seed, device=device, dtype=dtype, **wan_kwargs(mcfg)
+            seed=seed, device=device, dtype=dtype, experts=wan_experts(mcfg) or 1, **wan_kwargs(mcfg)
         ),
         WAN_LORA_TARGETS,
         32,
@@ -180,9 +180,10 @@ def build_model(mcfg: ModelConfig, device: torch.device, seed: int) -> FlowModel
     meaning."""
     dtype = torch.bfloat16 if mcfg.dtype == "bf16" else torch.float32
     model = FAMILIES[mcfg.kind].load(mcfg, device, dtype, seed)
-    configure_transformer(
-        model.transformer, attention_backend=mcfg.attention_backend, compile_blocks=mcfg.compile
-    )
+    for transformer in trained_transformers(model).values():
+        configure_transformer(
+            transformer, attention_backend=mcfg.attention_backend, compile_blocks=mcfg.compile
+        )
     if mcfg.compile:
         compile_decoder(model)
     return model
@@ -227,4 +228,5 @@ def check_config(cfg: TrainConfig) -> None:
         )
     check_attention_backend(m.attention_backend, "model.attention_backend")
     if m.init_lora:
-        check_lora_file(m.init_lora, rank=m.lora_rank, alpha=m.lora_alpha)
+        for path in lora_files(m.init_lora):
+            check_lora_file(path, rank=m.lora_rank, alpha=m.lora_alpha)

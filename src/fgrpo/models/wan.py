@@ -38,6 +38,7 @@ import torch
 
 from fgrpo.config import ModelConfig
 from fgrpo.core import guidance, schedule
+from fgrpo.errors import ConfigError
 from fgrpo.models.base import Cond
 from fgrpo.models.common import (
     OnTransformer,
@@ -48,7 +49,8 @@ from fgrpo.models.common import (
     stacked_prompt_states,
     to_uint8,
 )
-from fgrpo.models.lora import export_lora
+from fgrpo.models.lora import export_loras
+from fgrpo.parallel import any_across_shards
 
 if TYPE_CHECKING:
     from diffusers.models.autoencoders.autoencoder_kl_wan import AutoencoderKLWan
@@ -84,6 +86,9 @@ class WanConfig(ModelConfig):
     """Video frames per clip (4k + 1; WanPipeline's default 81)."""
     guidance_scale_2: float = 0.0
     """CFG scale of the low-noise expert (T2V-A14B); 0 = sampling.guidance_scale, WanPipeline's default."""
+    experts: int = 0
+    """Transformers: 1 (TI2V-5B) or 2 (T2V-A14B). model.kind 'wan': 0 = model.path's, else checked against it;
+    'tiny_wan': 0 = 1."""
 
 
 class Wan(OnTransformer):
@@ -189,6 +194,12 @@ class Wan(OnTransformer):
         """The transformers that LoRA adapts: (transformer,) or (transformer, transformer_2)."""
         return (self.transformer,) if self.transformer_2 is None else (self.transformer, self.transformer_2)
 
+    @property
+    def trained_transformers(self) -> dict[str, WanTransformer3DModel]:
+        """The experts by attribute name (models.base.trained_transformers): LoRA, FSDP2, the optimizer, checkpoints
+        and exports take each of them."""
+        return dict(zip(("transformer", "transformer_2"), self.experts))
+
     # ------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def _encode_one(self, prompt: str) -> tuple[torch.Tensor]:
@@ -250,9 +261,12 @@ class Wan(OnTransformer):
             else self.guidance_scale_2
         )
         low_expert: Any = self.transformer_2
-        if bool(high.all()):
+        # Sharded experts: every rank of the mesh runs the experts that any of its ranks needs (their FSDP2
+        # collectives), whose rows of another stage it drops below; unsharded, those its rows need.
+        run_high, run_low = any_across_shards([bool(high.any()), not bool(high.all())], self.transformer)
+        if not run_low:
             return self._guided(self.transformer, x_t, t, cond, guidance_scale)
-        if not bool(high.any()):
+        if not run_high:
             return self._guided(low_expert, x_t, t, cond, scale_2)
         # Rows of both stages (a training forward over samples whose windows sit at different steps): both experts
         # on the whole batch, each row kept from its own. The rollout ran each row in a batch of this shape through
@@ -308,10 +322,33 @@ def wan_kwargs(mcfg: ModelConfig) -> dict[str, Any]:
     return dict(num_frames=mcfg.num_frames, guidance_scale_2=mcfg.guidance_scale_2 or None)
 
 
+def wan_experts(mcfg: ModelConfig) -> int:
+    """model.experts of a WanConfig (0 for a plain ModelConfig: the model's own count)."""
+    n = mcfg.experts if isinstance(mcfg, WanConfig) else 0
+    if n not in (0, 1, 2):
+        raise ConfigError(
+            f"model.experts={n}: Wan has 1 (TI2V-5B) or 2 (T2V-A14B); pass 1 or 2, or 0 for model.path's"
+        )
+    return n
+
+
+def check_experts(mcfg: ModelConfig, model: Wan) -> Wan:
+    """The loaded model, after checking that it has the transformers model.experts names (when set)."""
+    n = wan_experts(mcfg)
+    if n and n != len(model.experts):
+        variant = "Wan-AI/Wan2.2-T2V-A14B-Diffusers" if n == 2 else "Wan-AI/Wan2.2-TI2V-5B-Diffusers"
+        raise ConfigError(
+            f"model.experts={n}: model.path '{mcfg.path}' has {len(model.experts)} transformer(s); point "
+            f"--model.path at {variant} or drop --model.experts"
+        )
+    return model
+
+
 def export_expert_loras(out_dir: str | Path, model: Wan) -> tuple[Path, ...]:
-    """Write each expert's LoRA (models.lora.export_lora): `out_dir/transformer` and, for the A14B,
-    `out_dir/transformer_2`. WanPipeline loads them with `pipe.load_lora_weights(out_dir / "transformer")` and
+    """Write each expert's LoRA (models.lora.export_loras) into its own directory: `out_dir/transformer` and, for
+    the A14B, `out_dir/transformer_2`, the layout the loop's `lora/` and `lora_best/` have for the A14B. WanPipeline
+    loads them with `pipe.load_lora_weights(out_dir / "transformer")` and
     `pipe.load_lora_weights(out_dir / "transformer_2", load_into_transformer_2=True)` (diffusers' Wan loader reads
     the same `transformer.`-prefixed keys into whichever expert it is told)."""
-    names = ("transformer", "transformer_2")
-    return tuple(export_lora(Path(out_dir) / n, t) for n, t in zip(names, model.experts))
+    export_loras(out_dir, model.trained_transformers, subdirs=True)
+    return tuple(Path(out_dir) / name for name in model.trained_transformers)

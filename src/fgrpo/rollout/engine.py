@@ -25,7 +25,7 @@ import torch
 
 from fgrpo.config import SamplingConfig
 from fgrpo.core import schedule, sde
-from fgrpo.models.base import FlowModel, cond_index
+from fgrpo.models.base import FlowModel, cond_index, trained_module
 from fgrpo.models.common import module_device
 from fgrpo.models.lora import Float8, MergedLora
 from fgrpo.models.textbed import TextbedModel
@@ -243,7 +243,7 @@ class DiffusersEngine:
         x0 = torch.zeros(B, *shape, device=device)
         images, image_rows = [], []
         merged = (
-            MergedLora(model.transformer, getattr(model, "merge_targets", ()), float8=self.float8)
+            MergedLora(trained_module(model), getattr(model, "merge_targets", ()), float8=self.float8)
             if self.merged_lora
             else None
         )
