@@ -771,10 +771,14 @@ def tiny_flux2(
     seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, **kwargs
 ) -> Flux2:
     """A tiny random FLUX.2 [klein] base FlowModel (true CFG; 64x64 images take a few ms per step on a CPU)."""
-    c = tiny_flux2_components(seed)
+    kwargs.setdefault("max_sequence_length", FLUX2_TEXT_LENGTH_TINY)
+    return _tiny_flux2_model(tiny_flux2_components(seed), device, dtype, **kwargs)
+
+
+def _tiny_flux2_model(c: dict, device: torch.device | str, dtype: torch.dtype, **kwargs) -> Flux2:
+    """A tiny FLUX.2 (klein or dev) FlowModel from its components, the transformer in `dtype`."""
     if dtype != torch.float32:
         c["transformer"].to(dtype)
-    kwargs.setdefault("max_sequence_length", FLUX2_TEXT_LENGTH_TINY)
     kwargs.setdefault("text_layers", FLUX2_TEXT_LAYERS_TINY)
     return Flux2.from_modules(
         c["transformer"], c["vae"], c["text_encoder"], c["tokenizer"], device=device, **kwargs
@@ -887,15 +891,9 @@ def tiny_flux2_dev(
     step on a CPU)."""
     from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 
-    c = tiny_flux2_dev_components(seed)
-    if dtype != torch.float32:
-        c["transformer"].to(dtype)
     kwargs.setdefault("max_sequence_length", FLUX2_DEV_TEXT_LENGTH_TINY)
-    kwargs.setdefault("text_layers", FLUX2_TEXT_LAYERS_TINY)
     kwargs.setdefault("system_message", SYSTEM_MESSAGE)
-    return Flux2.from_modules(
-        c["transformer"], c["vae"], c["text_encoder"], c["tokenizer"], device=device, **kwargs
-    )
+    return _tiny_flux2_model(tiny_flux2_dev_components(seed), device, dtype, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ import torch
 from fgrpo.config import SamplingConfig
 from fgrpo.models.lora import write_adapter
 from fgrpo.models.qwen_image import QwenImage
+from fgrpo.models.registry import FAMILIES
 from fgrpo.rollout.base import Trajectory
 from fgrpo.rollout.engine import check_request
 from fgrpo.rollout.seeds import sample_generator
@@ -100,8 +101,6 @@ def check_keep(keep: Sequence[str]) -> tuple[str, ...]:
 def adapter_for(kind: str) -> FamilyAdapter:
     """The vLLM-Omni adapter of model.kind (a tiny kind: its real family's), or a one-line error naming the
     supported families."""
-    from fgrpo.models.registry import FAMILIES  # the registry imports every family; only the host needs it
-
     family = next((k for k, f in FAMILIES.items() if f.tiny == kind), kind)
     if family not in ADAPTERS:
         raise ValueError(
