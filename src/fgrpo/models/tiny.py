@@ -733,6 +733,19 @@ def _tiny_flux2_image_parts(text_width: int, guidance_embeds: bool) -> dict:
     return dict(transformer=transformer, vae=vae)
 
 
+def _flux2_components(parts: dict, text_encoder: torch.nn.Module, tokenizer: Any) -> dict:
+    """A tiny FLUX.2's parts in eval mode, with its text encoder, tokenizer (or processor) and scheduler, keyed like
+    the pipeline's constructor."""
+    for m in (text_encoder, *parts.values()):
+        m.eval()
+    return dict(
+        **parts,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        scheduler=FlowMatchEulerDiscreteScheduler.from_config(flux2.SCHEDULER_CONFIG),
+    )
+
+
 def tiny_flux2_components(seed: int = 0) -> dict:
     """Random-init tiny FLUX.2 [klein] parts, keyed like Flux2KleinPipeline's constructor (fp32, CPU): a 3-layer
     Qwen3 (every layer's states stacked), the tiny FLUX.2 transformer without a guidance embedding, the tiny VAE."""
@@ -757,14 +770,7 @@ def tiny_flux2_components(seed: int = 0) -> dict:
         parts = _tiny_flux2_image_parts(
             hidden * len(FLUX2_TEXT_LAYERS_TINY), guidance_embeds=False
         )  # klein's
-    for m in (text_encoder, *parts.values()):
-        m.eval()
-    return dict(
-        **parts,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        scheduler=FlowMatchEulerDiscreteScheduler.from_config(flux2.SCHEDULER_CONFIG),
-    )
+    return _flux2_components(parts, text_encoder, tokenizer)
 
 
 def tiny_flux2(
@@ -874,14 +880,7 @@ def tiny_flux2_dev_components(seed: int = 0) -> dict:
         torch.manual_seed(seed)
         text_encoder = Mistral3ForConditionalGeneration(config)
         parts = _tiny_flux2_image_parts(hidden * len(FLUX2_TEXT_LAYERS_TINY), guidance_embeds=True)  # dev's
-    for m in (text_encoder, *parts.values()):
-        m.eval()
-    return dict(
-        **parts,
-        text_encoder=text_encoder,
-        tokenizer=processor,
-        scheduler=FlowMatchEulerDiscreteScheduler.from_config(flux2.SCHEDULER_CONFIG),
-    )
+    return _flux2_components(parts, text_encoder, processor)
 
 
 def tiny_flux2_dev(
