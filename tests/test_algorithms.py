@@ -294,10 +294,17 @@ def test_every_algorithm_preset_validates_and_keeps_the_base_budget():
             half = algo == "mixgrpo" and suffix == "-tiny-gpu"
             assert cfg.optim.lr == base.optim.lr / (2 if half else 1)
             assert cfg.algo.window_in_range == half
-            if algo == "nft":  # beta 1 instead of the OCR recipe's 0.1 on the long GPU runs
-                assert cfg.algo.nft_beta == (1.0 if suffix == "-tiny-gpu" else 0.1)
-            # AWM's long GPU runs train grid steps 1-4 only (sigma 0.9-0.6), the CPU and recipe presets every step
-            assert (cfg.algo.train_steps_hi == 5) == (algo == "awm" and suffix == "-tiny-gpu")
+            long_gpu = suffix == "-tiny-gpu"
+            if algo == "nft":
+                # the long GPU runs: beta 1 (the OCR recipe's 0.1 elsewhere), an old policy that follows theta
+                # (decay <= 0.5 from the first step) and a KL of 0.3 to the frozen model (RESULTS.md, stability-7)
+                a = cfg.algo
+                assert a.nft_beta == (1.0 if long_gpu else 0.1)
+                following = (a.ema_rate, a.ema_max_decay, a.ema_delay) == (0.001, 0.5, 0)
+                assert following == long_gpu
+                assert cfg.grpo.kl_coef == (0.3 if long_gpu else 0.0 if suffix == "-tiny" else 1e-4)
+            # NFT's and AWM's long GPU runs train the high-noise grid steps only (below 5), the others every step
+            assert (cfg.algo.train_steps_hi == 5) == (algo in ("nft", "awm") and long_gpu)
     assert set(algorithms.ALGORITHMS) == {"grpo", "dppo", "mixgrpo", "nft", "awm"}
 
 
