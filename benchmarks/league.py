@@ -5,7 +5,9 @@ algorithm and a variant, e.g. `nft-decay1`), all under one directory:
 
     benchmarks/league_launch.sh runs/league "grpo dppo mixgrpo nft awm" "60 61 62" --num-steps 300 \\
         --reward.val-workers 2                          # one GPU machine, all at once
-    python benchmarks/league.py runs/league --steps 300 --plot benchmarks/figures/league.png
+    python benchmarks/league.py runs/league --steps 300 --plot benchmarks/figures/league.png \
+        --keep benchmarks/league_runs/DATE_COMMIT       # the rows the league reads, kept with the record
+    python benchmarks/league.py benchmarks/league_runs/A benchmarks/league_runs/B   # one league over two calls
 
 Per run: the best validation and its step, the final one, the area under the curve (the mean held-out score
 over the run's steps, trapezoids between validations), the first validation at or above the target (its step and
@@ -17,6 +19,7 @@ it, and ended at or above the target. Per label: the same over its seeds.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import statistics
 from collections import defaultdict
@@ -75,16 +78,45 @@ class Run:
         return self.final[0] >= steps and self.worst_after_best() <= drop and self.final[1] >= target
 
 
-def load(root: Path, key: str = "val/reward_mean") -> dict[str, dict[str, dict[int, Run]]]:
-    """{"cpu"|"gpu": {label: {seed: Run}}} of every run directory under root (validations of `key`)."""
+def _run_dirs(roots: list[Path]) -> list[tuple[str, str, int, Path]]:
+    """(kind, label, seed, metrics file) of every run directory under the roots; the same run in two roots is an
+    error, so two calls' runs are never mixed into one curve."""
+    out, seen = [], {}
+    for root in roots:
+        for d in sorted(root.iterdir()):
+            m = NAME.match(d.name)
+            if m and (d / "metrics.jsonl").is_file():
+                if d.name in seen:
+                    raise SystemExit(f"run {d.name} is in both {seen[d.name]} and {root}: pass one of them")
+                seen[d.name] = root
+                out.append((m.group(1), m.group(2), int(m.group(3)), d / "metrics.jsonl"))
+    return out
+
+
+def load(roots: Path | list[Path], key: str = "val/reward_mean") -> dict[str, dict[str, dict[int, Run]]]:
+    """{"cpu"|"gpu": {label: {seed: Run}}} of every run directory under the roots (validations of `key`)."""
     runs: dict[str, dict[str, dict[int, Run]]] = {"cpu": defaultdict(dict), "gpu": defaultdict(dict)}
-    for d in sorted(root.iterdir()):
-        m = NAME.match(d.name)
-        if m and (d / "metrics.jsonl").is_file():
-            run = Run.of(read_metrics(d / "metrics.jsonl"), key)
-            if run.points:
-                runs[m.group(1)][m.group(2)][int(m.group(3))] = run
+    for kind, label, seed, path in _run_dirs(roots if isinstance(roots, list) else [roots]):
+        run = Run.of(read_metrics(path), key)
+        if run.points:
+            runs[kind][label][seed] = run
     return runs
+
+
+def keep(roots: list[Path], dst: Path) -> int:
+    """Copy what the league reads of every run under the roots to dst/<run>/metrics.jsonl: per row its step and
+    time/total, and the validation's keys (val/...). A few kB a run, so a record's runs can be kept beside it and
+    read again with the runs of a later call. Returns the number of runs written."""
+    runs = _run_dirs(roots)
+    for _, _, _, path in runs:
+        rows = [
+            {k: v for k, v in r.items() if k in ("step", "time/total") or k.startswith("val/")}
+            for r in read_metrics(path)
+        ]
+        out = dst / path.parent.name
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return len(runs)
 
 
 def _mean_std(xs: list[float]) -> str:
@@ -173,7 +205,7 @@ def plot(
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("root", type=Path, help="directory holding the run directories")
+    ap.add_argument("roots", type=Path, nargs="+", help="directories holding the run directories")
     ap.add_argument("--steps", type=int, default=300, help="a run that held ran this many steps")
     ap.add_argument("--target", type=float, default=0.9)
     ap.add_argument(
@@ -187,8 +219,14 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="also plot a gold statistic of the GPU runs, e.g. val/gold/white_frac white.png",
     )
+    ap.add_argument(
+        "--keep",
+        type=Path,
+        default=None,
+        help="copy the rows the league reads of every run to this directory",
+    )
     args = ap.parse_args(argv)
-    runs = load(args.root)
+    runs = load(args.roots)
     for kind in ("cpu", "gpu"):
         if runs[kind]:
             print(f"\n{kind.upper()} runs\n")
@@ -198,9 +236,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\nplot: {args.plot}")
     if args.gold:
         key, png = args.gold
-        gold = load(args.root, key)["gpu"]
+        gold = load(args.roots, key)["gpu"]
         plot(gold, Path(png), target=None, title=f"text renderer, tiny-gpu presets: {key}", ylabel=key)
         print(f"plot: {png}")
+    if args.keep:
+        print(f"kept {keep(args.roots, args.keep)} runs' validation rows in {args.keep}")
 
 
 if __name__ == "__main__":

@@ -58,3 +58,26 @@ def test_tables_and_plot_over_a_directory(tmp_path, capsys):
     assert "| nft | 2 |" in out and "1 of 2 |" in out
     assert "| nft-decay1 | 1 |" in out and "| nft | 2 | 0.945 ± 0.007 |" in out
     assert (tmp_path / "league.png").stat().st_size > 1000
+
+
+def test_kept_rows_give_the_same_league_and_two_roots_combine(tmp_path, capsys):
+    """--keep writes only step, time/total and val/ keys; the league over the kept copy prints the same tables as
+    over the runs; runs of two directories make one league, and the same run in both is refused."""
+    league = _league()
+    a, b, kept = tmp_path / "a", tmp_path / "b", tmp_path / "kept"
+    _write(a, "gpu_nft_s1", {0: 0.6, 10: 0.94, 20: 0.93})
+    rows = (a / "gpu_nft_s1" / "metrics.jsonl").read_text().splitlines()
+    rows[5] = json.dumps(json.loads(rows[5]) | {"train/loss": 1.5, "val/gold/white_frac": 0.1})
+    (a / "gpu_nft_s1" / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    _write(b, "gpu_grpo_s1", {0: 0.6, 10: 0.97, 20: 0.96})
+    league.main([str(a), "--steps", "20", "--keep", str(kept)])
+    before = capsys.readouterr().out
+    kept_rows = [json.loads(x) for x in (kept / "gpu_nft_s1" / "metrics.jsonl").read_text().splitlines()]
+    assert kept_rows[5] == {"step": 5, "time/total": 2.0, "val/gold/white_frac": 0.1}
+    league.main([str(kept), "--steps", "20"])
+    assert capsys.readouterr().out == before.replace(f"\nkept 1 runs' validation rows in {kept}\n", "\n")
+    league.main([str(kept), str(b), "--steps", "20"])
+    out = capsys.readouterr().out
+    assert "| nft | 1 |" in out and "| grpo | 1 | 0.970 |" in out
+    with pytest.raises(SystemExit, match="gpu_nft_s1 is in both"):
+        league.main([str(kept), str(a)])
