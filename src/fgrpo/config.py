@@ -210,7 +210,9 @@ class AlgoConfig:
     """nft: roll out with the EMA old policy (the reference) rather than the trained one."""
     nft_weighting: Literal["adaptive", "uniform"] = "adaptive"
     """nft: per-sample weight of the x0-space error (core.nft.nft_loss): the reference's adaptive 1 / mean|e|,
-    which gives well-fitted samples full-size gradients, or one uniform weight."""
+    which gives well-fitted samples full-size gradients, or one uniform weight. Where a group's better samples fit
+    worse (the renderer's high-noise steps) the adaptive weight tips its net update away from the policy's own
+    samples; uniform keeps it at 0 (RESULTS.md, fp-bias)."""
     ema_rate: float = 0.0075
     """nft: EMA decay ramp per optimizer step (core.ema.ema_decay; the OCR recipe's schedule)."""
     ema_max_decay: float = 0.999
@@ -218,7 +220,9 @@ class AlgoConfig:
     ema_delay: int = 75
     """nft: optimizer steps during which the old policy is a plain copy (decay 0)."""
     awm_p: float = 0.25
-    """awm: power of the generalised-Huber log-weight (core.awm.awm_log_weight)."""
+    """awm: power of the generalised-Huber log-weight (core.awm.awm_log_weight). Below 1 a sample's pull scales
+    with m^(p-1), its own error m to that power, which tips a group's net update where its better samples fit worse;
+    1 weighs every sample alike (RESULTS.md, fp-bias)."""
     ema_kl_coef: float = 1.0
     """awm: weight of the KL to an EMA of the trained policy, mean((v - v_ema)^2) at every training point
     (the reference's ema_beta; the EMA follows the policy, so it damps each step, not a slow drift; 0 turns the
