@@ -1,8 +1,11 @@
 """GPU check of the vLLM-Omni rollout engine against the in-process engine and the trainer: one table.
 
---model picks the family (default qwen_image; every section runs for it). For sd3 and wan only `parity` runs, on a
-tiny random directory in diffusers' layout (tokenizers of the classes vLLM-Omni's loader instantiates: CLIP and T5
-for SD3.5; Wan's with --wan-experts 1 (TI2V-5B-like) or 2 (T2V-A14B-like)). For bagel, `parity` is issue #44's: a
+--model picks the family (default qwen_image; every section runs for it). For sd3, flux2, flux2_dev and wan only
+`parity` runs, on a tiny random directory in diffusers' layout (tokenizers of the classes vLLM-Omni's loader
+instantiates: CLIP and T5 for SD3.5; Qwen2TokenizerFast for FLUX.2 [klein], the Pixtral processor for [dev]; Wan's
+with --wan-experts 1 (TI2V-5B-like) or 2 (T2V-A14B-like)). For zimage `parity` runs on --model-dir, a released
+Z-Image directory (Tongyi-MAI/Z-Image or -Turbo): vLLM-Omni builds its Z-Image transformer at the released size
+whatever the directory's config says, so a tiny one does not load. For bagel, `parity` is issue #44's: a
 tiny random BAGEL directory in BAGEL's released layout (ema.safetensors, ae.safetensors, llm/vit/config JSONs, the
 tokenizer; plus vae/, the diffusers VAE fgrpo's loader reads), sampled by vLLM-Omni's own BagelPipeline
 (single-stage deploy, NOT fgrpo's custom pipeline) and by fgrpo's in-process transition from vLLM-Omni's initial
@@ -30,6 +33,8 @@ HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1):
   python3 benchmarks/vllm_omni_check.py                        # parity, lora, weights, sleep (~3 min)
   python3 benchmarks/vllm_omni_check.py --sections throughput  # on its own: writes ~41 GB, ~8 min
   python3 benchmarks/vllm_omni_check.py --model sd3            # parity of each added family
+  python3 benchmarks/vllm_omni_check.py --model flux2          # FLUX.2 [klein]; --model flux2_dev for [dev]
+  python3 benchmarks/vllm_omni_check.py --model zimage --model-dir /path/to/Z-Image-Turbo
   python3 benchmarks/vllm_omni_check.py --model wan --wan-experts 2
   python3 benchmarks/vllm_omni_check.py --model bagel          # issue #44: vLLM-Omni's BAGEL vs fgrpo's
 CPU (no vllm): `python benchmarks/vllm_omni_check.py --cpu-selftest` checks the helpers on the tiny model and the
@@ -58,16 +63,18 @@ from fgrpo.models import tiny
 from fgrpo.models.bagel import Bagel, patchify, unpatchify
 from fgrpo.models.bagel_mot import BagelTransformer, sincos_2d
 from fgrpo.models.base import FlowModel
+from fgrpo.models.flux2 import Flux2
 from fgrpo.models.loading import configure_transformer
 from fgrpo.models.qwen_image import QwenImage
 from fgrpo.models.sd3 import SD3
 from fgrpo.models.wan import Wan
+from fgrpo.models.zimage import ZImage
 from fgrpo.policy import transition
 from fgrpo.recompute import recompute_log_probs
 from fgrpo.rollout.base import Trajectory
 from fgrpo.rollout.engine import DiffusersEngine
 from fgrpo.rollout.seeds import sample_seed
-from fgrpo.rollout.vllm_omni_pipeline import as_flow_model
+from fgrpo.rollout.vllm_omni_pipeline import as_flow_model, flux2_settings
 
 PROMPTS = [
     'a storefront sign that says "OPEN"',
@@ -185,6 +192,15 @@ def seeds_for(n: int, run: int = 0) -> list[int]:
 # The model keywords both sides build the family with (the tiny builders' text lengths and clip length).
 FAMILY_KWARGS: dict[str, dict[str, Any]] = {
     "sd3": {"max_sequence_length": tiny.T5_MAX_LENGTH_TINY},
+    # the tiny Qwen3 / Mistral's every layer stacked (the released models' are (9, 18, 27) / (10, 20, 30))
+    "flux2": {
+        "max_sequence_length": tiny.FLUX2_TEXT_LENGTH_TINY,
+        "text_layers": list(tiny.FLUX2_TEXT_LAYERS_TINY),
+    },
+    "flux2_dev": {
+        "max_sequence_length": tiny.FLUX2_DEV_TEXT_LENGTH_TINY,
+        "text_layers": list(tiny.FLUX2_TEXT_LAYERS_TINY),
+    },
     "wan": {"num_frames": tiny.TINY_WAN_FRAMES, "max_sequence_length": tiny.TINY_WAN_TEXT_LENGTH},
 }
 
@@ -246,6 +262,19 @@ def save_tiny_wan_dir(path: Path, experts: int) -> Path:
         transformer=c["transformer"], transformer_2=c["transformer_2"], boundary_ratio=c["boundary_ratio"],
         expand_timesteps=c["expand_timesteps"],
     ).save_pretrained(str(path))  # fmt: skip
+    return path
+
+
+def save_tiny_flux2_dir(path: Path, kind: str) -> Path:
+    """fgrpo's tiny FLUX.2 (seed 0), saved by diffusers' Flux2KleinPipeline (kind flux2; a base model, not
+    step-distilled) or Flux2Pipeline (flux2_dev): the model_index.json both fgrpo's loader and the adapter read."""
+    from diffusers.pipelines.flux2.pipeline_flux2 import Flux2Pipeline
+    from diffusers.pipelines.flux2.pipeline_flux2_klein import Flux2KleinPipeline
+
+    if kind == "flux2_dev":
+        Flux2Pipeline(**tiny.tiny_flux2_dev_components(0)).save_pretrained(str(path))
+    else:
+        Flux2KleinPipeline(**tiny.tiny_flux2_components(0), is_distilled=False).save_pretrained(str(path))
     return path
 
 
@@ -429,6 +458,8 @@ def tiny_cfg(args: argparse.Namespace, **kw: Any) -> SamplingConfig:
 
 def ensure_tiny_dir(ctx: Ctx) -> Path:
     model, path = ctx.args.model, ctx.tiny_dir
+    if model == "zimage":  # a released directory (the module docstring says why not a tiny one)
+        return Path(ctx.args.model_dir)
     done = path / ("config.json" if model == "bagel" else "model_index.json")
     if not done.exists():
         if model == "qwen_image":
@@ -437,6 +468,8 @@ def ensure_tiny_dir(ctx: Ctx) -> Path:
             save_tiny_sd3_dir(path)
         elif model == "wan":
             save_tiny_wan_dir(path, ctx.args.wan_experts)
+        elif model in ("flux2", "flux2_dev"):
+            save_tiny_flux2_dir(path, model)
         else:
             save_tiny_bagel_dir(path, vllm_omni_parts=True)
     return path
@@ -447,7 +480,14 @@ def in_process(path: Path, device: torch.device, model: str = "qwen_image") -> F
     kwargs: dict[str, Any] = dict(dtype=torch.bfloat16, device=device, **FAMILY_KWARGS.get(model, {}))
     if model == "bagel":
         return as_flow_model(Bagel.from_pretrained(path, **kwargs))
-    cls = {"qwen_image": QwenImage, "sd3": SD3, "wan": Wan}[model]
+    cls = {
+        "qwen_image": QwenImage,
+        "sd3": SD3,
+        "wan": Wan,
+        "zimage": ZImage,
+        "flux2": Flux2,
+        "flux2_dev": Flux2,
+    }[model]
     return as_flow_model(cls.from_pretrained(path, **kwargs))
 
 
@@ -858,7 +898,7 @@ def section_throughput(ctx: Ctx) -> None:
         vllm_mode(mode)
 
 
-MODELS = ("qwen_image", "sd3", "wan", "bagel")
+MODELS = ("qwen_image", "sd3", "zimage", "flux2", "flux2_dev", "wan", "bagel")
 SECTIONS: dict[str, Callable[[Ctx], None]] = {
     "parity": section_parity,
     "lora": section_lora,
@@ -889,12 +929,13 @@ def cpu_selftest() -> None:
 
 
 def selftest_family_dirs() -> None:
-    """The added families' directory writers: fgrpo's loaders read them (and, for SD3, the tokenizer classes
-    vLLM-Omni instantiates agree with fgrpo's), the Wan adapter reads the settings fgrpo's loader does, and the
+    """The added families' directory writers: fgrpo's loaders read them (and, for SD3 and FLUX.2 [klein], the
+    tokenizer classes vLLM-Omni instantiates agree with fgrpo's), the Wan and FLUX.2 adapters read the settings fgrpo's
+    loader does, and the
     BAGEL reference loop is the in-process engine's ODE bit for bit."""
     import tempfile
 
-    from transformers import AutoTokenizer, CLIPTokenizer, T5Tokenizer
+    from transformers import AutoTokenizer, CLIPTokenizer, Qwen2Tokenizer, T5Tokenizer
 
     from fgrpo.rollout.seeds import sample_generator
     from fgrpo.rollout.vllm_omni_pipeline import wan_settings
@@ -925,6 +966,20 @@ def selftest_family_dirs() -> None:
         )
         boundary = settings["boundary_ratio"]
         assert (None if boundary is None else boundary * 1000) == wan.boundary_timestep, (boundary, experts)
+    for kind in ("flux2", "flux2_dev"):
+        flux2_dir = save_tiny_flux2_dir(root / kind, kind)
+        flux2 = Flux2.from_pretrained(flux2_dir, dtype=torch.float32, device="cpu", **FAMILY_KWARGS[kind])
+        # the adapter's settings are the loader's (text_layers aside: the tiny model's come from FAMILY_KWARGS)
+        settings = flux2_settings(flux2_dir, "dev" if kind == "flux2_dev" else "klein")
+        settings.pop("text_layers", None)
+        assert {k: getattr(flux2, k) for k in settings} == settings, settings
+        assert torch.isfinite(
+            DiffusersEngine(as_flow_model(flux2)).generate(PROMPTS[:1], seeds_for(1), cfg).log_prob
+        ).all()
+    # vLLM-Omni's Flux2KleinPipeline loads the tokenizer as Qwen2TokenizerFast (transformers 5: Qwen2Tokenizer)
+    klein_tok = Qwen2Tokenizer.from_pretrained(str(root / "flux2"), subfolder="tokenizer")
+    fgrpo_tok = AutoTokenizer.from_pretrained(str(root / "flux2"), subfolder="tokenizer")
+    assert klein_tok(PROMPTS[2]).input_ids == fgrpo_tok(PROMPTS[2]).input_ids
     bagel_dir = save_tiny_bagel_dir(root / "bagel", vllm_omni_parts=False)
     bagel = as_flow_model(Bagel.from_pretrained(bagel_dir, dtype=torch.float32, device="cpu"))  # strict load
     ode = dataclasses.replace(cfg, guidance_scale=4.0, negative_prompt="", window_size=0, window_range=(0, 0))
@@ -945,8 +1000,9 @@ def main() -> None:
         "--model",
         default="qwen_image",
         choices=MODELS,
-        help="family: qwen_image (every section), sd3, wan, bagel (parity only)",
+        help="family: qwen_image (every section), sd3, zimage, flux2, flux2_dev, wan, bagel (parity only)",
     )
+    ap.add_argument("--model-dir", default="", help="zimage: a released Z-Image diffusers directory")
     ap.add_argument(
         "--sections",
         default="",
@@ -993,6 +1049,10 @@ def main() -> None:
     if args.model != "qwen_image" and sections != ["parity"]:
         ap.error(
             f"--sections {','.join(sections)}: --model {args.model} runs parity only; pass --sections parity"
+        )
+    if args.model == "zimage" and not args.model_dir and not args.cpu_selftest:
+        ap.error(
+            "--model zimage needs --model-dir (a released Z-Image directory; vLLM-Omni's transformer is full size)"
         )
     if args.model == "wan" and args.size % 32:
         ap.error(

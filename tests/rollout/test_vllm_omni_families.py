@@ -1,12 +1,16 @@
-"""The vLLM-Omni engine on the families beyond Qwen-Image (SD3.5, Wan 2.2), against fakes of vLLM-Omni 0.30's
-pipelines of them.
+"""The vLLM-Omni engine on the families beyond Qwen-Image (SD3.5, Z-Image, FLUX.2 [klein] and [dev], Wan 2.2),
+against fakes of vLLM-Omni 0.30's pipelines of them.
 
 The fakes hold the tiny random modules of fgrpo's builders behind what fgrpo touches of vllm-omni's classes (read
 from vllm-omni 0.30.0's sources): `StableDiffusion3Pipeline` (transformer whose config fields are plain attributes
 `patch_size`, `in_channels`, `joint_attention_dim`; `text_encoder`..`text_encoder_3`, `tokenizer`..`tokenizer_3`,
-`vae`, `scheduler`) and `Wan22Pipeline` (`transformer`, `transformer_2` or None, each with a config object of its
-own; `text_encoder`, `tokenizer`, `vae`; `od_config.model`, the checkpoint directory). The rest of the fake vLLM-Omni
-is test_vllm_omni.py's. The real vllm is never imported.
+`vae`, `scheduler`), `ZImagePipeline` (transformer called positionally with no `return_dict`, returning
+(samples, {}), `in_channels` an attribute; `text_encoder`, `tokenizer`, `vae`, `scheduler`), `Flux2KleinPipeline` and
+`Flux2Pipeline` (transformer with diffusers' keywords and a config object of its own; [dev]'s text encoder vllm-omni's
+Mistral encoder, keyword-only; `od_config.model`, whose model_index.json the adapter reads) and `Wan22Pipeline`
+(`transformer`, `transformer_2` or None, each with a config object of its own; `text_encoder`, `tokenizer`, `vae`;
+`od_config.model`, the checkpoint directory). The rest of the fake vLLM-Omni is test_vllm_omni.py's. The real vllm is
+never imported.
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ from torch import nn
 from fgrpo.config import SamplingConfig
 from fgrpo.models import tiny
 from fgrpo.models.base import FlowModel
-from fgrpo.models.registry import VLLM_OMNI_KINDS
+from fgrpo.models.flux2 import Flux2
+from fgrpo.models.registry import FAMILIES, VLLM_OMNI_KINDS
 from fgrpo.models.sd3 import SD3
 from fgrpo.models.wan import Wan
+from fgrpo.models.zimage import ZImage
 from fgrpo.rollout import vllm_omni_pipeline as vop
 from fgrpo.rollout.engine import DiffusersEngine
 
@@ -122,6 +128,115 @@ class FakeWan22Pipeline(nn.Module):
         self.scheduler = types.SimpleNamespace(config={"flow_shift": 5.0})  # vllm-omni's own, unused by fgrpo
 
 
+class FakeOmniZImageTransformer(nn.Module):
+    """vllm-omni's ZImageTransformer2DModel: positional (latents, timestep, text) lists, no `return_dict`, output
+    (samples, {}); `in_channels` and `dtype` plain attributes, no `config`."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.in_channels = inner.config.in_channels  # pyright: ignore[reportAttributeAccessIssue]
+        self.dtype = torch.float32
+
+    def forward(self, x, t, cap_feats, patch_size=2, f_patch_size=1, ref_x=None, cap_feats_2=None):
+        assert (patch_size, f_patch_size, ref_x, cap_feats_2) == (2, 1, None, None)
+        return self.inner(x, t, cap_feats, return_dict=False)[0], {}
+
+
+class FakeZImagePipeline(nn.Module):
+    supports_request_batch = False  # vllm-omni's; fgrpo's subclass batches requests
+
+    def __init__(self, *, od_config: Any = None, prefix: str = ""):
+        super().__init__()
+        c = tiny.tiny_zimage_components(0)
+        self.od_config = od_config
+        self.transformer = FakeOmniZImageTransformer(c["transformer"])
+        self.vae, self.text_encoder, self.tokenizer = c["vae"], c["text_encoder"], c["tokenizer"]
+        self.scheduler = c["scheduler"]
+
+
+class FakeOmniFlux2Transformer(nn.Module):
+    """vllm-omni's Flux2Transformer2DModel (klein's and [dev]'s): diffusers' keywords, a plain config object."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        # vllm's parameters never require gradients; with them, torch's CPU kernels round [dev]'s guidance path
+        # differently from the frozen in-process model's (3.6e-7), though it runs under inference_mode
+        self.inner = inner.requires_grad_(False)
+        cfg: Any = inner.config
+        self.config = types.SimpleNamespace(
+            patch_size=cfg.patch_size, in_channels=cfg.in_channels, guidance_embeds=cfg.guidance_embeds
+        )
+
+    def forward(
+        self,
+        hidden_states,
+        encoder_hidden_states,
+        timestep,
+        img_ids,
+        txt_ids,
+        guidance=None,
+        joint_attention_kwargs=None,
+        return_dict=True,
+    ):
+        assert not return_dict
+        return self.inner(
+            hidden_states=hidden_states,
+            encoder_hidden_states=encoder_hidden_states,
+            timestep=timestep,
+            img_ids=img_ids,
+            txt_ids=txt_ids,
+            guidance=guidance,
+            return_dict=False,
+        )
+
+
+class FakeMistralEncoder(nn.Module):
+    """vllm-omni's MistralEncoderModel: keyword call (input_ids, attention_mask, output_hidden_states, use_cache),
+    an output with `hidden_states`; here around the tiny Mistral-3."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, attention_mask=None, output_hidden_states=False, use_cache=False):
+        out = self.inner(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            output_hidden_states=output_hidden_states,
+            use_cache=use_cache,
+        )
+        return types.SimpleNamespace(hidden_states=out.hidden_states)
+
+
+class FakeFlux2KleinPipeline(nn.Module):
+    def __init__(self, *, od_config: Any = None, prefix: str = "", is_distilled: bool = False):
+        super().__init__()
+        c = tiny.tiny_flux2_components(0)
+        self.od_config, self.is_distilled = od_config, is_distilled
+        self.transformer = FakeOmniFlux2Transformer(c["transformer"])
+        self.vae, self.text_encoder, self.tokenizer = c["vae"], c["text_encoder"], c["tokenizer"]
+        self.scheduler = c["scheduler"]
+
+
+class FakeFlux2Pipeline(nn.Module):
+    def __init__(self, *, od_config: Any = None, prefix: str = ""):
+        super().__init__()
+        c = tiny.tiny_flux2_dev_components(0)
+        self.od_config = od_config
+        self.transformer = FakeOmniFlux2Transformer(c["transformer"])
+        self.text_encoder = FakeMistralEncoder(c["text_encoder"])
+        self.vae, self.tokenizer, self.scheduler = c["vae"], c["tokenizer"], c["scheduler"]
+
+
+def flux2_dir(root: Path, kind: str, is_distilled: bool = False) -> Path:
+    """The model_index.json of a diffusers FLUX.2 directory, which the adapter reads (the fake builds the modules)."""
+    root.mkdir(parents=True, exist_ok=True)
+    name = "Flux2Pipeline" if kind == "flux2_dev" else "Flux2KleinPipeline"
+    (root / "model_index.json").write_text(json.dumps({"_class_name": name, "is_distilled": is_distilled}))
+    return root
+
+
 def wan_dir(root: Path, experts: int) -> Path:
     """The files of a diffusers Wan 2.2 directory that the adapter reads (the fake pipeline builds the modules)."""
     (root / "scheduler").mkdir(parents=True, exist_ok=True)
@@ -144,6 +259,18 @@ def fake_families(fake_vllm, monkeypatch):  # noqa: F811 - the fixture imported 
         f"{models}.sd3.pipeline_sd3": base._module(
             f"{models}.sd3.pipeline_sd3", StableDiffusion3Pipeline=FakeStableDiffusion3Pipeline
         ),
+        f"{models}.z_image": base._module(f"{models}.z_image"),
+        f"{models}.z_image.pipeline_z_image": base._module(
+            f"{models}.z_image.pipeline_z_image", ZImagePipeline=FakeZImagePipeline
+        ),
+        f"{models}.flux2_klein": base._module(f"{models}.flux2_klein"),
+        f"{models}.flux2_klein.pipeline_flux2_klein": base._module(
+            f"{models}.flux2_klein.pipeline_flux2_klein", Flux2KleinPipeline=FakeFlux2KleinPipeline
+        ),
+        f"{models}.flux2": base._module(f"{models}.flux2"),
+        f"{models}.flux2.pipeline_flux2": base._module(
+            f"{models}.flux2.pipeline_flux2", Flux2Pipeline=FakeFlux2Pipeline
+        ),
         f"{models}.wan2_2": base._module(f"{models}.wan2_2"),
         f"{models}.wan2_2.pipeline_wan2_2": base._module(
             f"{models}.wan2_2.pipeline_wan2_2", Wan22Pipeline=FakeWan22Pipeline
@@ -164,8 +291,26 @@ SD3_CASE = (
     1,
 )
 WAN_KW = {"num_frames": tiny.TINY_WAN_FRAMES, "max_sequence_length": tiny.TINY_WAN_TEXT_LENGTH}
+FLUX2_TINY_LAYERS = list(tiny.FLUX2_TEXT_LAYERS_TINY)  # the real checkpoints' (9, 18, 27) / (10, 20, 30)
 CASES = {
     "sd3": SD3_CASE,
+    "zimage": ("zimage", FakeZImagePipeline, ZImage, {}, (32, 48), 1),
+    "flux2": (
+        "flux2",
+        FakeFlux2KleinPipeline,
+        Flux2,
+        {"max_sequence_length": tiny.FLUX2_TEXT_LENGTH_TINY, "text_layers": FLUX2_TINY_LAYERS},
+        (32, 48),
+        1,
+    ),
+    "flux2_dev": (
+        "flux2_dev",
+        FakeFlux2Pipeline,
+        Flux2,
+        {"max_sequence_length": tiny.FLUX2_DEV_TEXT_LENGTH_TINY, "text_layers": FLUX2_TINY_LAYERS},
+        (32, 48),
+        1,
+    ),
     "wan_ti2v": ("wan", FakeWan22Pipeline, Wan, WAN_KW, (32, 64), 1),
     "wan_a14b": ("wan", FakeWan22Pipeline, Wan, WAN_KW, (32, 64), 2),
 }
@@ -173,13 +318,24 @@ CASES = {
 
 def _model_dir(case: str, tmp_path: Path) -> Path:
     kind, *_, experts = CASES[case]
-    return wan_dir(tmp_path / "ckpt", experts) if kind == "wan" else tmp_path / "ckpt"
+    if kind == "wan":
+        return wan_dir(tmp_path / "ckpt", experts)
+    return flux2_dir(tmp_path / "ckpt", kind) if kind.startswith("flux2") else tmp_path / "ckpt"
+
+
+# the tiny builders of the families whose model keywords pass as they are (Wan's takes its expert count)
+TINY = {
+    "sd3": tiny.tiny_sd3,
+    "zimage": tiny.tiny_zimage,
+    "flux2": tiny.tiny_flux2,
+    "flux2_dev": tiny.tiny_flux2_dev,
+}
 
 
 def _reference(case: str, cfg: SamplingConfig, prompts=PROMPTS, seeds=SEEDS):
     """The in-process engine on the family's tiny model from the same seed: what the vLLM-Omni engine must give."""
     kind, _, _, kwargs, _, experts = CASES[case]
-    model = tiny.tiny_sd3(0, **kwargs) if kind == "sd3" else tiny.tiny_wan(0, experts=experts, **kwargs)
+    model = tiny.tiny_wan(0, experts=experts, **kwargs) if kind == "wan" else TINY[kind](0, **kwargs)
     return DiffusersEngine(vop.as_flow_model(model)).generate(prompts, seeds, cfg)
 
 
@@ -205,6 +361,13 @@ def test_pipeline_wraps_the_loaded_modules_in_the_familys_model(fake_families, t
             flow.clips == (pipeline.text_encoder, pipeline.text_encoder_2)
             and flow.t5 is pipeline.text_encoder_3
         )
+    elif kind in ("zimage", "flux2", "flux2_dev"):
+        assert flow.text_encoder is pipeline.text_encoder and flow.tokenizer is pipeline.tokenizer
+        assert flow.vae is pipeline.vae
+        if kind == "flux2":  # klein base: true CFG, Qwen3's template (no system turn)
+            assert not flow.is_distilled and flow.system_message is None and flow.cfg_forwards == 2
+        if kind == "flux2_dev":  # [dev]: guidance embedded, its system turn from diffusers
+            assert flow.guidance_embeds and flow.system_message and flow.cfg_forwards == 1
     else:
         assert flow.text_encoder is pipeline.text_encoder and flow.num_frames == tiny.TINY_WAN_FRAMES
         assert (flow.transformer_2 is None) == (CASES[case][-1] == 1)
@@ -241,10 +404,11 @@ def test_a_tiny_kind_runs_its_familys_adapter(fake_families, tmp_path):
 
 
 def test_the_engine_refuses_a_family_without_an_adapter(fake_families, tmp_path):
-    for kind in ("flux", "bagel", "tiny_zimage"):
+    for kind in ("flux", "bagel", "tiny_flux", "ltx2"):
         with pytest.raises(
             ValueError,
-            match=r"^rollout_engine='vllm_omni' supports model.kind in \('qwen_image', 'sd3', 'wan'\), got "
+            match=r"^rollout_engine='vllm_omni' supports model.kind in \('qwen_image', 'sd3', 'zimage', 'flux2', "
+            r"'flux2_dev', 'wan'\), got "
             f"'{kind}'; use --rollout-engine diffusers$",
         ):
             fake_families.VllmOmniEngine(str(tmp_path), kind=kind, work_dir=tmp_path / "w")
@@ -282,3 +446,70 @@ def test_wan_lora_names_and_the_two_expert_refusal(fake_families, tmp_path):
         two.update_lora(state, cfg)
     with pytest.raises(ValueError, match=r"no readable model_index.json .* pass a local diffusers Wan 2.2"):
         fake_families.VllmOmniEngine(str(tmp_path / "none"), kind="wan", work_dir=tmp_path / "c")
+
+
+# vllm-omni 0.30's LoRA-capable Linear layers of each transformer (block indices as "*"), read from its sources, and
+# its fused layers' parts (the transformer's stacked_params_mapping, from which its LoRA manager maps a diffusers
+# LoRA's per-part names onto the fused layer).
+def _zimage_linears() -> dict[str, tuple[str, ...]]:
+    out: dict[str, tuple[str, ...]] = {}
+    for blocks in ("noise_refiner", "context_refiner", "layers"):
+        out |= {
+            f"{blocks}.*.attention.to_qkv": ("to_q", "to_k", "to_v"),
+            f"{blocks}.*.attention.to_out.0": (),
+            f"{blocks}.*.feed_forward.w13": ("w1", "w3"),
+            f"{blocks}.*.feed_forward.w2": (),
+        }
+    return out
+
+
+FLUX2_LINEARS = {
+    "transformer_blocks.*.attn.to_qkv": ("to_q", "to_k", "to_v"),
+    "transformer_blocks.*.attn.add_kv_proj": ("add_q_proj", "add_k_proj", "add_v_proj"),
+    "transformer_blocks.*.attn.to_out.0": (),
+    "transformer_blocks.*.attn.to_add_out": (),
+    # linear_in: two output slices (SwiGLU's halves), one module in diffusers; the LoRA's B is split between them
+    **{
+        f"transformer_blocks.*.{ff}.{m}": ()
+        for ff in ("ff", "ff_context")
+        for m in ("linear_in", "linear_out")
+    },
+    "single_transformer_blocks.*.attn.to_qkv_mlp_proj": (),
+    "single_transformer_blocks.*.attn.to_out": (),
+}
+OMNI_LINEARS = {"zimage": _zimage_linears(), "flux2": FLUX2_LINEARS, "flux2_dev": FLUX2_LINEARS}
+
+
+def _omni_accepts(kind: str, module: str) -> bool:
+    """Whether vllm-omni's LoRA manager binds a LoRA on `module` (a transformer-relative name): one of its Linear
+    layers, or a part of a fused one."""
+    linears = OMNI_LINEARS[kind]
+    stack, _, rest = module.partition(".")
+    name = f"{stack}.*.{rest.partition('.')[2]}"  # the block index, not to_out's ".0"
+    prefix, _, leaf = name.rpartition(".")
+    return name in linears or any(
+        fused.rpartition(".")[0] == prefix and leaf in parts for fused, parts in linears.items()
+    )
+
+
+@pytest.mark.parametrize("kind", ["zimage", "flux2", "flux2_dev"])
+def test_lora_renames_map_every_trained_module(fake_families, kind):
+    """fgrpo's LoRA on the family's tiny transformer (its recipe's targets), renamed by the adapter, lands on
+    vllm-omni's layers only: none of its modules is left without a counterpart."""
+    from fgrpo.models.lora import add_lora, lora_state_dict
+    from fgrpo.rollout.vllm_omni import vllm_omni_lora_names
+
+    targets = FAMILIES[kind].lora_targets
+    transformer: Any = vop.as_flow_model(TINY[kind](0)).transformer
+    add_lora(transformer, rank=2, alpha=4, target_modules=targets)
+    state = lora_state_dict(transformer)
+    cfg = {"r": 2, "lora_alpha": 4, "target_modules": list(targets)}
+    renamed, new_cfg = vllm_omni_lora_names(state, cfg, vop.ADAPTERS[kind].lora_renames)
+    modules = sorted({k.rsplit(".lora_", 1)[0] for k in renamed})
+    assert len(renamed) == len(state) and len(modules) == len(state) // 2
+    assert {m.split(".")[0] for m in modules} == {b.split(".")[0] for b in OMNI_LINEARS[kind]}  # every stack
+    assert [m for m in modules if not _omni_accepts(kind, m)] == []
+    leaves = {n.rpartition(".")[2] for n in OMNI_LINEARS[kind]} | {
+        p for v in OMNI_LINEARS[kind].values() for p in v
+    }
+    assert {t.rpartition(".")[2] for t in new_cfg["target_modules"]} <= leaves  # vllm's expected module check

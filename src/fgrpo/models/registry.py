@@ -107,7 +107,12 @@ FAMILIES: dict[str, Family] = {
     ),
     "flux": Family(_pretrained(Flux), FLUX_LORA_TARGETS, 16, "experiments/flux_ocr.py", tiny="tiny_flux"),
     "zimage": Family(
-        _pretrained(ZImage), ZIMAGE_LORA_TARGETS, 16, "experiments/zimage_ocr.py", tiny="tiny_zimage"
+        _pretrained(ZImage),
+        ZIMAGE_LORA_TARGETS,
+        16,
+        "experiments/zimage_ocr.py",
+        tiny="tiny_zimage",
+        vllm_omni=True,
     ),
     "ltx2": Family(
         lambda mcfg, device, dtype, seed: LTX2.from_pretrained(
@@ -138,11 +143,19 @@ FAMILIES: dict[str, Family] = {
     "tiny_flux": Family(_tiny(tiny.tiny_flux), FLUX_LORA_TARGETS, 16, "experiments/flux_ocr.py"),
     "tiny_zimage": Family(_tiny(tiny.tiny_zimage), ZIMAGE_LORA_TARGETS, 16, "experiments/zimage_ocr.py"),
     "tiny_ltx2": Family(_tiny(tiny.tiny_ltx2), LTX2_LORA_TARGETS, 32, "experiments/ltx2_ocr.py"),
-    "flux2": Family(_flux2("klein"), FLUX2_LORA_TARGETS, 16, "experiments/flux2_ocr.py", tiny="tiny_flux2"),
+    "flux2": Family(
+        _flux2("klein"), FLUX2_LORA_TARGETS, 16, "experiments/flux2_ocr.py", tiny="tiny_flux2", vllm_omni=True
+    ),
     "tiny_flux2": Family(_tiny(tiny.tiny_flux2), FLUX2_LORA_TARGETS, 16, "experiments/flux2_ocr.py"),
     # FLUX.2 [dev]: klein's transformer architecture at 32B, so the same LoRA targets and pixel multiple
     "flux2_dev": Family(
-        _flux2("dev"), FLUX2_LORA_TARGETS, 16, "experiments/flux2_ocr.py", preset="dev", tiny="tiny_flux2_dev"
+        _flux2("dev"),
+        FLUX2_LORA_TARGETS,
+        16,
+        "experiments/flux2_ocr.py",
+        preset="dev",
+        tiny="tiny_flux2_dev",
+        vllm_omni=True,
     ),
     "tiny_flux2_dev": Family(_tiny(tiny.tiny_flux2_dev), FLUX2_LORA_TARGETS, 16, "experiments/flux2_ocr.py"),
     # 32: the TI2V-5B's (Wan 2.2 VAE 16 x patch 2), a multiple of the A14B's 16 (Wan 2.1 VAE 8 x 2)

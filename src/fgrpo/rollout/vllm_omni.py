@@ -2,7 +2,7 @@
 
 `VllmOmniEngine` implements `fgrpo.rollout.base.RolloutEngine` on `vllm_omni.Omni` (0.30.x, the
 optional extra `vllm`) for the families of `fgrpo.rollout.vllm_omni_pipeline.ADAPTERS` (Qwen-Image, SD3.5,
-Wan 2.2). The denoising loop runs on vllm-omni's worker inside fgrpo's subclass of vllm-omni's pipeline of the
+Z-Image, FLUX.2 [klein] and [dev], Wan 2.2). The denoising loop runs on vllm-omni's worker inside fgrpo's subclass of vllm-omni's pipeline of the
 family (e.g. `FgrpoQwenImagePipeline`), which calls `fgrpo.policy.transition`, so
 the schedule, the SDE window, the step mean/std, the sampling and the log-prob are fgrpo's. Only the
 transformer's kernels are vllm-omni's; their rounding differs from the trainer's, so with this engine

@@ -4,8 +4,8 @@ vllm-omni 0.30 lets a caller replace a model's pipeline class through
 `Omni(..., custom_pipeline_args={"pipeline_class": "<module>.<qualname>"})`; its worker imports the
 class by that name and calls `forward(req: DiffusionRequestBatch) -> list[DiffusionOutput]`, one output
 per request, under `torch.inference_mode()`. For each family in ADAPTERS we subclass vllm-omni's pipeline of
-that family (Qwen-Image: `QwenImagePipeline`, SD3.5: `StableDiffusion3Pipeline`, Wan 2.2: `Wan22Pipeline`) to keep
-everything it loads (text encoders, VAE, its fused-kernel transformer(s), its LoRA manager) and replace only
+that family (Qwen-Image: `QwenImagePipeline`, SD3.5: `StableDiffusion3Pipeline`, FLUX.2 [klein] and [dev]:
+`Flux2KleinPipeline` and `Flux2Pipeline`, Z-Image: `ZImagePipeline`, Wan 2.2: `Wan22Pipeline`) to keep everything it loads (text encoders, VAE, its fused-kernel transformer(s), its LoRA manager) and replace only
 `forward`: it wraps those modules in fgrpo's own FlowModel of the family (the adapter's `wrap`) and runs fgrpo's
 in-process engine (`fgrpo.rollout.engine.DiffusersEngine`) on them. So the prompt encoding, latent layout, CFG,
 the schedule, the per-sample generators and SDE windows, `fgrpo.policy.transition` and the VAE decode are the very
@@ -48,9 +48,11 @@ from torch import nn
 from fgrpo.config import SamplingConfig
 from fgrpo.models.base import Cond, FlowModel
 from fgrpo.models.common import pad_to
+from fgrpo.models.flux2 import DEV_TEXT_LAYERS, VARIANTS, Flux2
 from fgrpo.models.qwen_image import QwenImage
 from fgrpo.models.sd3 import SD3
 from fgrpo.models.wan import Wan
+from fgrpo.models.zimage import ZImage
 from fgrpo.rollout.base import Trajectory
 from fgrpo.rollout.engine import DiffusersEngine
 
@@ -236,6 +238,77 @@ def wan_plain_kwargs(params: Any) -> dict[str, Any]:
     return {"num_frames": int(frames)} if isinstance(frames, int) else {}
 
 
+def flux2_settings(path: str | Path, variant: str) -> dict[str, Any]:
+    """What fgrpo's Flux2.from_pretrained takes from a diffusers FLUX.2 directory besides the modules, read from its
+    model_index.json: klein's `is_distilled` (vllm-omni's Flux2KleinPipeline leaves its own at False whatever the
+    checkpoint), or [dev]'s system message and text layers. A directory of the other variant is refused: the two
+    adapters subclass different vllm-omni pipelines."""
+    root = Path(path)
+    try:
+        index = json.loads((root / "model_index.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"model path '{root}': no readable model_index.json; pass a local diffusers FLUX.2 directory"
+        ) from e
+    found = VARIANTS.get(index.get("_class_name", ""))
+    if found != variant:
+        raise ValueError(
+            f"model path '{root}' holds a {index.get('_class_name')}, the adapter wants FLUX.2 [{variant}]; use "
+            f"kind {'flux2_dev' if found == 'dev' else 'flux2'}"
+        )
+    if variant == "klein":
+        return {"is_distilled": bool(index.get("is_distilled", False))}
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+
+    return {"system_message": SYSTEM_MESSAGE, "text_layers": DEV_TEXT_LAYERS}
+
+
+def flux2_wrap(variant: str) -> Callable[[Any, Mapping[str, Any]], Flux2]:
+    """fgrpo's Flux2 on vllm-omni's Flux2KleinPipeline (variant 'klein': Qwen3 and its tokenizer) or Flux2Pipeline
+    ('dev': vllm-omni's own Mistral encoder, whose forward takes HF's keywords and returns `hidden_states`, and the
+    Pixtral processor). vllm-omni's FLUX.2 transformers take diffusers' keywords and keep the config fields fgrpo
+    reads on a config object of their own."""
+
+    def wrap(pipeline: Any, model_kwargs: Mapping[str, Any] | None = None) -> Flux2:
+        t = pipeline.transformer
+        transformer: Any = OmniConfigured(
+            t, in_channels=int(t.config.in_channels), guidance_embeds=bool(t.config.guidance_embeds)
+        )
+        return Flux2(
+            transformer,
+            pipeline.vae,
+            pipeline.text_encoder,
+            pipeline.tokenizer,
+            scheduler_config=pipeline.scheduler.config,
+            **{**flux2_settings(pipeline.od_config.model, variant), **(model_kwargs or {})},
+        )
+
+    return wrap
+
+
+class OmniZImageTransformer(OmniConfigured):
+    """vllm-omni's Z-Image transformer: diffusers' positional call (per-sample latents, timestep, per-sample text) and
+    the same output tuple, but no `return_dict` keyword, which ZImage passes; `in_channels` is a plain attribute."""
+
+    def forward(self, *args: Any, return_dict: bool = False, **kwargs: Any) -> Any:
+        assert not return_dict  # ZImage reads the tuple; vllm-omni's forward returns (samples, {}) only
+        return self.inner(*args, **kwargs)
+
+
+def zimage_flow_model(pipeline: Any, model_kwargs: Mapping[str, Any] | None = None) -> ZImage:
+    """fgrpo's ZImage on vllm-omni's ZImagePipeline modules: the Qwen3 causal LM (transformers' own class), its
+    tokenizer, the VAE and vllm-omni's transformer."""
+    t = pipeline.transformer
+    return ZImage(
+        cast(Any, OmniZImageTransformer(t, in_channels=int(t.in_channels))),
+        pipeline.vae,
+        pipeline.text_encoder,
+        pipeline.tokenizer,
+        scheduler_config=pipeline.scheduler.config,
+        **(model_kwargs or {}),
+    )
+
+
 def as_flow_model(model: Any) -> FlowModel:
     """fgrpo's families are FlowModels (tests check it at runtime); pyright cannot tell, because it does not see
     diffusers' transformer classes (the families' `transformer` annotations) as nn.Modules."""
@@ -285,6 +358,15 @@ ADAPTERS: dict[str, FamilyAdapter] = {
         ),
         # vllm-omni's SD3 keeps to_out a ModuleList, so diffusers' names hold
         FamilyAdapter("sd3", f"{_MODELS}.sd3.pipeline_sd3", "StableDiffusion3Pipeline", sd3_flow_model),
+        # Z-Image: to_out stays a ModuleList; to_q/k/v -> to_qkv and w1/w3 -> w13 are fused, and vllm-omni's LoRA
+        # manager maps the diffusers names onto them (the transformer's stacked_params_mapping)
+        FamilyAdapter("zimage", f"{_MODELS}.z_image.pipeline_z_image", "ZImagePipeline", zimage_flow_model),
+        # FLUX.2: to_out of the joint blocks stays a ModuleList; to_q/k/v and add_q/k/v_proj fuse as Z-Image's do, and
+        # the feed-forwards' linear_in (one Linear in diffusers, two output slices here) takes the LoRA's B split
+        FamilyAdapter(
+            "flux2", f"{_MODELS}.flux2_klein.pipeline_flux2_klein", "Flux2KleinPipeline", flux2_wrap("klein")
+        ),
+        FamilyAdapter("flux2_dev", f"{_MODELS}.flux2.pipeline_flux2", "Flux2Pipeline", flux2_wrap("dev")),
         # Wan: to_out a Linear, and the feed-forward's net.0 / net.2 are attributes net_0 / net_2
         FamilyAdapter(
             "wan",
