@@ -1,5 +1,5 @@
-"""The vLLM-Omni engine on the families beyond Qwen-Image (SD3.5, Z-Image, FLUX.2 [klein] and [dev], Wan 2.2),
-against fakes of vLLM-Omni 0.30's pipelines of them.
+"""The vLLM-Omni engine on the families beyond Qwen-Image (Qwen-Image-Edit, SD3.5, Z-Image, FLUX.2 [klein] and [dev],
+Wan 2.2), against fakes of vLLM-Omni 0.30's pipelines of them.
 
 The fakes hold the tiny random modules of fgrpo's builders behind what fgrpo touches of vllm-omni's classes (read
 from vllm-omni 0.30.0's sources): `StableDiffusion3Pipeline` (transformer whose config fields are plain attributes
@@ -9,7 +9,9 @@ from vllm-omni 0.30.0's sources): `StableDiffusion3Pipeline` (transformer whose 
 `Flux2Pipeline` (transformer with diffusers' keywords and a config object of its own; [dev]'s text encoder vllm-omni's
 Mistral encoder, keyword-only; `od_config.model`, whose model_index.json the adapter reads) and `Wan22Pipeline`
 (`transformer`, `transformer_2` or None, each with a config object of its own; `text_encoder`, `tokenizer`, `vae`;
-`od_config.model`, the checkpoint directory). The rest of the fake vLLM-Omni is test_vllm_omni.py's. The real vllm is
+`od_config.model`, the checkpoint directory) and `QwenImageEditPipeline` (Qwen-Image's transformer, which takes
+per-sample lists of image shapes, x_t's then the condition image's; `text_encoder`, `tokenizer`, `processor`, `vae`,
+`scheduler`). The rest of the fake vLLM-Omni is test_vllm_omni.py's. The real vllm is
 never imported.
 """
 
@@ -25,13 +27,15 @@ from typing import Any
 import pytest
 import test_vllm_omni as base  # the fake vllm-omni surface of the Qwen-Image tests (tests/rollout on sys.path)
 import torch
+from PIL import Image
 from test_vllm_omni import fake_vllm  # noqa: F401 - a fixture, used by name
 from torch import nn
 
 from fgrpo.config import SamplingConfig
 from fgrpo.models import tiny
-from fgrpo.models.base import FlowModel
+from fgrpo.models.base import FlowModel, ImagePrompt
 from fgrpo.models.flux2 import Flux2
+from fgrpo.models.qwen_image_edit import CONDITION_AREA, QwenImageEdit
 from fgrpo.models.registry import FAMILIES, VLLM_OMNI_KINDS
 from fgrpo.models.sd3 import SD3
 from fgrpo.models.wan import Wan
@@ -229,6 +233,74 @@ class FakeFlux2Pipeline(nn.Module):
         self.vae, self.tokenizer, self.scheduler = c["vae"], c["tokenizer"], c["scheduler"]
 
 
+class FakeOmniEditTransformer(nn.Module):
+    """vllm-omni's QwenImageTransformer2DModel as QwenImageEditPipeline calls it: per sample a list of the images'
+    (frames, h, w), x_t's then the condition image's, whose tokens fill the sequence; text RoPE sized by the padded
+    text width."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.in_channels = inner.config.in_channels  # pyright: ignore[reportAttributeAccessIssue]
+
+    def forward(
+        self,
+        hidden_states,
+        encoder_hidden_states=None,
+        encoder_hidden_states_mask=None,
+        timestep=None,
+        img_shapes=None,
+        txt_seq_lens=None,
+        guidance=None,
+        attention_kwargs=None,
+        return_dict=True,
+    ):
+        B, S, _ = hidden_states.shape
+        assert img_shapes is not None and encoder_hidden_states is not None and not return_dict
+        assert len(img_shapes) == B and all(
+            isinstance(s, list) and len(s) == 2 and sum(f * h * w for f, h, w in s) == S for s in img_shapes
+        )
+        assert txt_seq_lens == [encoder_hidden_states.shape[1]] * B
+        return self.inner(
+            hidden_states=hidden_states,
+            encoder_hidden_states=encoder_hidden_states,
+            encoder_hidden_states_mask=encoder_hidden_states_mask,
+            timestep=timestep,
+            img_shapes=img_shapes,
+            return_dict=False,
+        )
+
+
+class FakeQwenImageEditPipeline(nn.Module):
+    def __init__(self, *, od_config: Any = None, prefix: str = ""):
+        super().__init__()
+        c = tiny.tiny_qwen_image_edit_components(0)
+        self.od_config = od_config
+        self.transformer = FakeOmniEditTransformer(c["transformer"])
+        self.vae, self.text_encoder, self.tokenizer = c["vae"], c["text_encoder"], c["tokenizer"]
+        self.processor = None  # vllm-omni's own VL processor: the adapter builds fgrpo's from the checkpoint
+        self.scheduler = c["scheduler"]
+
+
+def edit_dir(root: Path) -> Path:
+    """The `processor` folder of a diffusers Qwen-Image-Edit directory, which the adapter reads (the tiny edit model's
+    image processor; the fake builds the other modules)."""
+    tiny.tiny_qwen_image_edit_components(0)["processor"].image_processor.save_pretrained(root / "processor")
+    return root
+
+
+def edit_prompts(root: Path, texts=PROMPTS) -> list[str]:
+    """One condition image file per prompt (all 64 x 48: one aspect ratio, as a batch needs)."""
+    root.mkdir(parents=True, exist_ok=True)
+    out: list[str] = []
+    for i, text in enumerate(texts):
+        image = Image.new("RGB", (64, 48), (30 + 50 * i, 180 - 40 * i, 90))
+        image.paste((220, 40, 200), (6 * i, 8, 24 + 6 * i, 30))
+        image.save(root / f"{i}.png")
+        out.append(ImagePrompt(text, root / f"{i}.png"))
+    return out
+
+
 def flux2_dir(root: Path, kind: str, is_distilled: bool = False) -> Path:
     """The model_index.json of a diffusers FLUX.2 directory, which the adapter reads (the fake builds the modules)."""
     root.mkdir(parents=True, exist_ok=True)
@@ -255,6 +327,9 @@ def wan_dir(root: Path, experts: int) -> Path:
 def fake_families(fake_vllm, monkeypatch):  # noqa: F811 - the fixture imported above
     models = "vllm_omni.diffusion.models"
     mods = {
+        f"{models}.qwen_image.pipeline_qwen_image_edit": base._module(
+            f"{models}.qwen_image.pipeline_qwen_image_edit", QwenImageEditPipeline=FakeQwenImageEditPipeline
+        ),
         f"{models}.sd3": base._module(f"{models}.sd3"),
         f"{models}.sd3.pipeline_sd3": base._module(
             f"{models}.sd3.pipeline_sd3", StableDiffusion3Pipeline=FakeStableDiffusion3Pipeline
@@ -292,7 +367,9 @@ SD3_CASE = (
 )
 WAN_KW = {"num_frames": tiny.TINY_WAN_FRAMES, "max_sequence_length": tiny.TINY_WAN_TEXT_LENGTH}
 FLUX2_TINY_LAYERS = list(tiny.FLUX2_TEXT_LAYERS_TINY)  # the real checkpoints' (9, 18, 27) / (10, 20, 30)
+EDIT_KW = {"condition_area": tiny.TINY_CONDITION_AREA}
 CASES = {
+    "qwen_image_edit": ("qwen_image_edit", FakeQwenImageEditPipeline, QwenImageEdit, EDIT_KW, (32, 48), 1),
     "sd3": SD3_CASE,
     "zimage": ("zimage", FakeZImagePipeline, ZImage, {}, (32, 48), 1),
     "flux2": (
@@ -320,11 +397,14 @@ def _model_dir(case: str, tmp_path: Path) -> Path:
     kind, *_, experts = CASES[case]
     if kind == "wan":
         return wan_dir(tmp_path / "ckpt", experts)
+    if kind == "qwen_image_edit":
+        return edit_dir(tmp_path / "ckpt")
     return flux2_dir(tmp_path / "ckpt", kind) if kind.startswith("flux2") else tmp_path / "ckpt"
 
 
 # the tiny builders of the families whose model keywords pass as they are (Wan's takes its expert count)
 TINY = {
+    "qwen_image_edit": tiny.tiny_qwen_image_edit,
     "sd3": tiny.tiny_sd3,
     "zimage": tiny.tiny_zimage,
     "flux2": tiny.tiny_flux2,
@@ -361,6 +441,11 @@ def test_pipeline_wraps_the_loaded_modules_in_the_familys_model(fake_families, t
             flow.clips == (pipeline.text_encoder, pipeline.text_encoder_2)
             and flow.t5 is pipeline.text_encoder_3
         )
+    elif kind == "qwen_image_edit":  # fgrpo's VL processor over vllm-omni's tokenizer
+        assert flow.text_encoder is pipeline.text_encoder and flow.vae is pipeline.vae
+        assert (
+            flow.processor.tokenizer is pipeline.tokenizer and flow.condition_area == tiny.TINY_CONDITION_AREA
+        )
     elif kind in ("zimage", "flux2", "flux2_dev"):
         assert flow.text_encoder is pipeline.text_encoder and flow.tokenizer is pipeline.tokenizer
         assert flow.vae is pipeline.vae
@@ -392,7 +477,8 @@ def test_generate_equals_the_in_process_engine(fake_families, tmp_path, case):
         "pipeline_class": vop.ADAPTERS[kind].qualname
     }
     cfg = _cfg(case)
-    got, want = engine.generate(PROMPTS, SEEDS, cfg), _reference(case, cfg)
+    prompts = edit_prompts(tmp_path / "cond") if kind == "qwen_image_edit" else PROMPTS
+    got, want = engine.generate(prompts, SEEDS, cfg), _reference(case, cfg, prompts)
     base._assert_same(got, want, exact=True)
     assert got.x0 is not None and want.x0 is not None and torch.equal(got.x0, want.x0.float())
     assert got.images.shape == want.images.shape and got.images.dtype == torch.uint8
@@ -407,13 +493,48 @@ def test_the_engine_refuses_a_family_without_an_adapter(fake_families, tmp_path)
     for kind in ("flux", "bagel", "tiny_flux", "ltx2"):
         with pytest.raises(
             ValueError,
-            match=r"^rollout_engine='vllm_omni' supports model.kind in \('qwen_image', 'sd3', 'zimage', 'flux2', "
-            r"'flux2_dev', 'wan'\), got "
+            match=r"^rollout_engine='vllm_omni' supports model.kind in \('qwen_image', 'qwen_image_edit', 'sd3', "
+            r"'zimage', 'flux2', 'flux2_dev', 'wan'\), got "
             f"'{kind}'; use --rollout-engine diffusers$",
         ):
             fake_families.VllmOmniEngine(str(tmp_path), kind=kind, work_dir=tmp_path / "w")
     assert not base.FakeOmni.instances  # refused before vllm-omni starts
     assert VLLM_OMNI_KINDS == tuple(vop.ADAPTERS)  # the config check and the engine agree
+
+
+def test_edit_requests_carry_the_condition_image_and_run_qwen_images_request_processing(
+    fake_families, tmp_path
+):
+    """Each request names its sample's condition image file where vllm-omni's edit requests carry an input image; the
+    engine asks for Qwen-Image's host-side request processing (the Edit checkpoint's post-processing would reject the
+    output envelope); a request without fgrpo's fields (vllm-omni's warm-up: no image) samples with a blank one."""
+    from fgrpo.rollout.vllm_omni import build_requests
+
+    prompts = edit_prompts(tmp_path / "cond")
+    requests, _ = build_requests(prompts, SEEDS, _cfg("qwen_image_edit"))
+    assert [r["multi_modal_data"] for r in requests] == [
+        {"image": str(tmp_path / "cond" / f"{i}.png")} for i in range(4)
+    ]
+    assert [r["prompt"] for r in requests] == PROMPTS and all(type(r["prompt"]) is str for r in requests)
+    assert all("multi_modal_data" not in r for r in build_requests(PROMPTS, SEEDS, _cfg("sd3"))[0])
+    fake_families.VllmOmniEngine(
+        str(edit_dir(tmp_path / "ckpt")),
+        kind="qwen_image_edit",
+        model_kwargs=EDIT_KW,
+        work_dir=tmp_path / "w",
+    )
+    omni = base.FakeOmni.instances[-1]
+    assert omni.kwargs["model_class_name"] == "QwenImagePipeline"
+    warmup = base.FakeSamplingParams(height=32, width=48, num_inference_steps=2, seed=0)
+    (out,) = omni.pipeline.forward(base.FakeRequestBatch([base.FakeRequest("dummy run", warmup)]))
+    blank = ImagePrompt("dummy run", Path(omni.pipeline._fgrpo_image_dir) / "plain_0.png")
+    assert Image.open(blank.image).size == (48, 32) and not Image.open(blank.image).getbbox()  # all black
+    cfg = dataclasses.replace(_cfg("qwen_image_edit"), num_steps=2, window_size=0, window_range=(0, 0))
+    cfg = dataclasses.replace(cfg, guidance_scale=1.0, negative_prompt=None, micro_batch=1)
+    # a plain request has no model keywords: the pipeline's condition area (1024²), not the tiny model's
+    reference = tiny.tiny_qwen_image_edit(0, condition_area=CONDITION_AREA)
+    want = DiffusersEngine(vop.as_flow_model(reference)).generate([blank], [0], cfg)
+    assert torch.equal(out.output["payload"]["image"], vop.pixels_to_payload(want.images))
 
 
 def test_wan_lora_names_and_the_two_expert_refusal(fake_families, tmp_path):
@@ -477,7 +598,25 @@ FLUX2_LINEARS = {
     "single_transformer_blocks.*.attn.to_qkv_mlp_proj": (),
     "single_transformer_blocks.*.attn.to_out": (),
 }
-OMNI_LINEARS = {"zimage": _zimage_linears(), "flux2": FLUX2_LINEARS, "flux2_dev": FLUX2_LINEARS}
+# Qwen-Image's transformer (Qwen-Image-Edit's too): the joint block's fused q/k/v of each stream, the output projections
+# as Linears (to_out not a ModuleList), the feed-forwards' net.0.proj and net.2 (net.1 a placeholder)
+QWEN_IMAGE_LINEARS = {
+    "transformer_blocks.*.attn.to_qkv": ("to_q", "to_k", "to_v"),
+    "transformer_blocks.*.attn.add_kv_proj": ("add_q_proj", "add_k_proj", "add_v_proj"),
+    "transformer_blocks.*.attn.to_out": (),
+    "transformer_blocks.*.attn.to_add_out": (),
+    **{
+        f"transformer_blocks.*.{mlp}.{m}": ()
+        for mlp in ("img_mlp", "txt_mlp")
+        for m in ("net.0.proj", "net.2")
+    },
+}
+OMNI_LINEARS = {
+    "qwen_image_edit": QWEN_IMAGE_LINEARS,
+    "zimage": _zimage_linears(),
+    "flux2": FLUX2_LINEARS,
+    "flux2_dev": FLUX2_LINEARS,
+}
 
 
 def _omni_accepts(kind: str, module: str) -> bool:
@@ -492,7 +631,7 @@ def _omni_accepts(kind: str, module: str) -> bool:
     )
 
 
-@pytest.mark.parametrize("kind", ["zimage", "flux2", "flux2_dev"])
+@pytest.mark.parametrize("kind", ["qwen_image_edit", "zimage", "flux2", "flux2_dev"])
 def test_lora_renames_map_every_trained_module(fake_families, kind):
     """fgrpo's LoRA on the family's tiny transformer (its recipe's targets), renamed by the adapter, lands on
     vllm-omni's layers only: none of its modules is left without a counterpart."""

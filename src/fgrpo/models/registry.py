@@ -101,6 +101,7 @@ FAMILIES: dict[str, Family] = {
         16,
         "experiments/qwen_image_edit_ocr.py",
         tiny="tiny_qwen_image_edit",
+        vllm_omni=True,
     ),
     "sd3": Family(
         _pretrained(SD3), SD3_LORA_TARGETS, 16, "experiments/sd35_ocr.py", tiny="tiny_sd3", vllm_omni=True

@@ -1,7 +1,7 @@
 """Rollout on vLLM-Omni: the same Trajectory as the in-process engine, from vllm-omni's transformer kernels.
 
 `VllmOmniEngine` implements `fgrpo.rollout.base.RolloutEngine` on `vllm_omni.Omni` (0.30.x, the
-optional extra `vllm`) for the families of `fgrpo.rollout.vllm_omni_pipeline.ADAPTERS` (Qwen-Image, SD3.5,
+optional extra `vllm`) for the families of `fgrpo.rollout.vllm_omni_pipeline.ADAPTERS` (Qwen-Image, Qwen-Image-Edit, SD3.5,
 Z-Image, FLUX.2 [klein] and [dev], Wan 2.2). The denoising loop runs on vllm-omni's worker inside fgrpo's subclass of vllm-omni's pipeline of the
 family (e.g. `FgrpoQwenImagePipeline`), which calls `fgrpo.policy.transition`, so
 the schedule, the SDE window, the step mean/std, the sampling and the log-prob are fgrpo's. Only the
@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from fgrpo.config import SamplingConfig
+from fgrpo.models.base import ImagePrompt
 from fgrpo.models.lora import write_adapter
 from fgrpo.models.qwen_image import QwenImage
 from fgrpo.models.registry import FAMILIES
@@ -47,6 +48,7 @@ from fgrpo.rollout.seeds import sample_generator
 from fgrpo.rollout.vllm_omni_pipeline import (
     ADAPTERS,
     CFG_KEY,
+    IMAGE_KEY,
     INFO_KEY,
     KEEP_KEY,
     MODEL_KEY,
@@ -128,6 +130,8 @@ def build_requests(
     With `spec` (the checkpoint's configs), every check of the in-process engine runs here first.
     keep: the Trajectory's optional fields (`mean`, `x0`) the worker sends back besides the window's.
     model_kwargs: the family's model keywords the worker builds its FlowModel with (Wan: num_frames).
+    A prompt that names its condition image (fgrpo.models.base.ImagePrompt, the Edit family's) sends the file's
+    absolute path as the request's `multi_modal_data["image"]`; the worker reads the file.
     """
     check_keep(keep)
     if spec is not None:
@@ -143,7 +147,9 @@ def build_requests(
     requests = []
     for i, (prompt, seed) in enumerate(zip(prompts, seeds)):
         info = {"seed": int(seed), "index": i}
-        req = OmniTextPrompt(prompt=prompt, additional_information={INFO_KEY: info})
+        req = OmniTextPrompt(prompt=str(prompt), additional_information={INFO_KEY: info})
+        if isinstance(prompt, ImagePrompt):
+            req["multi_modal_data"] = {IMAGE_KEY: os.path.abspath(prompt.image)}
         if cfg.guidance_scale > 1.0:
             req["negative_prompt"] = cfg.negative_prompt or ""
         requests.append(req)
@@ -330,6 +336,8 @@ class VllmOmniEngine:
             "enable_sleep_mode": enable_sleep_mode,
             "dtype": dtype,
         }
+        if self.adapter.request_arch is not None:
+            kwargs["model_class_name"] = self.adapter.request_arch
         kwargs.update(omni_kwargs or {})
         self.sleep_enabled = enable_sleep_mode
         self.omni = Omni(**kwargs)

@@ -4,7 +4,7 @@ vllm-omni 0.30 lets a caller replace a model's pipeline class through
 `Omni(..., custom_pipeline_args={"pipeline_class": "<module>.<qualname>"})`; its worker imports the
 class by that name and calls `forward(req: DiffusionRequestBatch) -> list[DiffusionOutput]`, one output
 per request, under `torch.inference_mode()`. For each family in ADAPTERS we subclass vllm-omni's pipeline of
-that family (Qwen-Image: `QwenImagePipeline`, SD3.5: `StableDiffusion3Pipeline`, FLUX.2 [klein] and [dev]:
+that family (Qwen-Image: `QwenImagePipeline`, Qwen-Image-Edit: `QwenImageEditPipeline`, SD3.5: `StableDiffusion3Pipeline`, FLUX.2 [klein] and [dev]:
 `Flux2KleinPipeline` and `Flux2Pipeline`, Z-Image: `ZImagePipeline`, Wan 2.2: `Wan22Pipeline`) to keep everything it loads (text encoders, VAE, its fused-kernel transformer(s), its LoRA manager) and replace only
 `forward`: it wraps those modules in fgrpo's own FlowModel of the family (the adapter's `wrap`) and runs fgrpo's
 in-process engine (`fgrpo.rollout.engine.DiffusersEngine`) on them. So the prompt encoding, latent layout, CFG,
@@ -17,7 +17,9 @@ attribute access (module `__getattr__`), which is exactly what vllm's `resolve_o
 
 Per-request data travels in the prompt's `additional_information` dict (vllm-omni keeps it on the
 request; one sampling-params object serves all prompts of an `Omni.generate` call): the sample's seed
-and index. The trajectory returns in the output envelope's `payload["trajectory"]`, which vllm-omni
+and index. An edit family's condition image rides where vllm-omni's own edit requests carry it, the prompt's
+`multi_modal_data["image"]`: the file's path (the worker runs on this host), which becomes the worker's
+`ImagePrompt` again, so fgrpo's model reads and encodes the very file the in-process engine would. The trajectory returns in the output envelope's `payload["trajectory"]`, which vllm-omni
 passes through to `OmniRequestOutput.multimodal_output["trajectory"]`.
 
 What travels back per sample (fp32 unless said; `latent` = the model's latent_shape, [16, H/8, W/8] for
@@ -36,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,10 +49,12 @@ import torch
 from torch import nn
 
 from fgrpo.config import SamplingConfig
-from fgrpo.models.base import Cond, FlowModel
+from fgrpo.models.base import Cond, FlowModel, ImagePrompt
 from fgrpo.models.common import pad_to
 from fgrpo.models.flux2 import DEV_TEXT_LAYERS, VARIANTS, Flux2
 from fgrpo.models.qwen_image import QwenImage
+from fgrpo.models.qwen_image_edit import QwenImageEdit
+from fgrpo.models.qwen_vl import vl_processor
 from fgrpo.models.sd3 import SD3
 from fgrpo.models.wan import Wan
 from fgrpo.models.zimage import ZImage
@@ -69,6 +74,8 @@ TRAJ_KEY = "trajectory"  # payload key that vllm-omni forwards to multimodal_out
 # sampling_params.extra_args[MODEL_KEY] = the family's model keywords (Wan: num_frames)
 MODEL_KEY = "fgrpo_model"
 PIXELS_KEY = "pixels"  # the decoded uint8 pixels inside each sample's trajectory dict
+# prompt["multi_modal_data"][IMAGE_KEY] = an edit family's condition image (vllm-omni's own key for an input image)
+IMAGE_KEY = "image"
 # QwenImage.encode's keys, as (embeds, mask) pairs; the negative pair exists only with CFG. A conditioning key of
 # another family (no mask: its prompts share one length) is stacked as it is (merge_cond).
 COND_PAIRS = (("prompt_embeds", "prompt_mask"), ("neg_prompt_embeds", "neg_prompt_mask"))
@@ -129,16 +136,18 @@ class OmniTransformer(nn.Module):
         timestep: torch.Tensor,
         encoder_hidden_states: torch.Tensor,
         encoder_hidden_states_mask: torch.Tensor | None,
-        img_shapes: list[tuple[int, int, int]],
+        img_shapes: list[Any],
         return_dict: bool = False,
     ) -> tuple[torch.Tensor]:
+        """img_shapes: per sample, diffusers' RoPE shape of its image tokens: one (frames, h, w) (Qwen-Image) or a
+        list of them, x_t's then the condition image's (Qwen-Image-Edit); vllm-omni takes a list per sample."""
         B = hidden_states.shape[0]
         out = self.inner(
             hidden_states=hidden_states,
             encoder_hidden_states=encoder_hidden_states,
             encoder_hidden_states_mask=encoder_hidden_states_mask,
             timestep=timestep,
-            img_shapes=[[tuple(s)] for s in img_shapes],
+            img_shapes=[[tuple(s)] if isinstance(s[0], int) else [tuple(t) for t in s] for s in img_shapes],
             txt_seq_lens=[int(encoder_hidden_states.shape[1])] * B,
             guidance=None,  # Qwen-Image has no guidance embedding; true CFG happens in QwenImage.velocity
             attention_kwargs={},
@@ -156,6 +165,28 @@ def flow_model(pipeline: QwenImagePipeline, model_kwargs: Mapping[str, Any] | No
         pipeline.vae,
         pipeline.text_encoder,
         pipeline.tokenizer,
+        scheduler_config=scheduler.config,
+        **(model_kwargs or {}),
+    )
+
+
+def edit_flow_model(pipeline: Any, model_kwargs: Mapping[str, Any] | None = None) -> QwenImageEdit:
+    """fgrpo's QwenImageEdit on vllm-omni's QwenImageEditPipeline modules (Qwen2.5-VL, its tokenizer, the VAE,
+    vllm-omni's transformer). The VL processor is fgrpo's, built from the checkpoint's `processor` folder as
+    QwenImageEdit.from_pretrained builds it (transformers' PIL image processor), not vllm-omni's, whose image backend
+    may resize the VL pixels with other rounding: the prompt encoding stays the trainer's."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    image_processor = Qwen2VLImageProcessorPil.from_pretrained(
+        str(pipeline.od_config.model), subfolder="processor"
+    )
+    scheduler: Any = pipeline.scheduler
+    return QwenImageEdit(
+        OmniTransformer(pipeline.transformer),
+        pipeline.vae,
+        pipeline.text_encoder,
+        pipeline.tokenizer,
+        processor=vl_processor(image_processor, pipeline.tokenizer),
         scheduler_config=scheduler.config,
         **(model_kwargs or {}),
     )
@@ -334,6 +365,11 @@ class FamilyAdapter:
     """(diffusers module name, vllm-omni's) where they differ; vllm-omni's LoRA loader knows only its own."""
     plain_kwargs: Callable[[Any], dict[str, Any]] = lambda params: {}
     """Model keywords of a request that is not fgrpo's (vllm-omni's warm-up), from its sampling params."""
+    image_input: bool = False
+    """The family edits a condition image: each request carries its file (prompt['multi_modal_data']['image'])."""
+    request_arch: str | None = None
+    """The vllm-omni architecture whose host-side request processing the engine runs (`Omni(model_class_name=...)`)
+    when the checkpoint's own would reject fgrpo's requests or outputs; None: the checkpoint's."""
 
     @property
     def pipeline_class(self) -> str:
@@ -355,6 +391,19 @@ ADAPTERS: dict[str, FamilyAdapter] = {
             "QwenImagePipeline",
             flow_model,
             lora_renames=(("to_out.0", "to_out"),),
+        ),
+        # Qwen-Image-Edit: Qwen-Image's transformer (same LoRA names). vllm-omni's pre-processing of an Edit checkpoint
+        # would resize each condition image to 1024² again and ship the pixels along, and its post-processing takes a
+        # bare image tensor, not the output envelope that carries the trajectory: the engine runs Qwen-Image's request
+        # processing instead (the envelope's reader), and fgrpo's model reads the condition image from its file
+        FamilyAdapter(
+            "qwen_image_edit",
+            f"{_MODELS}.qwen_image.pipeline_qwen_image_edit",
+            "QwenImageEditPipeline",
+            edit_flow_model,
+            lora_renames=(("to_out.0", "to_out"),),
+            image_input=True,
+            request_arch="QwenImagePipeline",
         ),
         # vllm-omni's SD3 keeps to_out a ModuleList, so diffusers' names hold
         FamilyAdapter("sd3", f"{_MODELS}.sd3.pipeline_sd3", "StableDiffusion3Pipeline", sd3_flow_model),
@@ -395,6 +444,35 @@ def request_info(prompt: Any) -> dict[str, Any]:
             "drive it through fgrpo.rollout.vllm_omni.VllmOmniEngine"
         )
     return info
+
+
+def request_prompt(prompt: Any) -> str:
+    """The prompt fgrpo's model encodes: the text, or with a condition image (multi_modal_data['image'], a file path)
+    the ImagePrompt the caller's was."""
+    image = (prompt.get("multi_modal_data") or {}).get(IMAGE_KEY)
+    return ImagePrompt(prompt["prompt"], image) if isinstance(image, str) else prompt["prompt"]
+
+
+def plain_prompts(prompts: Sequence[Any], height: int, width: int, image_dir: str | None) -> list[str]:
+    """The prompts of a request that is not fgrpo's, for a family with a condition image: vllm-omni's own form gives
+    the image as a path or a PIL image (written to `image_dir` for the model to read); its start-up warm-up of a
+    non-edit architecture (request_arch) gives none, and gets the blank image vllm-omni's warm-up of the Edit
+    pipeline would send."""
+    from PIL import Image
+
+    assert image_dir is not None
+    out: list[str] = []
+    for i, p in enumerate(prompts):
+        text = p if isinstance(p, str) else (p.get("prompt") or "")
+        image = None if isinstance(p, str) else (p.get("multi_modal_data") or {}).get(IMAGE_KEY)
+        if isinstance(image, list):
+            image = image[0]
+        if not isinstance(image, str):
+            path = Path(image_dir) / f"plain_{i}.png"
+            (image if image is not None else Image.new("RGB", (width, height))).save(path)
+            image = str(path)
+        out.append(ImagePrompt(text, image))
+    return out
 
 
 def split_trajectory(
@@ -485,7 +563,7 @@ def run_batch(
     the optional fields named in `keep`.
     """
     infos = [request_info(p) for p in prompts]
-    texts = [p["prompt"] for p in prompts]
+    texts = [request_prompt(p) for p in prompts]
     traj = DiffusersEngine(flow).generate(texts, [int(i["seed"]) for i in infos], cfg)
     return pixels_to_payload(traj.images), split_trajectory(traj, [int(i["index"]) for i in infos], keep)
 
@@ -512,6 +590,10 @@ def pipeline_forward(adapter: FamilyAdapter) -> Callable[[Any, Any], list[Any]]:
             payloads = [{adapter.output_key: images[b : b + 1], TRAJ_KEY: t} for b, t in enumerate(trajs)]
         else:  # vllm-omni's start-up warm-up request (and any plain request): same model path, ODE
             cfg, texts, seeds = plain_request(params, req.prompts)
+            if adapter.image_input:
+                if self._fgrpo_image_dir is None:
+                    self._fgrpo_image_dir = tempfile.mkdtemp(prefix="fgrpo-vllm-omni-images-")
+                texts = plain_prompts(req.prompts, cfg.height, cfg.width, self._fgrpo_image_dir)
             images = pixels_to_payload(DiffusersEngine(flow).generate(texts, seeds, cfg).images)
             payloads = [{adapter.output_key: images[b : b + 1]} for b in range(len(texts))]
         return [DiffusionOutput(output={"payload": p, "metadata": {}}, to_cpu=True) for p in payloads]
@@ -534,6 +616,7 @@ def _build_pipeline(adapter: FamilyAdapter) -> type:
             "supports_step_execution": False,  # fgrpo's loop runs whole requests; no per-step scheduling
             "_fgrpo_flow": None,
             "_fgrpo_key": None,
+            "_fgrpo_image_dir": None,
             "forward": pipeline_forward(adapter),
         },
     )
