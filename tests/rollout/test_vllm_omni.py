@@ -7,8 +7,11 @@ use_tqdm)` and `engine.collective_rpc(method, args=, kwargs=)`, `OmniDiffusionSa
 signature incl. `txt_seq_lens`, `encode_prompt`, `_decode_latents`, `scheduler.config`,
 `vae_scale_factor`), `CustomPipelineWorkerExtension`, and `vllm.lora.request.LoRARequest`. The fake
 Omni resolves the pipeline class by its qualified name, runs `forward` on request batches of
-`max_num_seqs` under `inference_mode`, post-processes the output envelope into PIL images and returns
-outputs in a shuffled order, as the real one may. The real vllm is never imported.
+`max_num_seqs` under `inference_mode`, runs on each output the host-side post-processing that 0.30's registry picks
+for the architecture name (the `model_class_name` passed, else the checkpoint's model_index.json `_class_name`),
+written from the real functions (the tensor-only ones refuse the output envelope), formats the result as 0.30's
+engine does (the payload's 'trajectory' into `multimodal_output`) and returns outputs in a shuffled order, as the
+real one may. The real vllm is never imported.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import random
 import sys
 import types
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -201,6 +205,67 @@ class FakeEngine:
         return [True]
 
 
+def image_to_pil(images: Any) -> list[Image.Image]:
+    """diffusers' VaeImageProcessor.postprocess as vllm-omni 0.30's image post-processors call it: a [B, 3, H, W]
+    tensor in [-1, 1] becomes B PIL images; anything but a tensor is refused with a ValueError."""
+    if not isinstance(images, torch.Tensor):
+        raise ValueError(f"the image processor takes a torch.Tensor, got {type(images).__name__}")
+    pixels = ((images.permute(0, 2, 3, 1) / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+    return [Image.fromarray(p.numpy()) for p in pixels]
+
+
+def qwen_image_post_process(images: Any) -> Any:
+    """Qwen-Image's (pipeline_qwen_image.py:76-90): an output envelope keeps its payload, whose 'image' goes through
+    the image processor; anything else goes through the image processor as it is."""
+    if isinstance(images, dict) and isinstance(images.get("payload"), dict):
+        payload = dict(images["payload"])
+        if payload.get("image") is None:
+            raise ValueError("Qwen-Image's post-processing needs payload['image']")
+        payload["image"] = image_to_pil(payload["image"])
+        return {"payload": payload, "metadata": images.get("metadata") or {}}
+    return image_to_pil(images)
+
+
+def wan_post_process(video: Any, sampling_params: Any = None) -> Any:
+    """Wan 2.2's (pipeline_wan2_2.py:271-294, no frame interpolation or MP4 pre-encoding): a 'latent' request's output
+    comes back as it is; any other is a [B, 3, F, H, W] video tensor, whose shape diffusers' VideoProcessor reads
+    (a dict has none: AttributeError), each sample a list of frames."""
+    if sampling_params is not None and sampling_params.output_type == "latent":
+        return video
+    frames = [image_to_pil(video[b].permute(1, 0, 2, 3)) for b in range(video.shape[0])]
+    return {"payload": {"video": frames}, "metadata": {}}
+
+
+# The post-processing vllm-omni 0.30 runs on the host for an architecture name (registry.py:634-704, the names of
+# fgrpo's families); a name not listed has none (registry.py:849-857). SD3's and FLUX.2 [dev]'s return their input
+# when the engine (not a request) was built with output_type='latent', which fgrpo never does.
+POST_PROCESS: dict[str, Any] = {
+    "QwenImagePipeline": qwen_image_post_process,
+    "QwenImageEditPipeline": image_to_pil,
+    "StableDiffusion3Pipeline": image_to_pil,
+    "ZImagePipeline": image_to_pil,
+    "Flux2KleinPipeline": image_to_pil,
+    "Flux2Pipeline": image_to_pil,
+    "WanPipeline": wan_post_process,
+}
+
+
+def format_output(request_id: str, data: Any) -> FakeRequestOutput:
+    """The engine's formatting of a post-processed output (output_formatter.py:41-80, 256-270, 339-355): an envelope's
+    payload or a plain dict as it is, anything else as payload {'output': ...}; the primary payload ('video', 'image',
+    else 'output') becomes the images, and a payload 'trajectory' the multimodal output's."""
+    if isinstance(data, dict) and isinstance(data.get("payload"), dict):
+        payload = data["payload"]
+    elif isinstance(data, dict):
+        payload = data
+    else:
+        payload = {"output": data}
+    primary = next((payload[k] for k in ("video", "image", "output") if k in payload), [])
+    images = primary if isinstance(primary, list) else [primary]
+    extra = {k: v for k, v in payload.items() if k in ("audio", "actions", "trajectory")}
+    return FakeRequestOutput(request_id, images, extra)
+
+
 class FakeOmni:
     instances: list[FakeOmni] = []
 
@@ -213,6 +278,10 @@ class FakeOmni:
         module, qual = name.rsplit(".", 1)  # what vllm's resolve_obj_by_qualname does
         od_config = types.SimpleNamespace(model=model)  # the real one's, of which pipelines read `model`
         self.pipeline = getattr(importlib.import_module(module), qual)(od_config=od_config)
+        # the architecture name: the caller's model_class_name, else the checkpoint's model_index.json _class_name
+        # (OmniDiffusionConfig.enrich_config, data.py:1580-1581); the custom pipeline class plays no part in it
+        self.model_class_name = kwargs.get("model_class_name") or self._index_class_name(model)
+        self.post_process = POST_PROCESS.get(self.model_class_name or "")
         ext_name = kwargs["worker_extension_cls"]
         ext = getattr(importlib.import_module(ext_name.rsplit(".", 1)[0]), ext_name.rsplit(".", 1)[1])
         self.worker = ext()
@@ -229,17 +298,22 @@ class FakeOmni:
         with torch.inference_mode():
             for s in range(0, len(requests), step):
                 batch = FakeRequestBatch(requests[s : s + step])
-                for j, o in enumerate(self.pipeline.forward(batch)):
-                    payload = o.output["payload"]
-                    images = []  # an image pipeline's post-processing; a video one's is not modelled
-                    if "image" in payload:
-                        img = ((payload["image"][0].permute(1, 2, 0) / 2 + 0.5).clamp(0, 1) * 255).round()
-                        images.append(Image.fromarray(img.to(torch.uint8).numpy()))
-                    outs.append(
-                        FakeRequestOutput(f"{s + j}_x", images, {"trajectory": payload["trajectory"]})
-                    )
+                for j, (o, r) in enumerate(zip(self.pipeline.forward(batch), batch.requests)):
+                    data = o.output
+                    if self.post_process is wan_post_process:  # the one that takes the request's params
+                        data = wan_post_process(data, sampling_params=r.sampling_params)
+                    elif self.post_process is not None:
+                        data = self.post_process(data)
+                    outs.append(format_output(f"{s + j}_x", data))
         random.Random(len(outs)).shuffle(outs)
         return outs
+
+    @staticmethod
+    def _index_class_name(model: str) -> str | None:
+        try:
+            return json.loads((Path(model) / "model_index.json").read_text()).get("_class_name")
+        except (OSError, ValueError):
+            return None
 
     def close(self):
         self.closed = True

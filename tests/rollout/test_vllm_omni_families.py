@@ -24,6 +24,7 @@ import types
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import test_vllm_omni as base  # the fake vllm-omni surface of the Qwen-Image tests (tests/rollout on sys.path)
 import torch
@@ -393,13 +394,33 @@ CASES = {
 }
 
 
+def index_dir(root: Path, class_name: str) -> Path:
+    """A model_index.json naming the diffusers pipeline class, which vllm-omni reads the architecture name from."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "model_index.json").write_text(json.dumps({"_class_name": class_name}))
+    return root
+
+
+# the architecture each family's released diffusers checkpoint names in its model_index.json
+CHECKPOINT_ARCH = {
+    "qwen_image_edit": "QwenImageEditPipeline",
+    "sd3": "StableDiffusion3Pipeline",
+    "zimage": "ZImagePipeline",
+    "flux2": "Flux2KleinPipeline",
+    "flux2_dev": "Flux2Pipeline",
+    "wan": "WanPipeline",
+}
+
+
 def _model_dir(case: str, tmp_path: Path) -> Path:
     kind, *_, experts = CASES[case]
     if kind == "wan":
         return wan_dir(tmp_path / "ckpt", experts)
     if kind == "qwen_image_edit":
-        return edit_dir(tmp_path / "ckpt")
-    return flux2_dir(tmp_path / "ckpt", kind) if kind.startswith("flux2") else tmp_path / "ckpt"
+        return edit_dir(index_dir(tmp_path / "ckpt", CHECKPOINT_ARCH[kind]))
+    if kind.startswith("flux2"):
+        return flux2_dir(tmp_path / "ckpt", kind)
+    return index_dir(tmp_path / "ckpt", CHECKPOINT_ARCH[kind])
 
 
 # the tiny builders of the families whose model keywords pass as they are (Wan's takes its expert count)
@@ -463,7 +484,8 @@ def test_pipeline_wraps_the_loaded_modules_in_the_familys_model(fake_families, t
 @pytest.mark.parametrize("case", list(CASES))
 def test_generate_equals_the_in_process_engine(fake_families, tmp_path, case):
     """Worker batches of 2 = the reference's micro-batches of 2: the same forwards, bit for bit, with the optional
-    fields the trainer asks for."""
+    fields the trainer asks for, through the host-side post-processing vllm-omni 0.30 runs for the engine's
+    architecture name (the fake Omni's, written from the real functions)."""
     kind, _, _, kwargs, *_ = CASES[case]
     engine = fake_families.VllmOmniEngine(
         str(_model_dir(case, tmp_path)),
@@ -482,6 +504,10 @@ def test_generate_equals_the_in_process_engine(fake_families, tmp_path, case):
     base._assert_same(got, want, exact=True)
     assert got.x0 is not None and want.x0 is not None and torch.equal(got.x0, want.x0.float())
     assert got.images.shape == want.images.shape and got.images.dtype == torch.uint8
+    # the post-processing that ran: Qwen-Image's for the image families, the checkpoint's own for Wan
+    omni = base.FakeOmni.instances[-1]
+    assert omni.model_class_name == ("WanPipeline" if kind == "wan" else "QwenImagePipeline")
+    assert omni.post_process is base.POST_PROCESS[omni.model_class_name] is not None
 
 
 def test_a_tiny_kind_runs_its_familys_adapter(fake_families, tmp_path):
@@ -652,3 +678,46 @@ def test_lora_renames_map_every_trained_module(fake_families, kind):
         p for v in OMNI_LINEARS[kind].values() for p in v
     }
     assert {t.rpartition(".")[2] for t in new_cfg["target_modules"]} <= leaves  # vllm's expected module check
+
+
+def test_the_fakes_post_processing_follows_vllm_omnis(fake_vllm):  # noqa: F811 - the fixture imported above
+    """What the fix rests on, as the fake Omni models it from vllm-omni 0.30's functions: the tensor-only image
+    post-processors refuse the output envelope, Qwen-Image's keeps its trajectory and converts its image, Wan's
+    reads a video's shape unless the request asks for latents."""
+    image = torch.tensor([[[[-1.0, 1.0]], [[0.0, 1.0]], [[1.0, -1.0]]]])  # [1, 3, 1, 2]
+    envelope = {"payload": {"image": image, "trajectory": {"index": 0}}, "metadata": {}}
+    for arch in ("QwenImageEditPipeline", "StableDiffusion3Pipeline", "ZImagePipeline", "Flux2Pipeline"):
+        with pytest.raises(ValueError, match="takes a torch.Tensor, got dict"):
+            base.POST_PROCESS[arch](envelope)
+    out = base.format_output("r", base.POST_PROCESS["QwenImagePipeline"](envelope))
+    assert out.multimodal_output == {"trajectory": {"index": 0}}
+    # (-1, 0, 1) -> (0, 127.5, 255) -> rounded to even: 128 for 127.5
+    assert [np.asarray(p).tolist() for p in out.images] == [[[[0, 128, 255], [255, 255, 0]]]]
+    video = {"payload": {"video": image[:, :, None], "trajectory": {"index": 1}}, "metadata": {}}
+    latent, pil = base.FakeSamplingParams(output_type="latent"), base.FakeSamplingParams(output_type="pil")
+    assert base.POST_PROCESS["WanPipeline"](video, sampling_params=latent) is video
+    with pytest.raises(AttributeError, match="shape"):
+        base.POST_PROCESS["WanPipeline"](video, sampling_params=pil)
+    assert base.format_output("r", video).multimodal_output == {"trajectory": {"index": 1}}
+
+
+@pytest.mark.parametrize("case", ["qwen_image_edit", "sd3", "zimage", "flux2", "flux2_dev", "wan_ti2v"])
+def test_the_checkpoints_own_post_processing_would_refuse_the_envelope(
+    fake_families, tmp_path, monkeypatch, case
+):
+    """Without the adapter's request_arch / output_type, vllm-omni 0.30 would post-process with the checkpoint's
+    function, which refuses the envelope that carries the trajectory."""
+    kind, _, _, kwargs, *_ = CASES[case]
+    adapter = vop.ADAPTERS[kind]
+    plain = dataclasses.replace(adapter, request_arch=None, output_type="pil")
+    assert plain != adapter  # the fix is one of the two fields
+    monkeypatch.setitem(vop.ADAPTERS, kind, plain)
+    engine = fake_families.VllmOmniEngine(
+        str(_model_dir(case, tmp_path)), kind=kind, model_kwargs=kwargs, max_batch=2, work_dir=tmp_path / "w"
+    )
+    assert base.FakeOmni.instances[-1].model_class_name == CHECKPOINT_ARCH[kind]
+    prompts = edit_prompts(tmp_path / "cond") if kind == "qwen_image_edit" else PROMPTS
+    cfg = dataclasses.replace(_cfg(case), num_steps=2, window_range=(0, 2))
+    error = AttributeError if kind == "wan" else ValueError
+    with pytest.raises(error, match="shape" if kind == "wan" else "takes a torch.Tensor, got dict"):
+        engine.generate(prompts[:2], SEEDS[:2], cfg)

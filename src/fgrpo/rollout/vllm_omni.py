@@ -121,6 +121,7 @@ def build_requests(
     spec: QwenImage | None = None,
     keep: Sequence[str] = (),
     model_kwargs: Mapping[str, Any] | None = None,
+    output_type: str = "pil",
 ) -> tuple[list[Any], Any]:
     """vllm-omni prompts (one per sample, carrying its seed and index) and the shared sampling params.
 
@@ -130,6 +131,8 @@ def build_requests(
     With `spec` (the checkpoint's configs), every check of the in-process engine runs here first.
     keep: the Trajectory's optional fields (`mean`, `x0`) the worker sends back besides the window's.
     model_kwargs: the family's model keywords the worker builds its FlowModel with (Wan: num_frames).
+    output_type: the requests' output_type (FamilyAdapter.output_type: what lets the family's post-processing on the
+    host pass the output envelope on).
     A prompt that names its condition image (fgrpo.models.base.ImagePrompt, the Edit family's) sends the file's
     absolute path as the request's `multi_modal_data["image"]`; the worker reads the file.
     """
@@ -159,7 +162,7 @@ def build_requests(
         num_inference_steps=cfg.num_steps,
         true_cfg_scale=cfg.guidance_scale,
         seed=int(seeds[0]),  # vllm-omni builds its own generator from this; our loop ignores it
-        output_type="pil",
+        output_type=output_type,
         lora_request=lora_request,
         lora_scale=lora_scale,
         extra_args={CFG_KEY: config_to_dict(cfg), KEEP_KEY: list(keep), MODEL_KEY: dict(model_kwargs or {})},
@@ -355,7 +358,15 @@ class VllmOmniEngine:
         if self.asleep:
             raise RuntimeError("VllmOmniEngine.generate() while asleep: call wake() after the training step")
         requests, params = build_requests(
-            prompts, seeds, cfg, self.lora_request, self.lora_scale, self.spec, self.keep, self.model_kwargs
+            prompts,
+            seeds,
+            cfg,
+            self.lora_request,
+            self.lora_scale,
+            self.spec,
+            self.keep,
+            self.model_kwargs,
+            self.adapter.output_type,
         )
         outputs = self.omni.generate(requests, params, use_tqdm=False)
         return unpack_outputs(list(outputs), prompts, seeds)

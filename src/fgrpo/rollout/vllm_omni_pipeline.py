@@ -369,7 +369,13 @@ class FamilyAdapter:
     """The family edits a condition image: each request carries its file (prompt['multi_modal_data']['image'])."""
     request_arch: str | None = None
     """The vllm-omni architecture whose host-side request processing the engine runs (`Omni(model_class_name=...)`)
-    when the checkpoint's own would reject fgrpo's requests or outputs; None: the checkpoint's."""
+    when the checkpoint's own would reject fgrpo's requests or outputs; None: the checkpoint's (model_index.json's
+    `_class_name`). vllm-omni 0.30 picks a request's pre-processing and the output's post-processing by this name
+    alone; of the post-processors of fgrpo's families only Qwen-Image's reads the output envelope (payload['image']
+    through its image processor, the trajectory passed on), the others take a bare tensor."""
+    output_type: str = "pil"
+    """The requests' `output_type`. 'latent' where it is the only way the family's post-processing passes the
+    envelope on (Wan's returns its input unchanged for a 'latent' request); fgrpo's forward ignores the field."""
 
     @property
     def pipeline_class(self) -> str:
@@ -405,24 +411,54 @@ ADAPTERS: dict[str, FamilyAdapter] = {
             image_input=True,
             request_arch="QwenImagePipeline",
         ),
+        # SD3, Z-Image and FLUX.2 [klein] / [dev]: their checkpoints' post-processing hands the output straight to an
+        # image processor that takes a tensor only, and none of them has a pre-processing, nor has Qwen-Image; what
+        # else vllm-omni 0.30 reads from the name (capability metadata, warm-up request) is the same or unused here
+        # (klein's: reference images for the warm-up, which fgrpo's forward ignores), so they run Qwen-Image's.
         # vllm-omni's SD3 keeps to_out a ModuleList, so diffusers' names hold
-        FamilyAdapter("sd3", f"{_MODELS}.sd3.pipeline_sd3", "StableDiffusion3Pipeline", sd3_flow_model),
+        FamilyAdapter(
+            "sd3",
+            f"{_MODELS}.sd3.pipeline_sd3",
+            "StableDiffusion3Pipeline",
+            sd3_flow_model,
+            request_arch="QwenImagePipeline",
+        ),
         # Z-Image: to_out stays a ModuleList; to_q/k/v -> to_qkv and w1/w3 -> w13 are fused, and vllm-omni's LoRA
         # manager maps the diffusers names onto them (the transformer's stacked_params_mapping)
-        FamilyAdapter("zimage", f"{_MODELS}.z_image.pipeline_z_image", "ZImagePipeline", zimage_flow_model),
+        FamilyAdapter(
+            "zimage",
+            f"{_MODELS}.z_image.pipeline_z_image",
+            "ZImagePipeline",
+            zimage_flow_model,
+            request_arch="QwenImagePipeline",
+        ),
         # FLUX.2: to_out of the joint blocks stays a ModuleList; to_q/k/v and add_q/k/v_proj fuse as Z-Image's do, and
         # the feed-forwards' linear_in (one Linear in diffusers, two output slices here) takes the LoRA's B split
         FamilyAdapter(
-            "flux2", f"{_MODELS}.flux2_klein.pipeline_flux2_klein", "Flux2KleinPipeline", flux2_wrap("klein")
+            "flux2",
+            f"{_MODELS}.flux2_klein.pipeline_flux2_klein",
+            "Flux2KleinPipeline",
+            flux2_wrap("klein"),
+            request_arch="QwenImagePipeline",
         ),
-        FamilyAdapter("flux2_dev", f"{_MODELS}.flux2.pipeline_flux2", "Flux2Pipeline", flux2_wrap("dev")),
-        # Wan: to_out a Linear, and the feed-forward's net.0 / net.2 are attributes net_0 / net_2
+        FamilyAdapter(
+            "flux2_dev",
+            f"{_MODELS}.flux2.pipeline_flux2",
+            "Flux2Pipeline",
+            flux2_wrap("dev"),
+            request_arch="QwenImagePipeline",
+        ),
+        # Wan keeps its checkpoint's name (WanPipeline: also its attention defaults and video output type); its
+        # post-processing reads a video tensor's shape unless the request asks for latents, when it returns the
+        # envelope as it is. Its pre-processing touches only image-to-video requests.
+        # LoRA: to_out a Linear, and the feed-forward's net.0 / net.2 are attributes net_0 / net_2
         FamilyAdapter(
             "wan",
             f"{_MODELS}.wan2_2.pipeline_wan2_2",
             "Wan22Pipeline",
             wan_flow_model,
             output_key="video",
+            output_type="latent",
             lora_renames=(
                 ("to_out.0", "to_out"),
                 ("ffn.net.0.proj", "ffn.net_0.proj"),
