@@ -506,8 +506,8 @@ def test_generate_equals_the_in_process_engine(fake_families, tmp_path, case):
     assert got.images.shape == want.images.shape and got.images.dtype == torch.uint8
     # the post-processing that ran: Qwen-Image's for the image families, the checkpoint's own for Wan
     omni = base.FakeOmni.instances[-1]
-    assert omni.model_class_name == ("WanPipeline" if kind == "wan" else "QwenImagePipeline")
-    assert omni.post_process is base.POST_PROCESS[omni.model_class_name] is not None
+    arch = "WanPipeline" if kind == "wan" else "QwenImagePipeline"
+    assert omni.model_class_name == arch and omni.post_process is base.POST_PROCESS[arch]
 
 
 def test_a_tiny_kind_runs_its_familys_adapter(fake_families, tmp_path):
