@@ -84,19 +84,25 @@ class FakeOmniTransformer(nn.Module):
     ):
         B, S, _ = hidden_states.shape
         assert img_shapes is not None and encoder_hidden_states is not None  # required here (see above)
-        # vllm-omni: per-sample lists of (frames, h, w); text RoPE sized by the padded text width
-        assert len(img_shapes) == B and all(
-            isinstance(s, list) and s[0][1] * s[0][2] == S for s in img_shapes
-        )
+        assert len(img_shapes) == B and all(isinstance(s, list) and self.fills(s, S) for s in img_shapes)
+        # vllm-omni: text RoPE sized by the padded text width
         assert txt_seq_lens == [encoder_hidden_states.shape[1]] * B
         return self.inner(
             hidden_states=hidden_states,
             encoder_hidden_states=encoder_hidden_states,
             encoder_hidden_states_mask=encoder_hidden_states_mask,
             timestep=timestep,
-            img_shapes=[s[0] for s in img_shapes],
+            img_shapes=self.diffusers_shapes(img_shapes),
             return_dict=False,
         )
+
+    def fills(self, shapes: list, seq_len: int) -> bool:
+        """One sample's list of (frames, h, w): x_t's, whose tokens are the whole sequence."""
+        return shapes[0][1] * shapes[0][2] == seq_len
+
+    def diffusers_shapes(self, img_shapes: list) -> list:
+        """diffusers' text-to-image transformer takes one (frames, h, w) per sample."""
+        return [s[0] for s in img_shapes]
 
     def load_weights(self, weights):
         params = dict(self.inner.named_parameters())

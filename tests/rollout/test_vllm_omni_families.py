@@ -234,42 +234,16 @@ class FakeFlux2Pipeline(nn.Module):
         self.vae, self.tokenizer, self.scheduler = c["vae"], c["tokenizer"], c["scheduler"]
 
 
-class FakeOmniEditTransformer(nn.Module):
+class FakeOmniEditTransformer(base.FakeOmniTransformer):
     """vllm-omni's QwenImageTransformer2DModel as QwenImageEditPipeline calls it: per sample a list of the images'
     (frames, h, w), x_t's then the condition image's, whose tokens fill the sequence; text RoPE sized by the padded
     text width."""
 
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner = inner
-        self.in_channels = inner.config.in_channels  # pyright: ignore[reportAttributeAccessIssue]
+    def fills(self, shapes: list, seq_len: int) -> bool:
+        return len(shapes) == 2 and sum(f * h * w for f, h, w in shapes) == seq_len
 
-    def forward(
-        self,
-        hidden_states,
-        encoder_hidden_states=None,
-        encoder_hidden_states_mask=None,
-        timestep=None,
-        img_shapes=None,
-        txt_seq_lens=None,
-        guidance=None,
-        attention_kwargs=None,
-        return_dict=True,
-    ):
-        B, S, _ = hidden_states.shape
-        assert img_shapes is not None and encoder_hidden_states is not None and not return_dict
-        assert len(img_shapes) == B and all(
-            isinstance(s, list) and len(s) == 2 and sum(f * h * w for f, h, w in s) == S for s in img_shapes
-        )
-        assert txt_seq_lens == [encoder_hidden_states.shape[1]] * B
-        return self.inner(
-            hidden_states=hidden_states,
-            encoder_hidden_states=encoder_hidden_states,
-            encoder_hidden_states_mask=encoder_hidden_states_mask,
-            timestep=timestep,
-            img_shapes=img_shapes,
-            return_dict=False,
-        )
+    def diffusers_shapes(self, img_shapes: list) -> list:
+        return img_shapes  # diffusers' edit transformer takes the same per-sample lists
 
 
 class FakeQwenImageEditPipeline(nn.Module):
