@@ -1,11 +1,13 @@
 """GPU check of the vLLM-Omni rollout engine against the in-process engine and the trainer: one table.
 
---model picks the family (default qwen_image; every section runs for it). For sd3, flux2, flux2_dev and wan only
-`parity` runs, on a tiny random directory in diffusers' layout (tokenizers of the classes vLLM-Omni's loader
-instantiates: CLIP and T5 for SD3.5; Qwen2TokenizerFast for FLUX.2 [klein], the Pixtral processor for [dev]; Wan's
-with --wan-experts 1 (TI2V-5B-like) or 2 (T2V-A14B-like)). For zimage `parity` runs on --model-dir, a released
-Z-Image directory (Tongyi-MAI/Z-Image or -Turbo): vLLM-Omni builds its Z-Image transformer at the released size
-whatever the directory's config says, so a tiny one does not load. For bagel, `parity` is issue #44's: a
+--model picks the family (default qwen_image; every section runs for it). For qwen_image_edit, sd3, flux2, flux2_dev
+and wan only `parity` runs, on a tiny random directory in diffusers' layout (tokenizers of the classes vLLM-Omni's
+loader instantiates: CLIP and T5 for SD3.5; Qwen2TokenizerFast for FLUX.2 [klein], the Pixtral processor for [dev];
+Wan's with --wan-experts 1 (TI2V-5B-like) or 2 (T2V-A14B-like); Qwen-Image-Edit's with the released `processor`
+folder, read as a Qwen2VLProcessor, and its prompts naming condition images written as PNG files under --out).
+For zimage `parity` runs on --model-dir, a released Z-Image directory (Tongyi-MAI/Z-Image or -Turbo): vLLM-Omni
+builds its Z-Image transformer at the released size whatever the directory's config says, so a tiny one does not
+load. For bagel, `parity` is issue #44's: a
 tiny random BAGEL directory in BAGEL's released layout (ema.safetensors, ae.safetensors, llm/vit/config JSONs, the
 tokenizer; plus vae/, the diffusers VAE fgrpo's loader reads), sampled by vLLM-Omni's own BagelPipeline
 (single-stage deploy, NOT fgrpo's custom pipeline) and by fgrpo's in-process transition from vLLM-Omni's initial
@@ -33,12 +35,13 @@ HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1):
   python3 benchmarks/vllm_omni_check.py                        # parity, lora, weights, sleep (~3 min)
   python3 benchmarks/vllm_omni_check.py --sections throughput  # on its own: writes ~41 GB, ~8 min
   python3 benchmarks/vllm_omni_check.py --model sd3            # parity of each added family
+  python3 benchmarks/vllm_omni_check.py --model qwen_image_edit  # each prompt with its condition image file
   python3 benchmarks/vllm_omni_check.py --model flux2          # FLUX.2 [klein]; --model flux2_dev for [dev]
   python3 benchmarks/vllm_omni_check.py --model zimage --model-dir /path/to/Z-Image-Turbo
   python3 benchmarks/vllm_omni_check.py --model wan --wan-experts 2
   python3 benchmarks/vllm_omni_check.py --model bagel          # issue #44: vLLM-Omni's BAGEL vs fgrpo's
 CPU (no vllm): `python benchmarks/vllm_omni_check.py --cpu-selftest` checks the helpers on the tiny model and the
-family directory writers (what runs without vLLM-Omni).
+family directory writers, the Edit condition images too (what runs without vLLM-Omni; tests/test_vllm_omni_check.py).
 """
 
 from __future__ import annotations
@@ -52,8 +55,10 @@ import re
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -62,10 +67,11 @@ from fgrpo.config import SamplingConfig
 from fgrpo.models import tiny
 from fgrpo.models.bagel import Bagel, patchify, unpatchify
 from fgrpo.models.bagel_mot import BagelTransformer, sincos_2d
-from fgrpo.models.base import FlowModel
+from fgrpo.models.base import FlowModel, ImagePrompt
 from fgrpo.models.flux2 import Flux2
 from fgrpo.models.loading import configure_transformer
 from fgrpo.models.qwen_image import QwenImage
+from fgrpo.models.qwen_image_edit import QwenImageEdit
 from fgrpo.models.sd3 import SD3
 from fgrpo.models.wan import Wan
 from fgrpo.models.zimage import ZImage
@@ -74,7 +80,14 @@ from fgrpo.recompute import recompute_log_probs
 from fgrpo.rollout.base import Trajectory
 from fgrpo.rollout.engine import DiffusersEngine
 from fgrpo.rollout.seeds import sample_seed
-from fgrpo.rollout.vllm_omni_pipeline import as_flow_model, flux2_settings
+from fgrpo.rollout.vllm_omni_pipeline import (
+    ADAPTERS,
+    IMAGE_KEY,
+    as_flow_model,
+    edit_flow_model,
+    flux2_settings,
+    request_prompt,
+)
 
 PROMPTS = [
     'a storefront sign that says "OPEN"',
@@ -202,6 +215,8 @@ FAMILY_KWARGS: dict[str, dict[str, Any]] = {
         "text_layers": list(tiny.FLUX2_TEXT_LAYERS_TINY),
     },
     "wan": {"num_frames": tiny.TINY_WAN_FRAMES, "max_sequence_length": tiny.TINY_WAN_TEXT_LENGTH},
+    # the tiny Edit model's condition area (64²; the released model's 1024² would be 4096 tokens an image)
+    "qwen_image_edit": {"condition_area": tiny.TINY_CONDITION_AREA},
 }
 
 
@@ -276,6 +291,58 @@ def save_tiny_flux2_dir(path: Path, kind: str) -> Path:
     else:
         Flux2KleinPipeline(**tiny.tiny_flux2_components(0), is_distilled=False).save_pretrained(str(path))
     return path
+
+
+# The subfolders of a Qwen-Image-Edit directory that vLLM-Omni 0.30's QwenImageEditPipeline reads (`processor` as a
+# Qwen2VLProcessor; fgrpo's loader and adapter read its image processor), besides model_index.json.
+EDIT_FOLDERS = ("scheduler", "text_encoder", "tokenizer", "processor", "transformer", "vae")
+# The condition images' size (width, height): one for all, as the condition latents of a batch share one shape.
+EDIT_IMAGE_SIZE = (96, 64)
+
+
+def save_tiny_edit_dir(path: Path) -> Path:
+    """fgrpo's tiny Qwen-Image-Edit (seed 0) in the released diffusers layout: the modules saved by diffusers'
+    QwenImageEditPipeline (model_index.json naming it), and the `processor` folder as the released repos carry it,
+    Qwen2-VL's image processor (at the tiny model's pixel bounds), its video processor and the tokenizer, one file
+    set each. fgrpo's images-only processor has no video processor, without which transformers does not save a
+    Qwen2VLProcessor, so the pipeline is saved without it and the folder written part by part."""
+    import shutil
+
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import QwenImageEditPipeline
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    c = tiny.tiny_qwen_image_edit_components(0)
+    processor = c.pop("processor")
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    QwenImageEditPipeline(**c, processor=None).save_pretrained(str(tmp))  # pyright: ignore[reportArgumentType]
+    processor.image_processor.save_pretrained(str(tmp / "processor"))
+    Qwen2VLVideoProcessor().save_pretrained(str(tmp / "processor"))
+    processor.tokenizer.save_pretrained(str(tmp / "processor"))
+    index = json.loads((tmp / "model_index.json").read_text())
+    index["processor"] = ["transformers", "Qwen2VLProcessor"]  # the released model_index.json's entry
+    (tmp / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+    tmp.rename(path)  # model_index.json in place marks a finished directory
+    return path
+
+
+def write_edit_prompts(root: Path, texts: Sequence[str] = PROMPTS, seed: int = 0) -> list[str]:
+    """One condition image per prompt, a PNG file under `root` (the same pixels on every call): seeded-random colour
+    blocks of 8 px with a yellow rectangle at a place of its own. Returns the prompts as ImagePrompts naming them."""
+    from PIL import Image, ImageDraw
+
+    root.mkdir(parents=True, exist_ok=True)
+    w, h = EDIT_IMAGE_SIZE
+    gen = torch.Generator().manual_seed(seed)
+    out: list[str] = []
+    for i, text in enumerate(texts):
+        blocks = torch.randint(0, 256, (h // 8, w // 8, 3), generator=gen, dtype=torch.uint8)
+        image = Image.fromarray(blocks.repeat_interleave(8, 0).repeat_interleave(8, 1).numpy())
+        ImageDraw.Draw(image).rectangle((8 + 12 * i, 12, 40 + 12 * i, 44), fill=(230, 220, 40))
+        file = root / f"condition_{i}.png"
+        image.save(file)
+        out.append(ImagePrompt(text, file))
+    return out
 
 
 # BAGEL at a width every attention backend takes (head_dim 64), FLUX's 16 latent channels (vLLM-Omni's BAGEL builds
@@ -470,6 +537,8 @@ def ensure_tiny_dir(ctx: Ctx) -> Path:
             save_tiny_wan_dir(path, ctx.args.wan_experts)
         elif model in ("flux2", "flux2_dev"):
             save_tiny_flux2_dir(path, model)
+        elif model == "qwen_image_edit":
+            save_tiny_edit_dir(path)
         else:
             save_tiny_bagel_dir(path, vllm_omni_parts=True)
     return path
@@ -482,6 +551,7 @@ def in_process(path: Path, device: torch.device, model: str = "qwen_image") -> F
         return as_flow_model(Bagel.from_pretrained(path, **kwargs))
     cls = {
         "qwen_image": QwenImage,
+        "qwen_image_edit": QwenImageEdit,
         "sd3": SD3,
         "wan": Wan,
         "zimage": ZImage,
@@ -513,13 +583,16 @@ def section_parity(ctx: Ctx) -> None:
         section_bagel_parity(ctx)
         return
     path = ensure_tiny_dir(ctx)
+    # the Edit family's prompts name their condition image files (each request carries its file's path)
+    edit = ctx.args.model == "qwen_image_edit"
+    prompts = write_edit_prompts(ctx.out / "edit_images") if edit else PROMPTS
     engine = vllm_engine(path, ctx)
     model = in_process(path, ctx.device, ctx.args.model)
     try:
         seeds = seeds_for(len(PROMPTS))
         cfg = tiny_cfg(ctx.args)
-        got = engine.generate(PROMPTS, seeds, cfg)
-        want = DiffusersEngine(model).generate(PROMPTS, seeds, cfg)
+        got = engine.generate(prompts, seeds, cfg)
+        want = DiffusersEngine(model).generate(prompts, seeds, cfg)
         recomputed = recompute_log_probs(model, got.to(ctx.device), cfg)
         rows = step_gaps(got, want, recomputed)
         print(
@@ -551,15 +624,16 @@ def section_parity(ctx: Ctx) -> None:
             ok=worst < ctx.args.lp_tol,
         )
         ctx.note("parity", "images (SDE) " + str(image_gap(got.images, want.images)), "", None)
-        for k, v in want.cond.items():  # the two text encoders' outputs (vllm-omni loads its own copy)
+        # the text encoders' outputs (vllm-omni loads its own copy); Edit: and the condition images' latents
+        for k, v in want.cond.items():
             L = v.shape[1]
             d = (got.cond[k][:, :L].float() - v.cpu().float()).abs().max().item()
             ctx.note("parity", f"cond {k} max |engine - in-process|", f"{d:.3e}")
         torch.save({"engine": got, "in_process": want, "recomputed": recomputed}, ctx.out / "parity.pt")
 
         ode = tiny_cfg(ctx.args, window_size=0, window_range=(0, 0))
-        g0 = engine.generate(PROMPTS, seeds, ode)
-        w0 = DiffusersEngine(model).generate(PROMPTS, seeds, ode)
+        g0 = engine.generate(prompts, seeds, ode)
+        w0 = DiffusersEngine(model).generate(prompts, seeds, ode)
         gap = image_gap(g0.images, w0.images)
         ctx.note(
             "parity",
@@ -567,7 +641,7 @@ def section_parity(ctx: Ctx) -> None:
             f"{gap['px_mean']:.3f}/{gap['px_max']:.0f}",
             ok=gap["px_mean"] < 2.0,
         )
-        again = engine.generate(PROMPTS, seeds, cfg)
+        again = engine.generate(prompts, seeds, cfg)
         ctx.note(
             "parity", "engine deterministic (same seeds twice)", bool(torch.equal(again.x_next, got.x_next))
         )
@@ -898,7 +972,7 @@ def section_throughput(ctx: Ctx) -> None:
         vllm_mode(mode)
 
 
-MODELS = ("qwen_image", "sd3", "zimage", "flux2", "flux2_dev", "wan", "bagel")
+MODELS = ("qwen_image", "qwen_image_edit", "sd3", "zimage", "flux2", "flux2_dev", "wan", "bagel")
 SECTIONS: dict[str, Callable[[Ctx], None]] = {
     "parity": section_parity,
     "lora": section_lora,
@@ -931,8 +1005,8 @@ def cpu_selftest() -> None:
 def selftest_family_dirs() -> None:
     """The added families' directory writers: fgrpo's loaders read them (and, for SD3 and FLUX.2 [klein], the
     tokenizer classes vLLM-Omni instantiates agree with fgrpo's), the Wan and FLUX.2 adapters read the settings fgrpo's
-    loader does, and the
-    BAGEL reference loop is the in-process engine's ODE bit for bit."""
+    loader does, the BAGEL reference loop is the in-process engine's ODE bit for bit, and the Qwen-Image-Edit
+    directory and condition images pass selftest_edit_dir."""
     import tempfile
 
     from transformers import AutoTokenizer, CLIPTokenizer, Qwen2Tokenizer, T5Tokenizer
@@ -991,7 +1065,77 @@ def selftest_family_dirs() -> None:
     final = want.x0[0].float()
     assert torch.equal(mine[-1], final), latent_gaps([mine[-1]], [final])
     assert torch.equal(unpatchify(patchify(x1[None], 2), 2, 16, 8, 8)[0], x1)
+    selftest_edit_dir(root)
     print(f"family directories ok ({root})")
+
+
+def selftest_edit_dir(root: Path) -> None:
+    """The Qwen-Image-Edit directory writer and the condition images: the directory has the folders and the
+    architecture name vLLM-Omni's Edit pipeline reads, its processor and tokenizer load as the classes vLLM-Omni
+    instantiates and agree with fgrpo's, fgrpo's loader reads it as the tiny Edit model (same trajectories, bit for
+    bit) and the adapter's processor encodes as the loader's does; the prompts come back from a request's form (text
+    plus the image file's path) as they went, and the images are the same on every writing."""
+    from PIL import Image
+    from transformers import Qwen2Tokenizer, Qwen2VLProcessor
+
+    path = save_tiny_edit_dir(root / "qwen_image_edit")
+    index = json.loads((path / "model_index.json").read_text())
+    assert index["_class_name"] == ADAPTERS["qwen_image_edit"].base_class == "QwenImageEditPipeline", index
+    assert index["processor"] == ["transformers", "Qwen2VLProcessor"], index
+    assert all((path / sub).is_dir() for sub in EDIT_FOLDERS), sorted(p.name for p in path.iterdir())
+    kwargs = FAMILY_KWARGS["qwen_image_edit"]
+    edit = QwenImageEdit.from_pretrained(path, dtype=torch.float32, device="cpu", **kwargs)
+    reference = tiny.tiny_qwen_image_edit(0, **kwargs)
+    want_pixels = reference.processor.image_processor.to_dict()
+    assert edit.processor.image_processor.to_dict() == want_pixels, edit.processor.image_processor.to_dict()
+    # vLLM-Omni's reads: Qwen2VLProcessor from `processor`, Qwen2Tokenizer from `tokenizer`
+    omni_processor = Qwen2VLProcessor.from_pretrained(str(path), subfolder="processor")
+    omni_tokenizer = Qwen2Tokenizer.from_pretrained(str(path), subfolder="tokenizer")
+    text = edit.processor.tokenizer(PROMPTS[0]).input_ids
+    assert omni_tokenizer(PROMPTS[0]).input_ids == omni_processor.tokenizer(PROMPTS[0]).input_ids == text
+
+    prompts = write_edit_prompts(root / "edit_images")
+    again = write_edit_prompts(root / "edit_images_again")
+    sizes = set()
+    for i, (p, q) in enumerate(zip(prompts, again)):
+        assert isinstance(p, ImagePrompt) and isinstance(q, ImagePrompt) and str(p) == PROMPTS[i], p
+        image = Image.open(p.image)
+        sizes.add(image.size)
+        assert image.tobytes() == Image.open(q.image).tobytes(), (p.image, q.image)
+        # what build_requests sends (the text, the file's absolute path) and request_prompt hands the worker's model
+        back = request_prompt({"prompt": str(p), "multi_modal_data": {IMAGE_KEY: os.path.abspath(p.image)}})
+        assert isinstance(back, ImagePrompt) and str(back) == str(p), back
+        assert Path(back.image).samefile(p.image), (back.image, p.image)
+    assert sizes == {EDIT_IMAGE_SIZE}, sizes
+    # the VL processors of both sides give a condition image as many vision tokens
+    first = Image.open(prompts[0].image).convert("RGB")  # pyright: ignore[reportAttributeAccessIssue]
+    grids = [proc.image_processor(images=[first], return_tensors="pt")["image_grid_thw"]
+             for proc in (omni_processor, edit.processor)]  # fmt: skip
+    assert torch.equal(*grids), grids
+
+    cfg = tiny_cfg(argparse.Namespace(size=64, steps=2))
+    seeds = seeds_for(len(prompts))
+    got = DiffusersEngine(as_flow_model(edit)).generate(prompts, seeds, cfg)
+    want = DiffusersEngine(as_flow_model(reference)).generate(prompts, seeds, cfg)
+    assert torch.equal(got.x_next, want.x_next) and torch.equal(got.log_prob, want.log_prob)
+    assert torch.equal(got.images, want.images)
+    latents = got.cond["image_latents"]
+    assert all(not torch.equal(latents[0], z) for z in latents[1:])  # every condition image its own
+    # the adapter's model on the loaded modules (diffusers' transformer in vLLM-Omni's place: encoding does not run
+    # it), its VL processor read from the directory's `processor` folder as the worker reads it: the same conditioning
+    scheduler = json.loads((path / "scheduler" / "scheduler_config.json").read_text())
+    pipeline: Any = SimpleNamespace(
+        od_config=SimpleNamespace(model=str(path)), transformer=edit.transformer, vae=edit.vae,
+        text_encoder=edit.text_encoder, tokenizer=edit.tokenizer, scheduler=SimpleNamespace(config=scheduler),
+    )  # fmt: skip
+    # the adapter reads `in_channels` as vLLM-Omni's transformer has it; diffusers' warns that it is a config field
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        adapted = edit_flow_model(pipeline, kwargs)
+    assert adapted.condition_area == edit.condition_area == tiny.TINY_CONDITION_AREA
+    mine, theirs = adapted.encode(prompts, negative_prompt=" "), edit.encode(prompts, negative_prompt=" ")
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine), sorted(mine)
+    print(f"qwen_image_edit directory and condition images ok ({path})")
 
 
 def main() -> None:
@@ -1000,7 +1144,8 @@ def main() -> None:
         "--model",
         default="qwen_image",
         choices=MODELS,
-        help="family: qwen_image (every section), sd3, zimage, flux2, flux2_dev, wan, bagel (parity only)",
+        help="family: qwen_image (every section), qwen_image_edit, sd3, zimage, flux2, flux2_dev, wan, bagel (parity "
+        "only)",
     )
     ap.add_argument("--model-dir", default="", help="zimage: a released Z-Image diffusers directory")
     ap.add_argument(

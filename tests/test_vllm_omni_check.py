@@ -1,0 +1,105 @@
+"""benchmarks/vllm_omni_check.py's CPU self-test (`--cpu-selftest`, what runs without vLLM-Omni): it passes on the
+directories the script writes, and its Qwen-Image-Edit part fails on a directory or condition images that the GPU
+parity section could not use."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from fgrpo.scripts import load_script
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "vllm_omni_check.py"
+
+
+@pytest.fixture(scope="module")
+def check():
+    module = load_script(SCRIPT)
+    try:
+        yield module
+    finally:
+        sys.modules.pop(module.__name__, None)
+
+
+def test_cpu_selftest_runs_every_family_directory_the_edit_one_included(check, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["vllm_omni_check.py", "--cpu-selftest"])
+    check.main()
+    out = capsys.readouterr().out
+    assert "qwen_image_edit directory and condition images ok" in out
+    assert out.rstrip().endswith("cpu selftest ok")
+
+
+def test_the_edit_directory_names_the_edit_pipeline_and_carries_the_processor(check, tmp_path):
+    path = check.save_tiny_edit_dir(tmp_path / "edit")
+    index = json.loads((path / "model_index.json").read_text())
+    assert index["_class_name"] == "QwenImageEditPipeline"
+    assert index["processor"] == ["transformers", "Qwen2VLProcessor"]
+    names = {p.name for p in (path / "processor").iterdir()}
+    assert {"preprocessor_config.json", "video_preprocessor_config.json", "tokenizer_config.json"} <= names
+    assert not (tmp_path / "edit.tmp").exists()
+    prompts = check.write_edit_prompts(tmp_path / "images")
+    assert [str(p) for p in prompts] == check.PROMPTS
+    assert len({Image.open(p.image).tobytes() for p in prompts}) == len(prompts)  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def _break_directory(check, monkeypatch, damage):
+    """save_tiny_edit_dir as the script has it, then `damage(path)`."""
+    save = check.save_tiny_edit_dir
+
+    def broken(path: Path) -> Path:
+        out = save(path)
+        damage(out)
+        return out
+
+    monkeypatch.setattr(check, "save_tiny_edit_dir", broken)
+
+
+def _rename_architecture(path: Path) -> None:
+    index = json.loads((path / "model_index.json").read_text())
+    (path / "model_index.json").write_text(json.dumps(index | {"_class_name": "QwenImagePipeline"}))
+
+
+def _released_pixel_bounds(path: Path) -> None:
+    """The processor at Qwen2-VL's own pixel bounds: the trainer's condition images would take other VL tokens."""
+    config = path / "processor" / "preprocessor_config.json"
+    settings = json.loads(config.read_text())
+    settings["size"] = {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280}
+    config.write_text(json.dumps(settings))
+
+
+def _no_processor_tokenizer(path: Path) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (path / "processor" / name).unlink()
+
+
+@pytest.mark.parametrize(
+    "damage, error, match",
+    [
+        pytest.param(_rename_architecture, AssertionError, "'_class_name': 'QwenImagePipeline'", id="arch"),
+        pytest.param(_released_pixel_bounds, AssertionError, "'longest_edge': 1003520", id="pixel_bounds"),
+        # vLLM-Omni's read, Qwen2VLProcessor.from_pretrained(subfolder="processor"), finds no tokenizer
+        pytest.param(_no_processor_tokenizer, ValueError, "tokenizer", id="processor_tokenizer"),
+    ],
+)
+def test_the_edit_selftest_fails_on_a_broken_directory(check, monkeypatch, tmp_path, damage, error, match):
+    _break_directory(check, monkeypatch, damage)
+    with pytest.raises(error, match=match):
+        check.selftest_edit_dir(tmp_path)
+
+
+def test_the_edit_selftest_fails_when_the_condition_images_change_between_writings(
+    check, monkeypatch, tmp_path
+):
+    write = check.write_edit_prompts
+    calls = []
+
+    def drifting(root: Path, *args, **kwargs):
+        calls.append(root)
+        return write(root, *args, seed=len(calls), **kwargs)  # a new draw on every call
+
+    monkeypatch.setattr(check, "write_edit_prompts", drifting)
+    with pytest.raises(AssertionError, match="edit_images_again"):  # the pixel comparison's message
+        check.selftest_edit_dir(tmp_path)
+    assert len(calls) == 2  # it got as far as the second writing
