@@ -17,6 +17,7 @@ import typing
 import pytest
 import torch
 from diffusers.pipelines.ltx2.pipeline_ltx2 import LTX2Pipeline
+from lora_checks import lora_recompute_grads  # tests/models on sys.path
 
 from fgrpo import parallel
 from fgrpo.config import ModelConfig, SamplingConfig
@@ -25,8 +26,8 @@ from fgrpo.models.base import FlowModel
 from fgrpo.models.lora import add_lora, export_lora, setup_trainable
 from fgrpo.models.ltx2 import LTX2, LTX2_LORA_TARGETS, LTX2Config
 from fgrpo.models.registry import build_model
-from fgrpo.recompute import recompute_log_prob, recompute_log_probs
-from fgrpo.rollout.engine import DiffusersEngine, forward_units
+from fgrpo.recompute import recompute_log_probs
+from fgrpo.rollout.engine import DiffusersEngine
 from fgrpo.rollout.seeds import sample_generator
 
 SIZE = 32
@@ -188,19 +189,11 @@ def test_recomputed_log_probs_equal_the_rollouts_bit_exactly(model, guidance_sca
 
 def test_recompute_is_bit_exact_with_lora_and_grad():
     m = tiny.tiny_ltx2(seed=2)
-    add_lora(m.transformer, rank=2, alpha=4, target_modules=LTX2_LORA_TARGETS)
-    with torch.no_grad():  # a trained-looking adapter: B != 0, so LoRA really changes the velocity
-        for n, p in m.transformer.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.3, generator=torch.Generator().manual_seed(len(n)))
-    cfg = dataclasses.replace(BASE, num_steps=4, window_range=(1, 3))
-    traj = DiffusersEngine(m).generate(PROMPTS, SEEDS, cfg)
-    assert torch.equal(recompute_log_probs(m, traj, cfg), traj.log_prob)
-    rows = forward_units(traj.window, cfg.micro_batch)[0]
-    log_prob, _, _ = recompute_log_prob(m, traj, cfg, rows, 1)
-    assert torch.equal(log_prob.detach(), traj.log_prob[rows, 1])
-    log_prob.sum().backward()
-    grads = {n: p.grad for n, p in m.transformer.named_parameters() if "lora_" in n and p.grad is not None}
+    grads = {
+        n: g
+        for n, g in lora_recompute_grads(m, LTX2_LORA_TARGETS, BASE, PROMPTS, SEEDS).items()
+        if g is not None
+    }
     assert grads and all(torch.isfinite(g).all() for g in grads.values())
     # Both streams' adapters learn from the joint log-prob.
     assert any(g.abs().max() > 0 for n, g in grads.items() if ".audio_attn1." in n)

@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 import torch
 from diffusers.pipelines.z_image.pipeline_z_image import ZImagePipeline, calculate_shift
+from lora_checks import lora_recompute_grads  # tests/models on sys.path
 
 from fgrpo.config import SamplingConfig
 from fgrpo.models import tiny
@@ -17,8 +18,8 @@ from fgrpo.models.base import FlowModel
 from fgrpo.models.lora import add_lora, export_lora
 from fgrpo.models.registry import build_tiny
 from fgrpo.models.zimage import ZIMAGE_LORA_TARGETS, ZImage
-from fgrpo.recompute import recompute_log_prob, recompute_log_probs
-from fgrpo.rollout.engine import DiffusersEngine, forward_units
+from fgrpo.recompute import recompute_log_probs
+from fgrpo.rollout.engine import DiffusersEngine
 from fgrpo.rollout.seeds import sample_generator
 
 SIZE = 64
@@ -150,19 +151,7 @@ def test_recomputed_log_probs_equal_the_rollouts_bit_exactly(model, guidance_sca
 
 def test_recompute_is_bit_exact_with_lora_and_grad():
     m = tiny.tiny_zimage(seed=2)
-    add_lora(m.transformer, rank=2, alpha=4, target_modules=ZIMAGE_LORA_TARGETS)
-    with torch.no_grad():  # a trained-looking adapter: B != 0, so LoRA really changes the velocity
-        for n, p in m.transformer.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.3, generator=torch.Generator().manual_seed(len(n)))
-    cfg = dataclasses.replace(BASE, num_steps=4, window_range=(1, 3))
-    traj = DiffusersEngine(m).generate(PROMPTS, SEEDS, cfg)
-    assert torch.equal(recompute_log_probs(m, traj, cfg), traj.log_prob)
-    rows = forward_units(traj.window, cfg.micro_batch)[0]
-    log_prob, _, _ = recompute_log_prob(m, traj, cfg, rows, 1)
-    assert torch.equal(log_prob.detach(), traj.log_prob[rows, 1])
-    log_prob.sum().backward()
-    grads = {n: p.grad for n, p in m.transformer.named_parameters() if "lora_" in n}
+    grads = lora_recompute_grads(m, ZIMAGE_LORA_TARGETS, BASE, PROMPTS, SEEDS)
     # every adapter learns, the text refiner's too (its output is the main blocks' text stream)
     assert grads and all(
         g is not None and torch.isfinite(g).all() and g.abs().max() > 0 for g in grads.values()
