@@ -294,6 +294,8 @@ def test_every_algorithm_preset_validates_and_keeps_the_base_budget():
             half = algo == "mixgrpo" and suffix == "-tiny-gpu"
             assert cfg.optim.lr == base.optim.lr / (2 if half else 1)
             assert cfg.algo.window_in_range == half
+            # and kept its shared window off the low-noise steps 3-4 (RESULTS.md, stability-8)
+            assert cfg.sampling.window_range == ((0, 4) if half else base.sampling.window_range)
             long_gpu = suffix == "-tiny-gpu"
             if algo == "nft":
                 # the long GPU runs: beta 1 (the OCR recipe's 0.1 elsewhere), an old policy that follows theta
