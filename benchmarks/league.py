@@ -8,6 +8,7 @@ algorithm and a variant, e.g. `nft-decay1`), all under one directory:
     python benchmarks/league.py runs/league --steps 300 --plot benchmarks/figures/league.png \
         --keep benchmarks/league_runs/DATE_COMMIT       # the rows the league reads, kept with the record
     python benchmarks/league.py benchmarks/league_runs/A benchmarks/league_runs/B   # one league over two calls
+    python benchmarks/league.py A B --label mixgrpo-w04=mixgrpo --only grpo,dppo,mixgrpo   # a variant as its preset
 
 Per run: the best validation and its step, the final one, the area under the curve (the mean held-out score
 over the run's steps, trapezoids between validations), the first validation at or above the target (its step and
@@ -93,14 +94,45 @@ def _run_dirs(roots: list[Path]) -> list[tuple[str, str, int, Path]]:
     return out
 
 
-def load(roots: Path | list[Path], key: str = "val/reward_mean") -> dict[str, dict[str, dict[int, Run]]]:
-    """{"cpu"|"gpu": {label: {seed: Run}}} of every run directory under the roots (validations of `key`)."""
+def load(
+    roots: Path | list[Path],
+    key: str = "val/reward_mean",
+    *,
+    rename: dict[str, str] | None = None,
+    only: set[str] | None = None,
+) -> dict[str, dict[str, dict[int, Run]]]:
+    """{"cpu"|"gpu": {label: {seed: Run}}} of every run directory under the roots (validations of `key`).
+
+    rename maps a run's label to the one it is shown under (a variant that became the preset: `nft1-kl03` ->
+    `nft`); only keeps the labels named (after renaming). Two runs that land on one label and seed are refused."""
+    rename = rename or {}
     runs: dict[str, dict[str, dict[int, Run]]] = {"cpu": defaultdict(dict), "gpu": defaultdict(dict)}
+    origin: dict[tuple[str, str, int], str] = {}
     for kind, label, seed, path in _run_dirs(roots if isinstance(roots, list) else [roots]):
+        shown = rename.get(label, label)
+        if only is not None and shown not in only:
+            continue
+        if (kind, shown, seed) in origin:
+            raise SystemExit(
+                f"runs {origin[kind, shown, seed]} and {path.parent} are both {shown} seed {seed}: "
+                "rename one (--label OLD=NEW) or leave it out (--only)"
+            )
+        origin[kind, shown, seed] = str(path.parent)
         run = Run.of(read_metrics(path), key)
         if run.points:
-            runs[kind][label][seed] = run
+            runs[kind][shown][seed] = run
     return runs
+
+
+def _labels(pairs: list[str]) -> dict[str, str]:
+    """--label OLD=NEW arguments as {OLD: NEW}; a malformed one is refused with the form it needs."""
+    out = {}
+    for p in pairs:
+        old, sep, new = p.partition("=")
+        if not (sep and NAME.match(f"gpu_{old}_s0") and NAME.match(f"gpu_{new}_s0")):
+            raise SystemExit(f"--label {p!r}: give OLD=NEW, two run labels such as nft1-kl03=nft")
+        out[old] = new
+    return out
 
 
 def keep(roots: list[Path], dst: Path) -> int:
@@ -225,8 +257,19 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="copy the rows the league reads of every run to this directory",
     )
+    ap.add_argument(
+        "--label",
+        action="append",
+        default=[],
+        metavar="OLD=NEW",
+        help="show the runs labelled OLD as NEW (a variant that became the preset); repeatable",
+    )
+    ap.add_argument(
+        "--only", default=None, help="comma-separated labels (after --label) to keep; the others are left out"
+    )
     args = ap.parse_args(argv)
-    runs = load(args.roots)
+    pick = {"rename": _labels(args.label), "only": set(args.only.split(",")) if args.only else None}
+    runs = load(args.roots, **pick)
     for kind in ("cpu", "gpu"):
         if runs[kind]:
             print(f"\n{kind.upper()} runs\n")
@@ -236,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\nplot: {args.plot}")
     if args.gold:
         key, png = args.gold
-        gold = load(args.roots, key)["gpu"]
+        gold = load(args.roots, key, **pick)["gpu"]
         plot(gold, Path(png), target=None, title=f"text renderer, tiny-gpu presets: {key}", ylabel=key)
         print(f"plot: {png}")
     if args.keep:
