@@ -8,7 +8,7 @@ algorithm and a variant, e.g. `nft-decay1`), all under one directory:
     python benchmarks/league.py runs/league --steps 300 --plot benchmarks/figures/league.png \
         --keep benchmarks/league_runs/DATE_COMMIT       # the rows the league reads, kept with the record
     python benchmarks/league.py benchmarks/league_runs/A benchmarks/league_runs/B   # one league over two calls
-    python benchmarks/league.py A B --label mixgrpo-w04=mixgrpo --only grpo,dppo,mixgrpo   # a variant as its preset
+    python benchmarks/league.py A B --only grpo,mixgrpo-w04 --label mixgrpo-w04=mixgrpo   # a variant as its preset
 
 Per run: the best validation and its step, the final one, the area under the curve (the mean held-out score
 over the run's steps, trapezoids between validations), the first validation at or above the target (its step and
@@ -103,15 +103,16 @@ def load(
 ) -> dict[str, dict[str, dict[int, Run]]]:
     """{"cpu"|"gpu": {label: {seed: Run}}} of every run directory under the roots (validations of `key`).
 
-    rename maps a run's label to the one it is shown under (a variant that became the preset: `nft1-kl03` ->
-    `nft`); only keeps the labels named (after renaming). Two runs that land on one label and seed are refused."""
+    only keeps the runs whose labels (as named on disk) it holds; rename maps a run's label to the one it is shown
+    under (a variant that became the preset: `nft1-kl03` -> `nft`). Two runs that land on one label and seed are
+    refused."""
     rename = rename or {}
     runs: dict[str, dict[str, dict[int, Run]]] = {"cpu": defaultdict(dict), "gpu": defaultdict(dict)}
     origin: dict[tuple[str, str, int], str] = {}
     for kind, label, seed, path in _run_dirs(roots if isinstance(roots, list) else [roots]):
-        shown = rename.get(label, label)
-        if only is not None and shown not in only:
+        if only is not None and label not in only:
             continue
+        shown = rename.get(label, label)
         if (kind, shown, seed) in origin:
             raise SystemExit(
                 f"runs {origin[kind, shown, seed]} and {path.parent} are both {shown} seed {seed}: "
@@ -265,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
         help="show the runs labelled OLD as NEW (a variant that became the preset); repeatable",
     )
     ap.add_argument(
-        "--only", default=None, help="comma-separated labels (after --label) to keep; the others are left out"
+        "--only", default=None, help="comma-separated labels (as on disk) to keep; the others are left out"
     )
     args = ap.parse_args(argv)
     pick = {"rename": _labels(args.label), "only": set(args.only.split(",")) if args.only else None}

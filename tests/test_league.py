@@ -84,13 +84,13 @@ def test_kept_rows_give_the_same_league_and_two_roots_combine(tmp_path, capsys):
 
 
 def test_labels_rename_and_select_runs_and_a_clash_is_refused(tmp_path, capsys):
-    """--label shows a variant's runs under its preset's label, --only leaves the other labels out, and two runs
+    """--label shows a variant's runs under its preset's label, --only keeps the labels named on disk, and two runs
     that would become one label and seed are refused rather than one silently replacing the other."""
     league = _league()
     _write(tmp_path, "gpu_nft1-kl03_s1", {0: 0.6, 10: 0.94, 20: 0.93})
     _write(tmp_path, "gpu_awm-p1_s1", {0: 0.6, 10: 0.8, 20: 0.5})
     _write(tmp_path, "gpu_grpo_s1", {0: 0.6, 10: 0.97, 20: 0.96})
-    league.main([str(tmp_path), "--steps", "20", "--label", "nft1-kl03=nft", "--only", "nft,grpo"])
+    league.main([str(tmp_path), "--steps", "20", "--label", "nft1-kl03=nft", "--only", "nft1-kl03,grpo"])
     out = capsys.readouterr().out
     assert "| nft | 1 | 0.940 |" in out and "| grpo | 1 | 0.970 |" in out
     assert "nft1-kl03" not in out and "awm-p1" not in out
