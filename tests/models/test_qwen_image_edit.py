@@ -16,6 +16,7 @@ import pytest
 import torch
 from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import QwenImageEditPipeline
+from lora_checks import lora_recompute_grads  # tests/models on sys.path
 from PIL import Image
 
 from fgrpo.config import SamplingConfig
@@ -25,8 +26,8 @@ from fgrpo.models.base import FlowModel, ImagePrompt
 from fgrpo.models.lora import add_lora, export_lora
 from fgrpo.models.qwen_image import QWEN_IMAGE_LORA_TARGETS, pack, unpack
 from fgrpo.models.qwen_image_edit import EDIT_PROMPT_DROP, EDIT_PROMPT_TEMPLATE, QwenImageEdit
-from fgrpo.recompute import recompute_log_prob, recompute_log_probs
-from fgrpo.rollout.engine import DiffusersEngine, forward_units
+from fgrpo.recompute import recompute_log_probs
+from fgrpo.rollout.engine import DiffusersEngine
 from fgrpo.rollout.seeds import sample_generator
 
 SIZE = 64  # output and condition images, pixels a side
@@ -182,19 +183,9 @@ def test_recomputed_log_probs_equal_the_rollouts_bit_exactly(model, prompts, gui
 
 def test_recompute_is_bit_exact_with_lora_and_grad(prompts):
     m = tiny.tiny_qwen_image_edit(seed=2)
-    add_lora(m.transformer, rank=2, alpha=4, target_modules=QWEN_IMAGE_LORA_TARGETS)
-    with torch.no_grad():  # a trained-looking adapter: B != 0, so LoRA really changes the velocity
-        for n, p in m.transformer.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.3, generator=torch.Generator().manual_seed(len(n)))
-    cfg = dataclasses.replace(BASE, num_steps=4, sde_kind="cps", noise_level=0.7, window_range=(1, 3))
-    traj = DiffusersEngine(m).generate(prompts, SEEDS, cfg)
-    assert torch.equal(recompute_log_probs(m, traj, cfg), traj.log_prob)
-    rows = forward_units(traj.window, cfg.micro_batch)[0]
-    log_prob, _, _ = recompute_log_prob(m, traj, cfg, rows, 1)
-    assert torch.equal(log_prob.detach(), traj.log_prob[rows, 1])
-    log_prob.sum().backward()
-    grads = [p.grad for n, p in m.transformer.named_parameters() if "lora_" in n and p.grad is not None]
+    base = dataclasses.replace(BASE, sde_kind="cps", noise_level=0.7)
+    by_name = lora_recompute_grads(m, QWEN_IMAGE_LORA_TARGETS, base, prompts, SEEDS)
+    grads = [g for g in by_name.values() if g is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads) and any(g.abs().max() > 0 for g in grads)
 
 
