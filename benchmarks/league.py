@@ -136,20 +136,25 @@ def _labels(pairs: list[str]) -> dict[str, str]:
     return out
 
 
-def keep(roots: list[Path], dst: Path) -> int:
+def _kept_row(r: dict) -> dict:
+    return {k: v for k, v in r.items() if k in ("step", "time/total") or k.startswith("val/")}
+
+
+def keep(roots: list[Path], dst: Path, only: set[str] | None = None) -> int:
     """Copy what the league reads of every run under the roots to dst/<run>/metrics.jsonl: per row its step and
     time/total, and the validation's keys (val/...). A few kB a run, so a record's runs can be kept beside it and
-    read again with the runs of a later call. Returns the number of runs written."""
-    runs = _run_dirs(roots)
-    for _, _, _, path in runs:
-        rows = [
-            {k: v for k, v in r.items() if k in ("step", "time/total") or k.startswith("val/")}
-            for r in read_metrics(path)
-        ]
+    read again with the runs of a later call. Only the labels in `only` (all when None) are copied, and a run that
+    is already such a copy (an earlier record's) is not copied again. Returns the number of runs written."""
+    n = 0
+    for _, label, _, path in _run_dirs(roots):
+        rows = read_metrics(path)
+        if (only is not None and label not in only) or all(_kept_row(r) == r for r in rows):
+            continue
         out = dst / path.parent.name
         out.mkdir(parents=True, exist_ok=True)
-        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return len(runs)
+        (out / "metrics.jsonl").write_text("".join(json.dumps(_kept_row(r)) + "\n" for r in rows))
+        n += 1
+    return n
 
 
 def _mean_std(xs: list[float]) -> str:
@@ -284,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
         plot(gold, Path(png), target=None, title=f"text renderer, tiny-gpu presets: {key}", ylabel=key)
         print(f"plot: {png}")
     if args.keep:
-        print(f"kept {keep(args.roots, args.keep)} runs' validation rows in {args.keep}")
+        print(f"kept {keep(args.roots, args.keep, pick['only'])} runs' validation rows in {args.keep}")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ def _write(root: Path, name: str, scores: dict[int, float], step_s: float = 2.0)
     d.mkdir(parents=True)
     rows = []
     for step in range(max(scores) + 1):
-        row = {"step": step, "time/total": step_s}
+        # a run's rows hold more than what --keep copies
+        row = {"step": step, "time/total": step_s, "train/loss": 0.0}
         if step in scores:
             row["val/reward_mean"] = scores[step]
         rows.append(row)
@@ -99,3 +100,19 @@ def test_labels_rename_and_select_runs_and_a_clash_is_refused(tmp_path, capsys):
         league.main([str(tmp_path), "--label", "nft1-kl03=nft"])
     with pytest.raises(SystemExit, match="give OLD=NEW"):
         league.main([str(tmp_path), "--label", "nft"])
+
+
+def test_keep_copies_only_the_selected_runs_and_not_those_already_kept(tmp_path, capsys):
+    """--keep with --only copies the selected labels alone; the runs of an earlier kept directory join the league
+    but are not copied a second time."""
+    league = _league()
+    runs, stored = tmp_path / "runs", tmp_path / "league_runs"
+    _write(runs, "gpu_grpo_s1", {0: 0.6, 10: 0.97, 20: 0.96})
+    _write(runs, "gpu_awm-p1_s1", {0: 0.6, 10: 0.8, 20: 0.5})
+    _write(tmp_path / "raw", "gpu_nft_s2", {0: 0.6, 10: 0.94, 20: 0.93})
+    league.main([str(tmp_path / "raw"), "--keep", str(stored / "old")])
+    new = stored / "new"
+    league.main([str(runs), str(stored / "old"), "--steps", "20", "--only", "grpo,nft", "--keep", str(new)])
+    out = capsys.readouterr().out
+    assert "| nft | 1 |" in out and "| grpo | 1 |" in out and f"kept 1 runs' validation rows in {new}" in out
+    assert sorted(p.name for p in new.iterdir()) == ["gpu_grpo_s1"]
