@@ -197,6 +197,19 @@ def _join_optimizer(tensors: dict[str, torch.Tensor], js: dict[str, Any]) -> dic
     return {"state": state, "param_groups": groups}
 
 
+def read_state(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(trainable parameters by fqn, optimizer state dict keyed by fqn) of a checkpoint, read without building a
+    model: for looking into a run's state afterwards. `path` as in `load`; the files are verified first."""
+    ck = resolve(path)
+    files.verify(ck)
+    model_sd = files.read_tensors(ck / "model.safetensors")
+    if not (ck / "optimizer.json").exists():
+        return model_sd, {"state": {}, "param_groups": []}
+    js = files.read_json(ck / "optimizer.json")
+    o_t = files.read_tensors(ck / "optimizer.safetensors") if (ck / "optimizer.safetensors").exists() else {}
+    return model_sd, _join_optimizer(o_t, js)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # save / load
 
