@@ -248,6 +248,28 @@ def test_forward_process_settings_are_checked(tmp_path):
         check_config(dataclasses.replace(base, sampling=ode, algo=Config().algo), world_size=1)
 
 
+@pytest.mark.parametrize("name", ["awm", "nft"])
+def test_sde_steps_sample_those_grid_steps_stochastically(tmp_path, name, recording):
+    """algo.sde_steps (1, 3): every rollout is the SDE on grid steps 1-2 (one window for the whole batch) and the
+    ODE elsewhere, at sampling.noise_level; (0, 0), the default, samples with the ODE throughout. A range past the grid or without a stochastic step is refused in one line."""
+    cfg = cfg_for(tmp_path, name, num_steps=1, sde_steps=(1, 3))
+    train_mod.train(cfg)
+    (scfg, traj), *_ = recording
+    assert (scfg.window_range, scfg.window_size, scfg.sde_kind) == ((1, 3), 2, cfg.sampling.sde_kind)
+    assert traj.window.tolist() == [[1, 2]] * len(traj)
+    algo = algorithms.build(cfg, [])
+    ode = algorithms.build(dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, sde_steps=(0, 0))), [])
+    assert (ode.sampling(0).sde_kind, ode.sampling(0).window_size) == ("ode", 0)
+    assert algo.sampling(0).noise_level == cfg.sampling.noise_level > 0
+    with pytest.raises(ValueError, match=r"algo.sde_steps=\(1, 99\) must satisfy"):
+        check_config(
+            dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, sde_steps=(1, 99))), world_size=1
+        )
+    ode_kind = dataclasses.replace(cfg.sampling, sde_kind="ode")
+    with pytest.raises(ValueError, match="needs a stochastic step"):
+        check_config(dataclasses.replace(cfg, sampling=ode_kind), world_size=1)
+
+
 def test_forward_process_is_a_property_of_the_algorithm_class():
     """NFT and AWM sample with the ODE and train fresh forward-process points; the window algorithms do not."""
     assert {n for n, a in algorithms.ALGORITHMS.items() if a.forward_process} == {"nft", "awm"}

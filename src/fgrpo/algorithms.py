@@ -6,8 +6,9 @@
 | dppo    | as grpo; the rollout's transition means kept   | as grpo                                   | dppo.dppo_loss         |
 | mixgrpo | SDE in one window for the batch that slides    | as grpo                                   | grpo.clipped_policy_loss |
 |         | with the training step, ODE elsewhere          |                                           |                        |
-| nft     | ODE, from the EMA "old" weights                | x0 noised afresh at K grid times a sample | nft.nft_loss           |
-| awm     | ODE, from theta                                | x0 noised afresh at K grid times (shared) | awm.awm_loss           |
+| nft     | ODE, from the EMA "old" weights (or SDE on     | x0 noised afresh at K grid times a sample | nft.nft_loss           |
+|         | algo.sde_steps)                                |                                           |                        |
+| awm     | ODE, from theta (or SDE on algo.sde_steps)     | x0 noised afresh at K grid times (shared) | awm.awm_loss           |
 
 Two update functions serve them: `window_update` (the Flow-GRPO family: recompute the log-prob of stored
 transitions) and `forward_process_update` (NFT, AWM: velocity at fresh forward-process points); both give
@@ -17,7 +18,9 @@ run and which settings it refuses (`Algorithm.check`), and a preset in an experi
 
 Deviations from the reference code, each for a reason:
 - NFT and AWM roll out with the Euler ODE step on the model's own schedule (NVlabs' NFT uses a 2nd-order DPM
-  solver, AWM an SA-solver): one sampler for every algorithm keeps the comparison about the update rule.
+  solver, AWM an SA-solver): one sampler for every algorithm keeps the comparison about the update rule. AWM's
+  SA-solver is stochastic on t in [0.3, 0.9]; `algo.sde_steps` puts the SDE step of the other algorithms on
+  those grid steps instead (the same noise, not the same solver).
 - NFT's old policy is an EMA of theta kept as a copy of the trainable tensors (swapped into the module to
   sample and to evaluate v_old) rather than a second adapter: it works the same for LoRA and full weights and
   is saved with the checkpoint, so a resume is exact.
@@ -260,6 +263,17 @@ class ForwardProcessAlgorithm(Algorithm):
                 "1 <= train_steps <= hi - lo"
             )
         _check_ranges(cls.ranges(cfg))
+        lo, hi = a.sde_steps
+        if not 0 <= lo <= hi <= s.num_steps:
+            raise ConfigError(
+                f"algo.sde_steps={a.sde_steps} must satisfy 0 <= lo <= hi <= sampling.num_steps={s.num_steps} "
+                "((0, 0): the ODE throughout)"
+            )
+        if hi > lo and (s.sde_kind == "ode" or s.noise_level <= 0):
+            raise ConfigError(
+                f"algo.sde_steps={a.sde_steps} needs a stochastic step: set --sampling.sde-kind (flow_sde, cps, "
+                f"dance_sde) and --sampling.noise-level > 0 (now {s.sde_kind!r}, {s.noise_level})"
+            )
         if g.old_log_prob != "rollout" or g.ratio_norm or g.group_init_noise:
             raise ConfigError(
                 f"algo.name={a.name!r} has no transition log-probs: drop --grpo.old-log-prob, "
@@ -275,7 +289,13 @@ class ForwardProcessAlgorithm(Algorithm):
         return ("x0",)  # the final clean latents, noised afresh at the training points
 
     def sampling(self, step: int) -> SamplingConfig:
-        return validation_sampling(super().sampling(step), self.cfg.sampling.num_steps)
+        """The ODE, or the SDE step on the grid steps algo.sde_steps names (one window, the same for every
+        sample) and the ODE elsewhere. Only the clean latents are kept either way."""
+        s = super().sampling(step)
+        lo, hi = self.cfg.algo.sde_steps
+        if hi > lo:
+            return dataclasses.replace(s, window_size=hi - lo, window_range=(lo, hi))
+        return validation_sampling(s, self.cfg.sampling.num_steps)
 
     def update(
         self, model, params, optimizer, lr_scheduler, traj, advantages, generator, off_policy=False

@@ -204,6 +204,10 @@ class AlgoConfig:
     """nft/awm: first grid step whose sigma a training point may take."""
     train_steps_hi: int = 0
     """nft/awm: end (exclusive) of that range; 0 = sampling.num_steps."""
+    sde_steps: tuple[int, int] = (0, 0)
+    """nft/awm: grid steps [lo, hi) the rollout takes with the SDE step (sampling.sde_kind at
+    sampling.noise_level), the ODE elsewhere; (0, 0) samples with the ODE throughout. AWM's reference samples with
+    noise on t in [0.3, 0.9] (an SA-solver): (1, 8) on a 10-step grid."""
     nft_beta: float = 0.1
     """nft: how far the implicit positive/negative policies sit from the old one (the OCR recipe's 0.1)."""
     sample_from_ema: bool = True

@@ -41,7 +41,8 @@ def with_algo(base: C, name: str, *, size: str) -> C:
                 out, sampling=dataclasses.replace(s, ode_tail="dpmpp_2m", tail_compress=0.4)
             )
         return out
-    # NFT and AWM sample with the ODE and without CFG (both references) and train at K forward-process points
+    # NFT and AWM sample without CFG (both references) with fgrpo's Euler ODE (NFT's reference: a 2nd-order ODE
+    # solver; AWM's: an SA-solver, stochastic on t in [0.3, 0.9]; algorithms.py) and train at K forward-process points
     # a sample. The recipes train 9 of 10 grid steps (NFT) or 6 (AWM); the tiny presets train 2 points a sample,
     # the compute of the base preset's 2-step SDE window, and leave out the reference-KL forward, as the base does
     # (AWM keeps its EMA forward: that KL is what holds it).
