@@ -197,17 +197,21 @@ def _join_optimizer(tensors: dict[str, torch.Tensor], js: dict[str, Any]) -> dic
     return {"state": state, "param_groups": groups}
 
 
+def _read_optimizer(ck: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(optimizer state dict keyed by fqn, optimizer.json) of a step directory that holds optimizer state."""
+    js = files.read_json(ck / "optimizer.json")
+    return _join_optimizer(files.read_tensors(ck / "optimizer.safetensors"), js), js
+
+
 def read_state(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(trainable parameters by fqn, optimizer state dict keyed by fqn) of a checkpoint, read without building a
     model: for looking into a run's state afterwards. `path` as in `load`; the files are verified first."""
     ck = resolve(path)
     files.verify(ck)
     model_sd = files.read_tensors(ck / "model.safetensors")
-    if not (ck / "optimizer.json").exists():
+    if not (ck / "optimizer.json").is_file():
         return model_sd, {"state": {}, "param_groups": []}
-    js = files.read_json(ck / "optimizer.json")
-    o_t = files.read_tensors(ck / "optimizer.safetensors") if (ck / "optimizer.safetensors").exists() else {}
-    return model_sd, _join_optimizer(o_t, js)
+    return model_sd, _read_optimizer(ck)[0]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -354,9 +358,7 @@ def load(
     if optimizer is not None:
         if not (ck / "optimizer.json").is_file():
             raise FileNotFoundError(f"checkpoint.load: {ck} has no optimizer state; pass optimizer=None")
-        o_t = files.read_tensors(ck / "optimizer.safetensors")
-        o_j = files.read_json(ck / "optimizer.json")
-        osd = _join_optimizer(o_t, o_j)
+        osd, o_j = _read_optimizer(ck)
         tuples = [{k for k, v in g.items() if isinstance(v, tuple)} for g in optimizer.param_groups]
         if o_j.get("fresh"):  # saved before the first step: hyper-parameters only, state stays empty
             if len(osd["param_groups"]) != len(optimizer.param_groups):
