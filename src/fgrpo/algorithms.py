@@ -391,7 +391,9 @@ class AWM(ForwardProcessAlgorithm):
     every optimizer step) trails the policy by less than a step: it damps step-to-step jitter and moves with a slow
     drift. What anchors is the KL to the frozen model (grpo.kl_coef, the reference's train.beta, without which the
     reference code does not run); the tiny presets leave it off. The renderer's images darkened with it at 3e-3 as
-    without it (RESULTS.md, stability-changed and stability-partial)."""
+    without it (RESULTS.md, stability-changed and stability-partial). Its update fits the flow to the policy's own
+    samples: on a model whose samples lie far from its training data that fit moves the model with no reward in it,
+    and the centred advantages cancel it only where it is alike across a group (RESULTS.md, cpu-awm-selffit)."""
 
     shared_steps = True
 
