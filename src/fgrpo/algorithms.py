@@ -393,7 +393,9 @@ class AWM(ForwardProcessAlgorithm):
     reference code does not run); the tiny presets leave it off. The renderer's images darkened with it at 3e-3 as
     without it (RESULTS.md, stability-changed and stability-partial). Its update fits the flow to the policy's own
     samples: on a model whose samples lie far from its training data that fit moves the model with no reward in it,
-    and the centred advantages cancel it only where it is alike across a group (RESULTS.md, cpu-awm-selffit)."""
+    and the centred advantages cancel it only where it is alike across a group (RESULTS.md, cpu-awm-selffit). With
+    the reward taken out (each group's advantages permuted), its noise alone still moves the images' brightness and
+    contrast, several times as far as Flow-GRPO's (RESULTS.md, cpu-awm-noise)."""
 
     shared_steps = True
 
