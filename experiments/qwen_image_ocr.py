@@ -188,9 +188,8 @@ def tiny_gpu_values(algo: str, cfg: Config) -> Config:
       0.03 (stability-7); 0.3 stalled it at 0.77. Its uniform weight (p = 1) fell sooner (stability-8); half the
       lr with a KL of 0.03 fell later and slower from a lower best (0.93, stability-9), so the preset keeps the
       higher best and leaves the fall to the collapse guard. In every run the ratio clip (the reference's 1) never
-      engaged and the gradient norm grew 5-10x before the fall. The cause (cpu-awm-selffit): its update fits the
-      flow to the policy's own samples, which degrades this renderer with no reward involved (a constant advantage:
-      0.63 -> 0.29 in 10 steps), and the centred advantages cancel that pull only where it is alike across a group.
+      engaged and the gradient norm grew 5-10x before the fall. The cause is in fgrpo.algorithms.AWM's docstring
+      (RESULTS.md, cpu-awm-selffit and cpu-awm-noise).
     The CPU presets run 20 steps and keep the references' values.
     """
     if algo == "nft":
