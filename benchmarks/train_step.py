@@ -25,7 +25,7 @@ FSDP2, bf16 compute, fp32 masters, gradient checkpointing, and builds the optimi
 TrainConfig of the recipe), and a step is its methods, timed: `experience` (prompts in the trainer's order over the
 prompts, rollout, reward, gathered rewards -> advantages; its "rollout" and "reward" phases) and `update` (its
 "train" phase); between them the window algorithms' 'recompute' pass of old log-probs is timed on its own. Several
---algo (and --merged-rollout / --split-cfg settings) build one Trainer each over the one model.
+--algo (and --merged-rollout / --fp8-rollout / --split-cfg settings) build one Trainer each over the one model.
 
     python benchmarks/train_step.py                      # H200: 2 prompts x 16 images, eager
     python benchmarks/train_step.py --compile            # regional torch.compile of the blocks
@@ -65,6 +65,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -213,9 +214,17 @@ def main() -> None:
     )
     ap.add_argument(
         "--fp8-rollout",
+        default="off",
+        help="off, rowwise, tensorwise, or several comma-separated (each in turn, after its own warm-up step): with "
+        "--merged-rollout on, the merged copies as float8 and their forwards as float8 matmuls with that scaling "
+        "(model.fp8_rollout, model.fp8_scaling; needs uv sync --extra fp8)",
+    )
+    ap.add_argument(
+        "--fp8-deviation",
         action="store_true",
-        help="with --merged-rollout on: the merged copies as float8 and their forwards as float8 matmuls "
-        "(model.fp8_rollout; needs uv sync --extra fp8)",
+        help="after the timed steps: the step's prompts rolled out four ways from the same seeds with the trained "
+        "LoRA (unmerged, merged bf16, float8 rowwise, float8 tensorwise), each compared with the merged bf16 "
+        "rollout (`rollout_deviation`); needs --shard adapters and the fp8 extra",
     )
     ap.add_argument(
         "--split-cfg",
@@ -275,8 +284,17 @@ def main() -> None:
     merged_settings = settings("--merged-rollout", args.merged_rollout)
     if any(merged_settings) and (args.shard != "adapters" or args.full):
         ap.error("--merged-rollout on merges LoRA into a copy of the unsharded base: add --shard adapters")
-    if args.fp8_rollout and not all(merged_settings):
+    fp8_settings = [w.strip() for w in args.fp8_rollout.split(",")]
+    if any(w not in ("off", "rowwise", "tensorwise") for w in fp8_settings):
+        ap.error(
+            f"--fp8-rollout {args.fp8_rollout!r}: use off, rowwise, tensorwise or a comma-separated list"
+        )
+    if fp8_settings != ["off"] and not all(merged_settings):
         ap.error("--fp8-rollout quantizes the merged rollout's copies: add --merged-rollout on")
+    if args.fp8_deviation and (args.shard != "adapters" or args.full):
+        ap.error(
+            "--fp8-deviation runs the merged rollout, which needs the unsharded base: add --shard adapters"
+        )
     split_settings = settings("--split-cfg", args.split_cfg)
     if any(split_settings) and args.model not in ("qwen_image", "qwen_image_edit"):
         ap.error(
@@ -475,7 +493,7 @@ def main() -> None:
         size=height,
     )
 
-    def run_config(name: str, merged_rollout: bool) -> TrainConfig:
+    def run_config(name: str, merged_rollout: bool, fp8: str) -> TrainConfig:
         """The trainer's configuration of algorithm `name`: NFT and AWM sample with the ODE and without CFG and
         train 9 / 6 grid points a sample (their recipes); no validation, checkpoint, images or wandb."""
         points = args.train_points or {"nft": 9, "awm": 6}.get(name, 2)
@@ -492,7 +510,8 @@ def main() -> None:
                 mcfg,
                 dtype="fp32" if args.tiny else "bf16",
                 merged_rollout=merged_rollout,
-                fp8_rollout=args.fp8_rollout,
+                fp8_rollout=fp8 != "off",
+                fp8_scaling="tensorwise" if fp8 == "tensorwise" else "rowwise",
             ),
             sampling=sampling,
             grpo=dataclasses.replace(
@@ -527,8 +546,10 @@ def main() -> None:
 
     trainer = None
     tflop_per_forward = 0.0
-    for name, merged_rollout, split_cfg in itertools.product(algos, merged_settings, split_settings):
-        cfg = run_config(name, merged_rollout)
+    for name, merged_rollout, fp8, split_cfg in itertools.product(
+        algos, merged_settings, fp8_settings, split_settings
+    ):
+        cfg = run_config(name, merged_rollout, fp8)
         check_config(cfg, d.world_size)
         # one model build for every setting: the first Trainer adds the LoRA and shards, the next ones reuse it
         trainer = Trainer(
@@ -556,7 +577,7 @@ def main() -> None:
         print0(
             f"\n## {name}: CFG {sampling.guidance_scale}"
             + (", merged LoRA outside the window (rollout)" if merged_rollout else "")
-            + (", float8" if args.fp8_rollout else "")
+            + (f", float8 {fp8}" if fp8 != "off" else "")
             + (", CFG as two unpadded forwards" if split_cfg else "")
             + (f", {points} points a sample" if forward_process else "")
         )
@@ -703,6 +724,11 @@ def main() -> None:
                 f"published {VERL_OMNI_IMAGES_PER_GPU_S}; FLOP floor {floor_s:.1f} s -> ceiling {n_local / floor_s:.2f} "
                 f"images/GPU/s ({floor_s / total:.0%} of it)"
             )
+    if args.fp8_deviation and trainer is not None:
+        mc = trainer.cfg.model
+        fp8_deviation(
+            model, trainer.prompts(0), trainer.algo.sampling(0), mc.compile and mc.exact_rollout, print0
+        )
     if args.comm_probe and d.device.type == "cuda":
         ag = comm_probe(model.transformer)
         weights_gib = (
@@ -719,6 +745,75 @@ def main() -> None:
     if d.is_main:
         shutil.rmtree(out, ignore_errors=True)
     parallel.shutdown()
+
+
+def rollout_deviation(traj, ref) -> dict[str, Any]:
+    """How far rollout `traj` lands from rollout `ref` of the same prompts and seeds (same windows, initial noise
+    and SDE noise; only the forwards differ): every number is a mean over samples (and window steps).
+
+    - `prefix`: {k: ||x_k - x_k^ref|| / ||x_k^ref||} for the samples whose window starts after k >= 1 ODE steps:
+      the state the window's trained transitions start from, as the forwards outside the window left it.
+    - `x0`: the same relative distance for the final latents.
+    - `kl`: the window transitions' KL(N(mean_ref, s^2) || N(mean, s^2)) = ||mean - mean_ref||^2 / (2 s^2) in nats,
+      s^2 = ||x_next^ref - mean_ref||^2 / D the transition's variance estimated from its drawn noise (D latent
+      elements; one draw of D, so within ~sqrt(2 / D) relative): how far the policy's next-state distribution
+      moved because its start moved.
+    - `log_prob`: max |log_prob - log_prob_ref|, the window's recorded log-probs (each transition's own noise).
+    traj, ref: Trajectory-like (window [B, W], x_t, x_next, mean [B, W, ...], x0 [B, ...], log_prob [B, W])."""
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        a, b = a.flatten(1).double(), b.flatten(1).double()
+        return (a - b).norm(dim=1) / b.norm(dim=1)
+
+    start = ref.window[:, 0]
+    first = rel(traj.x_t[:, 0], ref.x_t[:, 0])  # [B]
+    prefix = {int(k): float(first[start == k].mean()) for k in sorted(set(start.tolist())) if k > 0}
+    x_next, mean, mean_ref = (t.flatten(2).double() for t in (ref.x_next, traj.mean, ref.mean))
+    var = (x_next - mean_ref).pow(2).mean(dim=2)  # [B, W]
+    kl = (mean - mean_ref).pow(2).sum(dim=2) / (2 * var)
+    return {
+        "prefix": prefix,
+        "x0": float(rel(traj.x0, ref.x0).mean()),
+        "kl": float(kl.mean()),
+        "log_prob": float((traj.log_prob.double() - ref.log_prob.double()).abs().max()),
+    }
+
+
+def fp8_deviation(model, prompts: list[str], sampling, train_graph: bool, print0) -> None:
+    """The rollout of `prompts` (seeds 0..B-1) four ways with the model's current LoRA: unmerged, merged bf16 (the
+    reference: what --merged-rollout on runs), float8 rowwise and tensorwise; a table of `rollout_deviation`
+    against the reference, each rollout's wall time beside it (the first call of a setting compiles)."""
+    from fgrpo.models.lora import Float8
+    from fgrpo.rollout.engine import DiffusersEngine
+
+    seeds = list(range(len(prompts)))
+    runs = {}
+    settings: tuple[tuple[str, bool, Float8], ...] = (
+        ("merged bf16 (reference)", True, "off"),
+        ("unmerged (adapters on)", False, "off"),
+        ("float8 rowwise", True, "rowwise"),
+        ("float8 tensorwise", True, "tensorwise"),
+    )
+    for label, merged, float8 in settings:
+        engine = DiffusersEngine(model, train_graph=train_graph, merged_lora=merged, float8=float8)
+        t0 = time.perf_counter()
+        runs[label] = (engine.generate(prompts, seeds, sampling), time.perf_counter() - t0)
+    ref = runs["merged bf16 (reference)"][0]
+    starts = sorted(k for k in set(ref.window[:, 0].tolist()) if k > 0)
+    print0(
+        f"\n| rollout of {len(prompts)} samples, against the merged bf16 one | window start after "
+        + " / ".join(str(k) for k in starts)
+        + " ODE steps (relative) | final latents (relative) | window KL (nats per transition) | "
+        "log-prob max abs | s |"
+    )
+    print0("|---|---|---:|---:|---:|---:|")
+    for label, (traj, seconds) in runs.items():
+        dev = rollout_deviation(traj, ref)
+        prefix = " / ".join(f"{dev['prefix'].get(k, float('nan')):.2e}" for k in starts)
+        print0(
+            f"| {label} | {prefix} | "
+            f"{dev['x0']:.2e} | {dev['kl']:.2e} | {dev['log_prob']:.1e} | {seconds:.2f} |"
+        )
 
 
 VLM_MAX_TOKENS = 16  # an answer is one quoted word; a random model runs to the cap, so this bounds decoding

@@ -474,8 +474,10 @@ def test_counting_the_flops_of_compiled_blocks_leaves_them_compiled(rollout):
     importlib.util.find_spec("torchao") is None, reason="needs the fp8 extra (uv sync --extra fp8)"
 )
 def test_train_step_fp8_rollout(train_step, monkeypatch, capsys):
-    """--fp8-rollout runs the merged rollout on float8 copies through the trainer (the first update's gap stays
-    0); without --merged-rollout on it stops before any work."""
+    """--fp8-rollout rowwise,tensorwise runs the merged rollout on float8 copies of each scaling in turn through
+    the trainer (the first update's gap stays 0); --fp8-deviation then prints the four rollouts' table, whose
+    reference row is 0 and whose float8 rows move the final latents by a little; without --merged-rollout on, or
+    with an unknown scaling, it stops before any work."""
     from fgrpo.models import lora
 
     made = []
@@ -486,14 +488,74 @@ def test_train_step_fp8_rollout(train_step, monkeypatch, capsys):
         monkeypatch,
         capsys,
         *TRAIN_ARGS,
+        "--group",
+        "16",
         "--shard",
         "adapters",
         "--merged-rollout",
         "on",
         "--fp8-rollout",
+        "rowwise,tensorwise",
+        "--fp8-deviation",
     )
-    assert "merged LoRA outside the window (rollout), float8\n" in out
-    assert "first-update log-prob gap 0.0e+00" in out
-    assert made and set(made) == {"rowwise"}  # the trainer's rollout did quantize its merged copies
-    err = refusal(train_step, monkeypatch, capsys, "--shard", "adapters", "--fp8-rollout")
-    assert "--fp8-rollout" in err and "--merged-rollout on" in err
+    assert "merged LoRA outside the window (rollout), float8 rowwise\n" in out
+    assert "merged LoRA outside the window (rollout), float8 tensorwise\n" in out
+    assert out.count("first-update log-prob gap 0.0e+00") == 2
+    assert {"rowwise", "tensorwise"} <= set(made)  # the trainer's rollouts did quantize their merged copies
+    rows = {
+        line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in out.splitlines() if line.startswith("| ")
+    }
+    assert set(rows["merged bf16 (reference)"][:-1]) <= {"0.00e+00", "0.0e+00"} or all(
+        float(x) == 0 for part in rows["merged bf16 (reference)"][:-1] for x in part.split(" / ")
+    )
+    for label in ("float8 rowwise", "float8 tensorwise"):
+        x0 = float(rows[label][1])
+        assert 0 < x0 < 0.1, (
+            label,
+            x0,
+        )  # e4m3 outside the window: a small relative move of the final latents
+        prefix, kl, log_prob = rows[label][0], float(rows[label][2]), float(rows[label][3])
+        # the latest window starts after merged steps (an earlier one can share its micro-batch with a window at 0)
+        assert float(prefix.split(" / ")[-1]) > 0 and kl > 0
+        # the window's log-probs are those of each transition's own noise, up to the rounding of x - mean
+        assert log_prob < 1e-5, (label, log_prob)
+    for args in (("--fp8-rollout", "rowwise"), ("--merged-rollout", "on", "--fp8-rollout", "blockwise")):
+        err = refusal(train_step, monkeypatch, capsys, "--shard", "adapters", *args)
+        assert "--fp8-rollout" in err
+
+
+def test_rollout_deviation_closed_form(train_step):
+    """rollout_deviation on two hand-made rollouts: the window-start states differ by a known vector for the sample
+    whose window starts after 2 steps, the final latents of one sample by 3 / 4 of its norm, the window means by
+    0.5 along one of D = 4 elements where the drawn noise is 1 per element (s^2 = 1: KL 0.5^2 / 2 = 0.125 for that
+    transition), a log-prob by 0.25."""
+    D = 4
+    window = torch.tensor([[0, 1], [2, 3]])
+    x_t = torch.ones(2, 2, D)
+    mean = torch.zeros(2, 2, D)
+    x_next = mean + 1.0  # noise of 1 in every element: s^2 = 1
+    x0 = torch.tensor([[4.0, 0, 0, 0], [0, 2.0, 0, 0]])
+    log_prob = torch.zeros(2, 2)
+    ref = SimpleNamespace(window=window, x_t=x_t, x_next=x_next, mean=mean, x0=x0, log_prob=log_prob)
+    moved_x_t = x_t.clone()
+    moved_x_t[1, 0, 0] += 1.0  # ||(1,0,0,0)|| / ||(1,1,1,1)|| = 1 / 2
+    moved_mean = mean.clone()
+    moved_mean[1, 1, 2] = 0.5
+    moved_x0 = x0.clone()
+    moved_x0[0, 0] = 1.0  # 3 / 4 for sample 0, 0 for sample 1
+    moved_lp = log_prob.clone()
+    moved_lp[0, 1] = -0.25
+    traj = SimpleNamespace(
+        window=window, x_t=moved_x_t, x_next=x_next, mean=moved_mean, x0=moved_x0, log_prob=moved_lp
+    )
+    dev = train_step.rollout_deviation(traj, ref)
+    assert dev["prefix"] == {2: 0.5}  # the sample whose window starts at step 0 has no prefix
+    assert dev["x0"] == pytest.approx(3 / 8)
+    assert dev["kl"] == pytest.approx(0.125 / 4)  # the mean over 2 samples x 2 window steps
+    assert dev["log_prob"] == 0.25
+    assert train_step.rollout_deviation(ref, ref) == {
+        "prefix": {2: 0.0},
+        "x0": 0.0,
+        "kl": 0.0,
+        "log_prob": 0.0,
+    }
