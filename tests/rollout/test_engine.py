@@ -693,6 +693,33 @@ def test_merged_rollout_merges_only_outside_the_window_and_keeps_the_window_exac
     assert not image_q.disable_adapters
 
 
+def test_a_merged_first_forward_keeps_the_sharded_lora_gradients_fp32():
+    """FSDP2 fixes a unit's gradient dtypes at the model's first forward from the parameters that require grad
+    then, and peft's switch that `MergedLora.active()` uses freezes the adapters. A rollout whose first forward
+    is a merged one (every window starts after step 0) still leaves the sharded LoRA's bf16 gradients reduced to
+    its fp32 masters: the first backward runs and every LoRA gradient is fp32."""
+    from fgrpo import parallel
+
+    parallel.init_distributed("cpu")
+    model = _lora_qwen(5)
+    model.transformer.to(torch.bfloat16)  # a bf16 base with fp32 LoRA masters, as the trainer sets them up
+    for n, p in model.transformer.named_parameters():
+        if "lora_" in n:
+            p.data = p.data.float()
+    parallel.shard_transformer(model.transformer, param_dtype=torch.bfloat16, shard="adapters")
+    # every adapter merged (the renderer's way; Qwen-Image's text-stream adapters would stay on and trainable)
+    cast(Any, model).merge_targets = ()
+    cfg = dataclasses.replace(BASE, window_range=(2, 5))  # steps 0 and 1 of every unit run merged
+    traj = DiffusersEngine(model, merged_lora=True).generate(PROMPTS[:2], SEEDS[:2], cfg)
+    assert bool((traj.window[:, 0] >= 2).all())
+    sigma = traj.sigmas[traj.window[:, 0]]
+    v = model.velocity(traj.x_t[:, 0], sigma, traj.cond, guidance_scale=cfg.guidance_scale)
+    v.float().square().mean().backward()
+    # the last block's text-stream output is dropped by the model: its adapters get no gradient
+    grads = [p.grad for n, p in model.transformer.named_parameters() if "lora_" in n and p.grad is not None]
+    assert len(grads) > 10 and {g.dtype for g in grads} == {torch.float32}
+
+
 needs_torchao = pytest.mark.skipif(
     importlib.util.find_spec("torchao") is None,
     reason="model.fp8_rollout needs the fp8 extra (uv sync --extra fp8)",

@@ -270,17 +270,22 @@ class MergedLora:
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        """Forwards inside run the merged copies with the adapters off (peft's switch, which also freezes the
-        adapter; each parameter's requires_grad is restored as it was). A float8 copy comes in as the layer's
-        weight Parameter, the original Parameter object goes back on leaving."""
+        """Forwards inside run the merged copies with the adapters off. peft's switch also freezes the adapter;
+        each parameter's requires_grad is put back at once, because FSDP2 fixes a unit's gradient dtypes at the
+        model's first forward from the parameters that require grad then: a rollout whose first forward is a
+        merged one would otherwise leave the LoRA's bf16 gradients unreduced to its fp32 masters (the first
+        backward fails). A float8 copy comes in as the layer's weight Parameter, the original Parameter object
+        goes back on leaving."""
         trainable = [[p.requires_grad for p in layer.parameters()] for layer, _, _ in self.layers]
         parameters = [layer.get_base_layer().weight for layer, _, _ in self.layers]
-        for layer, _, merged in self.layers:
+        for (layer, _, merged), flags in zip(self.layers, trainable, strict=True):
             if isinstance(merged, nn.Parameter):
                 layer.get_base_layer().weight = merged
             else:
                 layer.get_base_layer().weight.data = merged
             layer.enable_adapters(False)
+            for p, flag in zip(layer.parameters(), flags, strict=True):
+                p.requires_grad_(flag)
         try:
             yield
         finally:
