@@ -702,7 +702,9 @@ def test_a_merged_first_forward_keeps_the_sharded_lora_gradients_fp32():
 
     parallel.init_distributed("cpu")
     model = _lora_qwen(5)
-    model.transformer.to(torch.bfloat16)  # a bf16 base with fp32 LoRA masters, as the trainer sets them up
+    cast(Any, model.transformer).to(
+        torch.bfloat16
+    )  # a bf16 base with fp32 LoRA masters, as the trainer sets them up
     for n, p in model.transformer.named_parameters():
         if "lora_" in n:
             p.data = p.data.float()
