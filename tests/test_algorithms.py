@@ -295,8 +295,7 @@ def _budget(c):
         c.num_steps,
         c.grpo.group_size,
         c.grpo.prompts_per_step,
-        c.grpo.optimizer_steps_per_step,
-        dataclasses.replace(c.optim, lr=0.0),  # the lr is a per-algorithm value (below)
+        dataclasses.replace(c.optim, lr=0.0),  # the lr and the optimizer steps: per-algorithm values (below)
         c.model,
         c.data,
         c.sampling.num_steps,
@@ -312,13 +311,19 @@ def test_every_algorithm_preset_validates_and_keeps_the_base_budget():
             assert cfg.algo.name == algo
             check_config(cfg, world_size=1)
             assert _budget(cfg) == _budget(base)
-            # the renderer's 300-step runs halved MixGRPO's lr only (qwen_image_ocr.tiny_gpu_values)
-            half = algo == "mixgrpo" and suffix == "-tiny-gpu"
-            assert cfg.optim.lr == base.optim.lr / (2 if half else 1)
-            assert cfg.algo.window_in_range == half
-            # and kept its shared window off the low-noise steps 3-4 (RESULTS.md, stability-8)
-            assert cfg.sampling.window_range == ((0, 4) if half else base.sampling.window_range)
             long_gpu = suffix == "-tiny-gpu"
+            # the renderer's 300-step runs halved MixGRPO's and AWM's lr (qwen_image_ocr.tiny_gpu_values)
+            half = algo == "mixgrpo" and long_gpu
+            assert cfg.optim.lr == base.optim.lr / (2 if half or (algo == "awm" and long_gpu) else 1)
+            assert cfg.algo.window_in_range == half
+            # and kept MixGRPO's shared window off the low-noise steps 3-4 (RESULTS.md, stability-8)
+            assert cfg.sampling.window_range == ((0, 4) if half else base.sampling.window_range)
+            # AWM's: one optimizer step a rollout and a KL of 0.03 to the frozen model (RESULTS.md, stability-10)
+            awm_gpu = algo == "awm" and long_gpu
+            base_steps = base.grpo.optimizer_steps_per_step
+            assert cfg.grpo.optimizer_steps_per_step == (1 if awm_gpu else base_steps)
+            if algo == "awm":
+                assert cfg.grpo.kl_coef == (0.03 if awm_gpu else base.grpo.kl_coef if suffix else 3e-3)
             if algo == "nft":
                 # the long GPU runs: beta 1 (the OCR recipe's 0.1 elsewhere), an old policy that follows theta
                 # (decay <= 0.5 from the first step) and a KL of 0.3 to the frozen model (RESULTS.md, stability-7)
