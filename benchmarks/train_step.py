@@ -220,6 +220,12 @@ def main() -> None:
         "(model.fp8_rollout, model.fp8_scaling; needs uv sync --extra fp8)",
     )
     ap.add_argument(
+        "--fp8-train",
+        action="store_true",
+        help="model.fp8_train: the frozen base of the LoRA layers the merged rollout targets as float8 matmuls "
+        "(rowwise) in every forward and backward, rollout window and training alike (needs the fp8 extra)",
+    )
+    ap.add_argument(
         "--fp8-deviation",
         action="store_true",
         help="after the timed steps: the step's prompts rolled out four ways from the same seeds with the trained "
@@ -289,6 +295,8 @@ def main() -> None:
         ap.error(
             f"--fp8-rollout {args.fp8_rollout!r}: use off, rowwise, tensorwise or a comma-separated list"
         )
+    if args.fp8_train and (args.full or fp8_settings != ["off"]):
+        ap.error("--fp8-train runs the LoRA's frozen base in float8: drop --full and --fp8-rollout")
     if fp8_settings != ["off"] and not all(merged_settings):
         ap.error("--fp8-rollout quantizes the merged rollout's copies: add --merged-rollout on")
     if args.fp8_deviation and (args.shard != "adapters" or args.full):
@@ -511,6 +519,7 @@ def main() -> None:
                 dtype="fp32" if args.tiny else "bf16",
                 merged_rollout=merged_rollout,
                 fp8_rollout=fp8 != "off",
+                fp8_train=args.fp8_train,
                 fp8_scaling="tensorwise" if fp8 == "tensorwise" else "rowwise",
             ),
             sampling=sampling,
@@ -578,6 +587,7 @@ def main() -> None:
             f"\n## {name}: CFG {sampling.guidance_scale}"
             + (", merged LoRA outside the window (rollout)" if merged_rollout else "")
             + (f", float8 {fp8}" if fp8 != "off" else "")
+            + (", the LoRA's base in float8 (rowwise) everywhere" if args.fp8_train else "")
             + (", CFG as two unpadded forwards" if split_cfg else "")
             + (f", {points} points a sample" if forward_process else "")
         )

@@ -524,6 +524,24 @@ def test_train_step_fp8_rollout(train_step, monkeypatch, capsys):
         assert "--fp8-rollout" in err
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("torchao") is None, reason="needs the fp8 extra (uv sync --extra fp8)"
+)
+def test_train_step_fp8_train(train_step, monkeypatch, capsys):
+    """--fp8-train converts the LoRA layers' frozen base to float8 through the trainer's model setup, and the first
+    update's gap stays 0; with --full it stops before any work."""
+    from fgrpo.models import lora
+
+    made: list[list[str]] = []
+    real = lora.float8_base_layers
+    monkeypatch.setattr(lora, "float8_base_layers", lambda *a: made.append(real(*a)) or made[-1])
+    out = run_main(train_step, monkeypatch, capsys, *TRAIN_ARGS, "--fp8-train")
+    assert "the LoRA's base in float8 (rowwise) everywhere\n" in out
+    assert "first-update log-prob gap 0.0e+00" in out
+    assert len(made) == 1 and made[0]  # converted once, before the first rollout
+    assert "--fp8-train" in refusal(train_step, monkeypatch, capsys, "--fp8-train", "--full")
+
+
 def test_rollout_deviation_closed_form(train_step):
     """rollout_deviation on two hand-made rollouts: the window-start states differ by a known vector for the sample
     whose window starts after 2 steps, the final latents of one sample by 3 / 4 of its norm, the window means by

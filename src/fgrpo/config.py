@@ -17,9 +17,7 @@ from typing import Literal
 from fgrpo.core.sde import Kind
 from fgrpo.errors import ConfigError
 
-TORCHAO_MISSING = (
-    "model.fp8_rollout runs torchao's float8 matmuls and torchao is missing; uv sync --extra fp8"
-)
+TORCHAO_MISSING = "model.fp8_rollout / model.fp8_train run torchao's float8 matmuls and torchao is missing; uv sync --extra fp8"
 
 
 @dataclass(frozen=True)
@@ -99,8 +97,14 @@ class ModelConfig:
     activations quantized as they come (torchao's float8 tensors; `uv sync --extra fp8`). The window's forwards
     and training keep the adapters and their dtype, so the trained log-probs keep their bits. The float8 copy
     takes the bf16 copy's place (half its memory)."""
+    fp8_train: bool = False
+    """The frozen base matmul of every merged LoRA layer (model.merged_rollout's targets) as a float8 matmul in
+    every forward and backward: the rollout's window, training, the recompute, validation (torchao's float8
+    training linear; the adapters stay in the compute dtype). Rollout and training run the same layers, so the
+    first update's gap stays 0; the policy is the float8 model (the exported LoRA is loaded into a bf16 base).
+    With merged_rollout its merged forwards are float8 too, so it replaces model.fp8_rollout."""
     fp8_scaling: Literal["rowwise", "tensorwise"] = "rowwise"
-    """With fp8_rollout: one float8 scale per weight row and per activation row, or one per tensor."""
+    """With fp8_rollout or fp8_train: one float8 scale per weight row and per activation row, or one per tensor."""
 
     @property
     def merged_float8(self) -> Literal["off", "rowwise", "tensorwise"]:
@@ -532,7 +536,21 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
             "model.fp8_rollout quantizes the merged copies of model.merged_rollout, which is off; add "
             "--model.merged-rollout or drop --model.fp8-rollout"
         )
-    if m.fp8_rollout and importlib.util.find_spec("torchao") is None:
+    if m.fp8_train and not m.lora:
+        raise ConfigError(
+            "model.fp8_train runs the frozen base of the LoRA layers in float8 and model.lora=False trains the "
+            "base; add --model.lora or drop --model.fp8-train"
+        )
+    if m.fp8_train and m.fp8_scaling != "rowwise":
+        raise ConfigError(
+            "model.fp8_train with one scale per tensor scales each activation by its whole batch, so the "
+            "recompute's batches would not reproduce the rollout's log-probs; use --model.fp8-scaling rowwise"
+        )
+    if m.fp8_train and m.fp8_rollout:
+        raise ConfigError(
+            "model.fp8_train already runs the merged rollout's forwards in float8; drop --model.fp8-rollout"
+        )
+    if (m.fp8_rollout or m.fp8_train) and importlib.util.find_spec("torchao") is None:
         raise ConfigError(TORCHAO_MISSING)
     if cfg.parallel.shard == "adapters" and not m.lora:
         raise ConfigError(

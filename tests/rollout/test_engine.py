@@ -799,6 +799,38 @@ def test_fp8_merged_rollout_keeps_the_window_exact():
     assert not isinstance(image_q.get_base_layer().weight, Float8Tensor)
 
 
+@needs_torchao
+def test_fp8_train_runs_the_base_in_float8_in_rollout_and_training_alike():
+    """model.fp8_train: the frozen base of each merge-target LoRA layer becomes torchao's float8 training linear (the
+    text stream's stay), so the rollout's window forwards and the recompute are one float8 function (the log-probs
+    equal bit for bit), the adapters get gradients through it, and the final latents move from the unconverted
+    model's by a bounded relative error. Rowwise scaling only: with one scale per tensor the recompute, whose
+    forwards hold other rows than the rollout's, gave other log-probs (config refuses it)."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    from fgrpo.models.lora import float8_base_layers
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)  # peft draws lora_A from the global generator
+        model = _lora_qwen(4)
+    before = DiffusersEngine(model).generate(PROMPTS, SEEDS, BASE)
+    names = float8_base_layers(model.transformer, model.merge_targets, "rowwise")
+    modules = dict(model.transformer.named_modules())
+    assert names and all(isinstance(modules[n].get_base_layer(), Float8Linear) for n in names)
+    assert not any(n.endswith("add_q_proj") for n in names)  # the text stream keeps its bf16 base
+    traj = DiffusersEngine(model).generate(PROMPTS, SEEDS, BASE)
+    assert torch.equal(recompute_log_probs(model, traj, BASE), traj.log_prob)  # the first update's gap: 0
+    assert traj.x0 is not None and before.x0 is not None
+    rel = _rel(traj.x0, before.x0)
+    assert 0 < rel < 0.1, rel
+    sigma = traj.sigmas[traj.window[:, 0]]
+    model.velocity(
+        traj.x_t[:, 0], sigma, traj.cond, guidance_scale=BASE.guidance_scale
+    ).square().mean().backward()
+    q = modules[names[0]]
+    assert q.lora_A["default"].weight.grad is not None and q.get_base_layer().weight.grad is None
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: counts host-device synchronisations")
 def test_the_step_loop_never_waits_for_the_gpu(sd3_parts):

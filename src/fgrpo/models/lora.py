@@ -91,7 +91,46 @@ def setup_trainable_model(model: FlowModel, mcfg: ModelConfig) -> list[nn.Parame
         if mcfg.init_lora and len(named) > 1:
             own = dataclasses.replace(mcfg, init_lora=str(Path(mcfg.init_lora) / name))
         params += setup_trainable(transformer, own)
+        if mcfg.fp8_train:
+            float8_base_layers(transformer, getattr(model, "merge_targets", ()), mcfg.fp8_scaling)
     return params
+
+
+def float8_base_layers(
+    transformer: nn.Module, targets: Sequence[str], scaling: Literal["rowwise", "tensorwise"]
+) -> list[str]:
+    """The frozen base Linear of each LoRA layer named by `targets` (as `MergedLora`'s; empty: every LoRA layer)
+    becomes torchao's float8 training linear with that scaling: its forward quantizes input and weight to e4m3 and
+    runs one float8 matmul, its backward the input gradient as a float8 matmul too (the weight is frozen). The
+    adapters stay as they are. Returns the converted layers' names."""
+    try:
+        from torchao.float8 import (  # pyright: ignore[reportMissingImports] - the optional `fp8` extra
+            Float8LinearConfig,
+            convert_to_float8_training,
+        )
+    except ImportError as e:
+        raise ConfigError(TORCHAO_MISSING) from e
+    from peft.tuners.lora import Linear as LoraLinear
+
+    bases = {}
+    for name, module in transformer.named_modules():
+        if not isinstance(module, LoraLinear):
+            continue
+        if targets and not any(name == s or name.endswith("." + s) for s in targets):
+            continue
+        base: Any = module.get_base_layer()
+        w = base.weight
+        if w.shape[0] % 16 or w.shape[1] % 16:
+            raise ConfigError(
+                f"model.fp8_train: '{name}' has weight shape {tuple(w.shape)}, not multiples of 16 as float8 "
+                "matmuls need; drop --model.fp8-train"
+            )
+        bases[id(base)] = name
+    if not bases:
+        raise ConfigError(f"model.fp8_train found no LoRA layer (targets {list(targets) or 'all'}); add LoRA")
+    config = Float8LinearConfig.from_recipe_name(scaling)
+    convert_to_float8_training(transformer, config=config, module_filter_fn=lambda m, _: id(m) in bases)
+    return sorted(bases.values())
 
 
 def lora_files(path: str | Path) -> list[Path]:
