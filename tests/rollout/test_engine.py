@@ -806,7 +806,7 @@ def test_fp8_train_runs_the_base_in_float8_in_rollout_and_training_alike():
     equal bit for bit), the adapters get gradients through it, and the final latents move from the unconverted
     model's by a bounded relative error. Rowwise scaling only: with one scale per tensor the recompute, whose
     forwards hold other rows than the rollout's, gave other log-probs (config refuses it)."""
-    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.float8_linear import Float8Linear  # pyright: ignore[reportMissingImports]
 
     from fgrpo.models.lora import float8_base_layers
 
