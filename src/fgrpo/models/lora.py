@@ -96,6 +96,21 @@ def setup_trainable_model(model: FlowModel, mcfg: ModelConfig) -> list[nn.Parame
     return params
 
 
+def is_target(name: str, targets: Sequence[str]) -> bool:
+    """Whether module `name` is one of `targets` or ends in "." + one of them; empty targets: every module."""
+    return not targets or any(name == s or name.endswith("." + s) for s in targets)
+
+
+def check_float8_shape(flag: str, name: str, shape: tuple[int, ...]) -> None:
+    """A float8 matmul (torch._scaled_mm) needs both dims of the weight to be multiples of 16; `flag` names the
+    option that asked for it (model.fp8_rollout / model.fp8_train), for the one-line error."""
+    if shape[0] % 16 or shape[1] % 16:
+        raise ConfigError(
+            f"model.{flag}: '{name}' has weight shape {tuple(shape)}, not multiples of 16 as float8 matmuls "
+            f"need; drop --model.{flag.replace('_', '-')}"
+        )
+
+
 def float8_base_layers(
     transformer: nn.Module, targets: Sequence[str], scaling: Literal["rowwise", "tensorwise"]
 ) -> list[str]:
@@ -116,15 +131,10 @@ def float8_base_layers(
     for name, module in transformer.named_modules():
         if not isinstance(module, LoraLinear):
             continue
-        if targets and not any(name == s or name.endswith("." + s) for s in targets):
+        if not is_target(name, targets):
             continue
         base: Any = module.get_base_layer()
-        w = base.weight
-        if w.shape[0] % 16 or w.shape[1] % 16:
-            raise ConfigError(
-                f"model.fp8_train: '{name}' has weight shape {tuple(w.shape)}, not multiples of 16 as float8 "
-                "matmuls need; drop --model.fp8-train"
-            )
+        check_float8_shape("fp8_train", name, tuple(base.weight.shape))
         bases[id(base)] = name
     if not bases:
         raise ConfigError(f"model.fp8_train found no LoRA layer (targets {list(targets) or 'all'}); add LoRA")
@@ -276,7 +286,7 @@ class MergedLora:
         for name, module in transformer.named_modules():
             if not isinstance(module, LoraLinear) or module.disable_adapters:
                 continue
-            if targets and not any(name == s or name.endswith("." + s) for s in targets):
+            if not is_target(name, targets):
                 continue
             layer: Any = module
             weight = layer.get_base_layer().weight
@@ -360,11 +370,7 @@ def float8_weight(weight: torch.Tensor, scaling: Literal["rowwise", "tensorwise"
         )
     except ImportError as e:
         raise ConfigError(TORCHAO_MISSING) from e
-    if weight.shape[0] % 16 or weight.shape[1] % 16:  # torch._scaled_mm's requirement on both dims
-        raise ConfigError(
-            f"model.fp8_rollout: '{name}' has weight shape {tuple(weight.shape)}, not multiples of 16 as float8 "
-            "matmuls need; drop --model.fp8-rollout"
-        )
+    check_float8_shape("fp8_rollout", name, tuple(weight.shape))
     granularity = PerRow() if scaling == "rowwise" else PerTensor()
     return Float8Tensor.from_hp(
         weight,
