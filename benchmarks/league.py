@@ -100,12 +100,13 @@ def load(
     *,
     rename: dict[str, str] | None = None,
     only: set[str] | None = None,
+    upto: int | None = None,
 ) -> dict[str, dict[str, dict[int, Run]]]:
     """{"cpu"|"gpu": {label: {seed: Run}}} of every run directory under the roots (validations of `key`).
 
     only keeps the runs whose labels (as named on disk) it holds; rename maps a run's label to the one it is shown
-    under (a variant that became the preset: `nft1-kl03` -> `nft`). Two runs that land on one label and seed are
-    refused."""
+    under (a variant that became the preset: `nft1-kl03` -> `nft`); upto reads each run's rows up to that step only.
+    Two runs that land on one label and seed are refused."""
     rename = rename or {}
     runs: dict[str, dict[str, dict[int, Run]]] = {"cpu": defaultdict(dict), "gpu": defaultdict(dict)}
     origin: dict[tuple[str, str, int], str] = {}
@@ -119,7 +120,8 @@ def load(
                 "rename one (--label OLD=NEW) or leave it out (--only)"
             )
         origin[kind, shown, seed] = str(path.parent)
-        run = Run.of(read_metrics(path), key)
+        rows = read_metrics(path)
+        run = Run.of([r for r in rows if r["step"] <= upto] if upto is not None else rows, key)
         if run.points:
             runs[kind][shown][seed] = run
     return runs
@@ -273,9 +275,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--only", default=None, help="comma-separated labels (as on disk) to keep; the others are left out"
     )
+    ap.add_argument(
+        "--upto",
+        type=int,
+        default=None,
+        help="read every run up to this step only, and judge 'held' there: runs cut short (a lost machine) "
+        "against whole ones at the length all reached; a run that stopped before it still does not hold",
+    )
     args = ap.parse_args(argv)
+    if args.upto is not None:
+        args.steps = args.upto
     pick = {"rename": _labels(args.label), "only": set(args.only.split(",")) if args.only else None}
-    runs = load(args.roots, **pick)
+    runs = load(args.roots, **pick, upto=args.upto)
     for kind in ("cpu", "gpu"):
         if runs[kind]:
             print(f"\n{kind.upper()} runs\n")
@@ -285,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\nplot: {args.plot}")
     if args.gold:
         key, png = args.gold
-        gold = load(args.roots, key, **pick)["gpu"]
+        gold = load(args.roots, key, **pick, upto=args.upto)["gpu"]
         plot(gold, Path(png), target=None, title=f"text renderer, tiny-gpu presets: {key}", ylabel=key)
         print(f"plot: {png}")
     if args.keep:

@@ -116,3 +116,22 @@ def test_keep_copies_only_the_selected_runs_and_not_those_already_kept(tmp_path,
     out = capsys.readouterr().out
     assert "| nft | 1 |" in out and "| grpo | 1 |" in out and f"kept 1 runs' validation rows in {new}" in out
     assert sorted(p.name for p in new.iterdir()) == ["gpu_grpo_s1"]
+
+
+def test_upto_compares_a_cut_run_with_whole_ones_at_the_common_length(tmp_path, capsys):
+    """--upto 20 reads every run to step 20: the whole run (0.6, 0.9, 0.95 | 0.7 at 30) is judged on 0.6, 0.9, 0.95
+    (best 0.95, final 0.95, AUC (7.5 + 9.25) / 20, held at 20) and its fall at step 30 is not seen; the run cut at
+    step 20 holds there too; one that stopped at 10 does not. Without --upto the cut runs do not hold at 30."""
+    league = _league()
+    _write(tmp_path, "gpu_grpo_s1", {0: 0.6, 10: 0.9, 20: 0.95, 30: 0.7})
+    _write(tmp_path, "gpu_grpo-fp8_s1", {0: 0.6, 10: 0.92, 20: 0.94})
+    _write(tmp_path, "gpu_awm_s1", {0: 0.6, 10: 0.92})
+    league.main([str(tmp_path), "--upto", "20"])
+    out = capsys.readouterr().out
+    auc = (10 * 0.75 + 10 * 0.925) / 20
+    assert f"| grpo | 1 | 0.600 | 0.950 (20) | 0.950 (20) | {auc:.3f} |" in out
+    assert "| grpo | 1 | 0.950 | 0.950 | " in out and out.count("1 of 1 |") == 2 and "| awm | 1 |" in out
+    assert "0 of 1 |" in out
+    league.main([str(tmp_path), "--steps", "30"])
+    out = capsys.readouterr().out
+    assert "| grpo | 1 | 0.600 | 0.950 (20) | 0.700 (30) |" in out and out.count("0 of 1 |") == 3
