@@ -594,10 +594,9 @@ def main() -> None:
         rows = []
         nccl_s = float("nan")
         for it in range(args.warmup + args.iters):
-            profile = args.profile and it == args.warmup + args.iters - 1 and d.device.type == "cuda"
-            prof = (
-                torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if profile else None
-            )
+            profile = args.profile and it == args.warmup + args.iters - 1
+            activity = getattr(torch.profiler.ProfilerActivity, "CUDA" if d.device.type == "cuda" else "CPU")
+            prof = torch.profiler.profile(activities=[activity]) if profile else None
             if prof is not None:
                 prof.__enter__()
             if d.device.type == "cuda":
@@ -617,6 +616,7 @@ def main() -> None:
             m = trainer.update(it, batch, timer)
             m.setdefault("logprob_gap/max", float("nan"))  # NFT/AWM have no transition log-probs
             sync()
+            step_s = timer.total()  # before the profiler stops: its teardown and event tables can take longer than the step
             t = timer.times
             roll, rew = t["rollout"], t["reward"] + experience_s["sync"]
             train = (
@@ -634,7 +634,7 @@ def main() -> None:
                 )
                 for e in sorted(events, key=lambda e: -e.device_time_total)[:4]:
                     print0(f"#   {e.key[:70]}: {e.device_time_total / 1e6:.2f}s x{e.count}")
-                for line in kernel_profile(prof.events(), timer.total()):
+                for line in kernel_profile(prof.events(), step_s):
                     print0(line)
             peak = torch.cuda.max_memory_allocated() / 2**30 if d.device.type == "cuda" else 0.0
             if it >= args.warmup or args.iters == 0:  # warm-up steps compile and warm kernels

@@ -436,6 +436,56 @@ def test_train_step_times_the_trainers_own_phases(train_step, monkeypatch, capsy
     assert "| total (rollout + train) | 3.75 | 0.533 |" in out
 
 
+def test_the_profiled_steps_busy_share_is_of_the_step_not_of_the_profilers_teardown(
+    train_step, monkeypatch, capsys
+):
+    """--profile's busy share divides by the profiled step's own wall time. Read after the profiler stopped, the wall
+    took in its teardown and event tables (a real-size step: 140 s for a 31-s step, so 19 % busy instead of 87 %).
+    Here the fake profiler's teardown takes 0.5 s and the fake step almost none: the share's wall stays below."""
+    import time
+
+    from torch.autograd.profiler_util import FunctionEvent
+    from torch.profiler import DeviceType
+
+    from fgrpo.async_mode import Batch
+    from fgrpo.train import Trainer
+
+    class SlowProfiler:
+        def __init__(self, activities):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            time.sleep(0.5)
+
+        def key_averages(self):
+            return []
+
+        def events(self):
+            return [FunctionEvent(0, "gemm", 0, 0, 1000, device_type=DeviceType.CUDA)]
+
+    def experience(self, step, timer):
+        timer.times.update(rollout=1.25, reward=0.0, sync=0.0)
+        traj = SimpleNamespace(window=torch.zeros(2, 0, dtype=torch.long))
+        return Batch(step, traj, torch.zeros(2), torch.zeros(2), {})  # pyright: ignore[reportArgumentType]
+
+    def update(self, step, batch, timer, off_policy=False):
+        timer.times["train"] = 2.5
+        return {"skipped_steps": 0.0, "optimizer_steps": 1.0}
+
+    monkeypatch.setattr(Trainer, "experience", experience)
+    monkeypatch.setattr(Trainer, "update", update)
+    monkeypatch.setattr(torch.profiler, "profile", SlowProfiler)
+    out = run_main(
+        train_step, monkeypatch, capsys, "--algo", "nft", "--iters", "1", "--profile", *TRAIN_ARGS[2:]
+    )
+    line = next(x for x in out.splitlines() if x.startswith("# profiled step:"))
+    wall = float(line.split(" of ")[1].split(" s ")[0])
+    assert line.startswith("# profiled step: 1 kernels, GPU busy 0.00 of ") and wall < 0.5
+
+
 def test_counting_the_flops_of_compiled_blocks_leaves_them_compiled(rollout):
     """forward_tflop runs the model under torch's flop counter (a dispatch mode dynamo will not trace); counted on
     blocks already compiled, dynamo marked their code as skipped for the rest of the process, and every later
