@@ -295,8 +295,10 @@ def main() -> None:
         ap.error(
             f"--fp8-rollout {args.fp8_rollout!r}: use off, rowwise, tensorwise or a comma-separated list"
         )
-    if args.fp8_train and (args.full or fp8_settings != ["off"]):
-        ap.error("--fp8-train runs the LoRA's frozen base in float8: drop --full and --fp8-rollout")
+    if args.fp8_train and (args.full or "tensorwise" in fp8_settings):
+        ap.error(
+            "--fp8-train runs the LoRA's frozen base in float8, rowwise: drop --full and a tensorwise rollout"
+        )
     if fp8_settings != ["off"] and not all(merged_settings):
         ap.error("--fp8-rollout quantizes the merged rollout's copies: add --merged-rollout on")
     if args.fp8_deviation and (args.shard != "adapters" or args.full):
@@ -616,7 +618,9 @@ def main() -> None:
             m = trainer.update(it, batch, timer)
             m.setdefault("logprob_gap/max", float("nan"))  # NFT/AWM have no transition log-probs
             sync()
-            step_s = timer.total()  # before the profiler stops: its teardown and event tables can take longer than the step
+            step_s = (
+                timer.total()
+            )  # before the profiler stops: its teardown and event tables can take longer than the step
             t = timer.times
             roll, rew = t["rollout"], t["reward"] + experience_s["sync"]
             train = (

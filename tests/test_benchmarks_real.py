@@ -579,7 +579,8 @@ def test_train_step_fp8_rollout(train_step, monkeypatch, capsys):
 )
 def test_train_step_fp8_train(train_step, monkeypatch, capsys):
     """--fp8-train converts the LoRA layers' frozen base to float8 through the trainer's model setup, and the first
-    update's gap stays 0; with --full it stops before any work."""
+    update's gap stays 0, with the merged rollout's copies in bf16 and in float8 alike (one conversion for both
+    settings); with --full or a tensorwise rollout it stops before any work."""
     from fgrpo.models import lora
 
     made: list[list[str]] = []
@@ -590,6 +591,13 @@ def test_train_step_fp8_train(train_step, monkeypatch, capsys):
     assert "first-update log-prob gap 0.0e+00" in out
     assert len(made) == 1 and made[0]  # converted once, before the first rollout
     assert "--fp8-train" in refusal(train_step, monkeypatch, capsys, "--fp8-train", "--full")
+    made.clear()
+    merged = ("--merged-rollout", "on", "--shard", "adapters", "--fp8-train")
+    out = run_main(train_step, monkeypatch, capsys, *TRAIN_ARGS, *merged, "--fp8-rollout", "off,rowwise")
+    assert "float8 rowwise, the LoRA's base in float8 (rowwise) everywhere\n" in out
+    assert out.count("first-update log-prob gap 0.0e+00") == 2 and len(made) == 1
+    err = refusal(train_step, monkeypatch, capsys, *merged, "--fp8-rollout", "tensorwise")
+    assert "--fp8-train" in err and "tensorwise" in err
 
 
 def test_rollout_deviation_closed_form(train_step):

@@ -251,7 +251,8 @@ def test_refusals():
 def test_fp8_rollout_refusals(monkeypatch):
     """model.fp8_rollout quantizes the merged rollout's copies: refused by name without merged_rollout, and
     without torchao (the fp8 extra), before anything is built; merged_float8 names the scaling the engine gets.
-    model.fp8_train is refused without torchao, without LoRA, with tensorwise scaling and beside fp8_rollout."""
+    model.fp8_train is refused without torchao, without LoRA and with tensorwise scaling; beside fp8_rollout it is
+    taken (the merged forwards run the copies quantized at the merge)."""
     import importlib.util
 
     c = Config()
@@ -276,15 +277,17 @@ def test_fp8_rollout_refusals(monkeypatch):
     if real("torchao") is not None:
         validate_config(dataclasses.replace(c, model=both, parallel=lora_adapters), 1)
         validate_config(dataclasses.replace(c, model=train), 1)
+        validate_config(
+            dataclasses.replace(c, model=dataclasses.replace(both, fp8_train=True), parallel=lora_adapters), 1
+        )
     # model.fp8_train: the LoRA's frozen base in float8 in every forward, with rowwise scales only (one scale per
-    # tensor depends on the batch, and the recompute batches otherwise), and not beside fp8_rollout
+    # tensor depends on the batch, and the recompute batches otherwise)
     for bad, words in (
         (dataclasses.replace(train, lora=False), r"model.fp8_train .*model.lora=False"),
         (
             dataclasses.replace(train, fp8_scaling="tensorwise"),
             r"model.fp8_train .*--model.fp8-scaling rowwise",
         ),
-        (dataclasses.replace(both, fp8_train=True), r"model.fp8_train .*drop --model.fp8-rollout"),
     ):
         with pytest.raises(ValueError, match=words):
             validate_config(dataclasses.replace(c, model=bad, parallel=lora_adapters), 1)

@@ -102,7 +102,8 @@ class ModelConfig:
     every forward and backward: the rollout's window, training, the recompute, validation (torchao's float8
     training linear; the adapters stay in the compute dtype). Rollout and training run the same layers, so the
     first update's gap stays 0; the policy is the float8 model (the exported LoRA is loaded into a bf16 base).
-    With merged_rollout its merged forwards are float8 too, so it replaces model.fp8_rollout."""
+    With merged_rollout its merged forwards are float8 too, each quantizing its bf16 merged weight as it runs;
+    with fp8_rollout as well, they run the copies quantized once at the merge instead."""
     fp8_scaling: Literal["rowwise", "tensorwise"] = "rowwise"
     """With fp8_rollout or fp8_train: one float8 scale per weight row and per activation row, or one per tensor."""
 
@@ -545,10 +546,6 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError(
             "model.fp8_train with one scale per tensor scales each activation by its whole batch, so the "
             "recompute's batches would not reproduce the rollout's log-probs; use --model.fp8-scaling rowwise"
-        )
-    if m.fp8_train and m.fp8_rollout:
-        raise ConfigError(
-            "model.fp8_train already runs the merged rollout's forwards in float8; drop --model.fp8-rollout"
         )
     if (m.fp8_rollout or m.fp8_train) and importlib.util.find_spec("torchao") is None:
         raise ConfigError(TORCHAO_MISSING)

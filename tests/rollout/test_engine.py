@@ -831,6 +831,52 @@ def test_fp8_train_runs_the_base_in_float8_in_rollout_and_training_alike():
     assert q.lora_A["default"].weight.grad is not None and q.get_base_layer().weight.grad is None
 
 
+@needs_torchao
+def test_fp8_train_with_fp8_rollout_runs_the_copies_quantized_once_and_keeps_the_window_exact():
+    """model.fp8_train with model.fp8_rollout: the merged forwards run a plain Linear that holds the float8 copy
+    quantized at the merge (torchao's float8 training linear would quantize its weight again in every forward and
+    does not take a float8 weight), the window's forwards the float8 training linear with the adapters, so the
+    recompute equals the rollout's log-probs bit for bit; on leaving, the very base module comes back. Inside, the
+    layer's output is F.linear with the float8 copy, exactly."""
+    import torch.nn.functional as F
+    from torchao.float8.float8_linear import Float8Linear  # pyright: ignore[reportMissingImports]
+
+    Float8Tensor = pytest.importorskip("torchao.quantization").Float8Tensor
+    from fgrpo.models.lora import float8_base_layers
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)  # peft draws lora_A from the global generator
+        model = _lora_qwen(4)
+    names = float8_base_layers(model.transformer, model.merge_targets, "rowwise")
+    image_q = dict(model.transformer.named_modules())[names[0]]
+    base = image_q.get_base_layer()
+    seen: list[tuple[str, bool]] = []  # per forward: the base module's type, grad on
+    real_velocity = model.velocity
+
+    def velocity(*a, **k):
+        seen.append((type(image_q.get_base_layer()).__name__, torch.is_grad_enabled()))
+        return real_velocity(*a, **k)
+
+    model.velocity = velocity
+    try:
+        traj = DiffusersEngine(model, train_graph=True, merged_lora=True, float8="rowwise").generate(
+            PROMPTS, SEEDS, BASE
+        )
+    finally:
+        del model.velocity
+    assert {s for s in seen if not s[1]} == {("Linear", False)}  # merged: the plain stand-in
+    assert {s for s in seen if s[1]} == {("Float8Linear", True)}  # the window: the float8 training linear
+    assert torch.equal(recompute_log_probs(model, traj, BASE), traj.log_prob)  # the first update's gap: 0
+    assert image_q.get_base_layer() is base and isinstance(base, Float8Linear)
+    merged = MergedLora(model.transformer, model.merge_targets, float8="rowwise")
+    copy = next(m for layer, _, m in merged.layers if layer is image_q)
+    assert isinstance(copy, Float8Tensor)
+    x = torch.randn(2, 5, base.in_features, generator=torch.Generator().manual_seed(0)).to(base.weight.dtype)
+    with torch.no_grad(), merged.active():
+        assert torch.equal(image_q(x), F.linear(x, copy, base.bias))
+    assert image_q.get_base_layer() is base and not image_q.disable_adapters
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: counts host-device synchronisations")
 def test_the_step_loop_never_waits_for_the_gpu(sd3_parts):

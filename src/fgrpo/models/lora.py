@@ -260,7 +260,9 @@ class MergedLora:
     float8: 'off' keeps the copies in the base weight's dtype; 'rowwise' or 'tensorwise' keeps them as float8
     (e4m3, one scale per output row or per tensor) and runs the merged forwards as float8 matmuls whose
     activations are quantized as they arrive, with the same scaling (`float8_weight`). The float8 copy is made
-    straight from the merge and is the only copy kept.
+    straight from the merge and is the only copy kept. A base that is no plain Linear (torchao's float8 training
+    linear of model.fp8_train, whose forward quantizes its own bf16 weight) gives way inside `active()` to a plain
+    Linear holding the float8 copy and the base's bias, so the copy is quantized once, not in every forward.
 
     Needs the frozen base as ordinary tensors (unsharded, or FSDP2 with `parallel.shard='adapters'`); sharded
     adapters are gathered for the merge (a collective: every rank of the mesh must build it). Plain LoRA only
@@ -283,6 +285,8 @@ class MergedLora:
 
         # (peft layer, its base weight's tensor, the merged copy); peft declares no attribute types, hence Any
         self.layers: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
+        # peft layer -> the plain Linear that stands in for its base inside active() (float8 over a non-Linear base)
+        self.stand_ins: dict[int, nn.Linear] = {}
         for name, module in transformer.named_modules():
             if not isinstance(module, LoraLinear) or module.disable_adapters:
                 continue
@@ -310,6 +314,11 @@ class MergedLora:
             if float8 != "off":
                 # A tensor subclass cannot stand in for a Parameter's .data: active() swaps in this Parameter.
                 merged = nn.Parameter(float8_weight(merged, float8, name), requires_grad=False)
+                base = layer.get_base_layer()
+                if type(base) is not nn.Linear:
+                    stand_in = nn.Linear(base.in_features, base.out_features, bias=False, device="meta")
+                    stand_in.weight, stand_in.bias = merged, base.bias
+                    self.stand_ins[id(layer)] = stand_in
             self.layers.append((layer, weight.data, merged))
         if not self.layers:
             raise ConfigError(
@@ -323,12 +332,15 @@ class MergedLora:
         each parameter's requires_grad is put back at once, because FSDP2 fixes a unit's gradient dtypes at the
         model's first forward from the parameters that require grad then: a rollout whose first forward is a
         merged one would otherwise leave the LoRA's bf16 gradients unreduced to its fp32 masters (the first
-        backward fails). A float8 copy comes in as the layer's weight Parameter, the original Parameter object
-        goes back on leaving."""
+        backward fails). A float8 copy comes in as the layer's weight Parameter (or with its stand-in Linear), the
+        original Parameter object (and base module) goes back on leaving."""
         trainable = [[p.requires_grad for p in layer.parameters()] for layer, _, _ in self.layers]
         parameters = [layer.get_base_layer().weight for layer, _, _ in self.layers]
+        bases = {id(layer): layer.base_layer for layer, _, _ in self.layers if id(layer) in self.stand_ins}
         for (layer, _, merged), flags in zip(self.layers, trainable, strict=True):
-            if isinstance(merged, nn.Parameter):
+            if id(layer) in self.stand_ins:
+                layer.base_layer = self.stand_ins[id(layer)]
+            elif isinstance(merged, nn.Parameter):
                 layer.get_base_layer().weight = merged
             else:
                 layer.get_base_layer().weight.data = merged
@@ -341,6 +353,8 @@ class MergedLora:
             for (layer, original, _), parameter, flags in zip(
                 self.layers, parameters, trainable, strict=True
             ):
+                if id(layer) in bases:
+                    layer.base_layer = bases[id(layer)]
                 if layer.get_base_layer().weight is not parameter:  # a float8 copy was swapped in
                     layer.get_base_layer().weight = parameter
                 parameter.data = original
