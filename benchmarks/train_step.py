@@ -25,7 +25,7 @@ FSDP2, bf16 compute, fp32 masters, gradient checkpointing, and builds the optimi
 TrainConfig of the recipe), and a step is its methods, timed: `experience` (prompts in the trainer's order over the
 prompts, rollout, reward, gathered rewards -> advantages; its "rollout" and "reward" phases) and `update` (its
 "train" phase); between them the window algorithms' 'recompute' pass of old log-probs is timed on its own. Several
---algo (and --merged-rollout / --fp8-rollout / --split-cfg settings) build one Trainer each over the one model.
+--algo (and --merged-rollout / --fp8 / --split-cfg settings) build one Trainer each over the one model.
 
     python benchmarks/train_step.py                      # H200: 2 prompts x 16 images, eager
     python benchmarks/train_step.py --compile            # regional torch.compile of the blocks
@@ -89,9 +89,18 @@ from rollout import (  # benchmarks/rollout.py: the same random models
 
 from fgrpo.models import tiny
 from fgrpo.models.base import trained_transformers
+from fgrpo.models.lora import float8_base_layers
 from fgrpo.models.registry import build_tiny
 
 MATMUL_TFLOPS_H200 = 755.0  # bf16, measured on an H200 (RESULTS.md)
+# --fp8's words: (the merged rollout's copies, model.fp8_train); fp8_train takes rowwise scales only
+FP8_SETTINGS = {
+    "off": ("off", False),
+    "rowwise": ("rowwise", False),
+    "tensorwise": ("tensorwise", False),
+    "train": ("off", True),
+    "train+rowwise": ("rowwise", True),
+}
 VERL_OMNI_IMAGES_PER_GPU_S = 0.305  # published, 4xH800, LoRA + CFG, same recipe
 
 
@@ -213,17 +222,14 @@ def main() -> None:
         "window run merged LoRA weights (model.merged_rollout); needs --shard adapters",
     )
     ap.add_argument(
-        "--fp8-rollout",
+        "--fp8",
         default="off",
-        help="off, rowwise, tensorwise, or several comma-separated (each in turn, after its own warm-up step): with "
-        "--merged-rollout on, the merged copies as float8 and their forwards as float8 matmuls with that scaling "
-        "(model.fp8_rollout, model.fp8_scaling; needs uv sync --extra fp8)",
-    )
-    ap.add_argument(
-        "--fp8-train",
-        action="store_true",
-        help="model.fp8_train: the frozen base of the LoRA layers the merged rollout targets as float8 matmuls "
-        "(rowwise) in every forward and backward, rollout window and training alike (needs the fp8 extra)",
+        help="float8 settings, comma-separated, each in turn after its own warm-up step (needs uv sync --extra fp8): "
+        "off; rowwise or tensorwise: with --merged-rollout on, the merged copies as float8 and their forwards as "
+        "float8 matmuls with that scaling (model.fp8_rollout, model.fp8_scaling); train: the frozen base of the "
+        "LoRA layers the merged rollout targets as float8 matmuls (rowwise) in every forward and backward, rollout "
+        "window and training alike (model.fp8_train); train+rowwise: both. The train settings run last: "
+        "converting the base cannot be undone in the process",
     )
     ap.add_argument(
         "--fp8-deviation",
@@ -290,17 +296,14 @@ def main() -> None:
     merged_settings = settings("--merged-rollout", args.merged_rollout)
     if any(merged_settings) and (args.shard != "adapters" or args.full):
         ap.error("--merged-rollout on merges LoRA into a copy of the unsharded base: add --shard adapters")
-    fp8_settings = [w.strip() for w in args.fp8_rollout.split(",")]
-    if any(w not in ("off", "rowwise", "tensorwise") for w in fp8_settings):
-        ap.error(
-            f"--fp8-rollout {args.fp8_rollout!r}: use off, rowwise, tensorwise or a comma-separated list"
-        )
-    if args.fp8_train and (args.full or "tensorwise" in fp8_settings):
-        ap.error(
-            "--fp8-train runs the LoRA's frozen base in float8, rowwise: drop --full and a tensorwise rollout"
-        )
-    if fp8_settings != ["off"] and not all(merged_settings):
-        ap.error("--fp8-rollout quantizes the merged rollout's copies: add --merged-rollout on")
+    fp8_words = [w.strip() for w in args.fp8.split(",")]
+    if any(w not in FP8_SETTINGS for w in fp8_words):
+        ap.error(f"--fp8 {args.fp8!r}: use {', '.join(FP8_SETTINGS)} or a comma-separated list")
+    fp8_settings = [FP8_SETTINGS[w] for w in fp8_words]  # (the merged copies' float8, fp8_train)
+    if any(train for _, train in fp8_settings) and (args.full or args.fp8_deviation):
+        ap.error("--fp8 train runs the LoRA's frozen base in float8: drop --full and --fp8-deviation")
+    if any(copies != "off" for copies, _ in fp8_settings) and not all(merged_settings):
+        ap.error("--fp8 rowwise / tensorwise quantize the merged rollout's copies: add --merged-rollout on")
     if args.fp8_deviation and (args.shard != "adapters" or args.full):
         ap.error(
             "--fp8-deviation runs the merged rollout, which needs the unsharded base: add --shard adapters"
@@ -503,7 +506,7 @@ def main() -> None:
         size=height,
     )
 
-    def run_config(name: str, merged_rollout: bool, fp8: str) -> TrainConfig:
+    def run_config(name: str, merged_rollout: bool, fp8: str, fp8_train: bool) -> TrainConfig:
         """The trainer's configuration of algorithm `name`: NFT and AWM sample with the ODE and without CFG and
         train 9 / 6 grid points a sample (their recipes); no validation, checkpoint, images or wandb."""
         points = args.train_points or {"nft": 9, "awm": 6}.get(name, 2)
@@ -521,7 +524,7 @@ def main() -> None:
                 dtype="fp32" if args.tiny else "bf16",
                 merged_rollout=merged_rollout,
                 fp8_rollout=fp8 != "off",
-                fp8_train=args.fp8_train,
+                fp8_train=fp8_train,
                 fp8_scaling="tensorwise" if fp8 == "tensorwise" else "rowwise",
             ),
             sampling=sampling,
@@ -557,11 +560,24 @@ def main() -> None:
 
     trainer = None
     tflop_per_forward = 0.0
-    for name, merged_rollout, fp8, split_cfg in itertools.product(
-        algos, merged_settings, fp8_settings, split_settings
-    ):
-        cfg = run_config(name, merged_rollout, fp8)
+    in_float8 = False  # whether the model's LoRA base layers were converted (model.fp8_train)
+    # the fp8_train settings last: a setting's place among the others is kept
+    runs = [
+        (name, merged, fp8, fp8_train, split)
+        for fp8_train in (False, True)
+        for name, merged, (fp8, train), split in itertools.product(
+            algos, merged_settings, fp8_settings, split_settings
+        )
+        if train == fp8_train
+    ]
+    for name, merged_rollout, fp8, fp8_train, split_cfg in runs:
+        cfg = run_config(name, merged_rollout, fp8, fp8_train)
         check_config(cfg, d.world_size)
+        if fp8_train and trainer is not None and not in_float8:
+            # the model was set up by a setting without it: convert as the trainer's setup would have
+            for transformer in trained_transformers(trainer.model).values():
+                float8_base_layers(transformer, getattr(trainer.model, "merge_targets", ()), "rowwise")
+        in_float8 = in_float8 or fp8_train
         # one model build for every setting: the first Trainer adds the LoRA and shards, the next ones reuse it
         trainer = Trainer(
             cfg,
@@ -589,7 +605,7 @@ def main() -> None:
             f"\n## {name}: CFG {sampling.guidance_scale}"
             + (", merged LoRA outside the window (rollout)" if merged_rollout else "")
             + (f", float8 {fp8}" if fp8 != "off" else "")
-            + (", the LoRA's base in float8 (rowwise) everywhere" if args.fp8_train else "")
+            + (", the LoRA's base in float8 (rowwise) everywhere" if fp8_train else "")
             + (", CFG as two unpadded forwards" if split_cfg else "")
             + (f", {points} points a sample" if forward_process else "")
         )

@@ -524,7 +524,7 @@ def test_counting_the_flops_of_compiled_blocks_leaves_them_compiled(rollout):
     importlib.util.find_spec("torchao") is None, reason="needs the fp8 extra (uv sync --extra fp8)"
 )
 def test_train_step_fp8_rollout(train_step, monkeypatch, capsys):
-    """--fp8-rollout rowwise,tensorwise runs the merged rollout on float8 copies of each scaling in turn through
+    """--fp8 rowwise,tensorwise runs the merged rollout on float8 copies of each scaling in turn through
     the trainer (the first update's gap stays 0); --fp8-deviation then prints the four rollouts' table, whose
     reference row is 0 and whose float8 rows move the final latents by a little; without --merged-rollout on, or
     with an unknown scaling, it stops before any work."""
@@ -544,7 +544,7 @@ def test_train_step_fp8_rollout(train_step, monkeypatch, capsys):
         "adapters",
         "--merged-rollout",
         "on",
-        "--fp8-rollout",
+        "--fp8",
         "rowwise,tensorwise",
         "--fp8-deviation",
     )
@@ -569,35 +569,51 @@ def test_train_step_fp8_rollout(train_step, monkeypatch, capsys):
         assert float(prefix.split(" / ")[-1]) > 0 and kl > 0
         # the window's log-probs are those of each transition's own noise, up to the rounding of x - mean
         assert log_prob < 1e-5, (label, log_prob)
-    for args in (("--fp8-rollout", "rowwise"), ("--merged-rollout", "on", "--fp8-rollout", "blockwise")):
+    for args in (("--fp8", "rowwise"), ("--merged-rollout", "on", "--fp8", "blockwise")):
         err = refusal(train_step, monkeypatch, capsys, "--shard", "adapters", *args)
-        assert "--fp8-rollout" in err
+        assert "--fp8" in err
 
 
 @pytest.mark.skipif(
     importlib.util.find_spec("torchao") is None, reason="needs the fp8 extra (uv sync --extra fp8)"
 )
 def test_train_step_fp8_train(train_step, monkeypatch, capsys):
-    """--fp8-train converts the LoRA layers' frozen base to float8 through the trainer's model setup, and the first
-    update's gap stays 0, with the merged rollout's copies in bf16 and in float8 alike (one conversion for both
-    settings); with --full or a tensorwise rollout it stops before any work."""
+    """--fp8 train converts the LoRA layers' frozen base to float8 through the trainer's model setup, and the first
+    update's gap stays 0. In one process, `train+rowwise,off,train` runs off first (the conversion cannot be undone),
+    then converts once, then runs both train settings: the merged rollout's copies in float8 and in bf16; with
+    --full, --fp8-deviation or a tensorwise train it stops before any work."""
     from fgrpo.models import lora
 
     made: list[list[str]] = []
     real = lora.float8_base_layers
-    monkeypatch.setattr(lora, "float8_base_layers", lambda *a: made.append(real(*a)) or made[-1])
-    out = run_main(train_step, monkeypatch, capsys, *TRAIN_ARGS, "--fp8-train")
+
+    def spy(*a):
+        made.append(real(*a))
+        return made[-1]
+
+    monkeypatch.setattr(lora, "float8_base_layers", spy)
+    monkeypatch.setattr(train_step, "float8_base_layers", spy)
+    out = run_main(train_step, monkeypatch, capsys, *TRAIN_ARGS, "--fp8", "train")
     assert "the LoRA's base in float8 (rowwise) everywhere\n" in out
     assert "first-update log-prob gap 0.0e+00" in out
     assert len(made) == 1 and made[0]  # converted once, before the first rollout
-    assert "--fp8-train" in refusal(train_step, monkeypatch, capsys, "--fp8-train", "--full")
     made.clear()
-    merged = ("--merged-rollout", "on", "--shard", "adapters", "--fp8-train")
-    out = run_main(train_step, monkeypatch, capsys, *TRAIN_ARGS, *merged, "--fp8-rollout", "off,rowwise")
-    assert "float8 rowwise, the LoRA's base in float8 (rowwise) everywhere\n" in out
-    assert out.count("first-update log-prob gap 0.0e+00") == 2 and len(made) == 1
-    err = refusal(train_step, monkeypatch, capsys, *merged, "--fp8-rollout", "tensorwise")
-    assert "--fp8-train" in err and "tensorwise" in err
+    merged = ("--merged-rollout", "on", "--shard", "adapters", "--fp8")
+    out = run_main(train_step, monkeypatch, capsys, *TRAIN_ARGS, *merged, "train+rowwise,off,train")
+    headers = [line for line in out.splitlines() if line.startswith("## grpo")]
+    assert headers == [
+        "## grpo: CFG 4.0, merged LoRA outside the window (rollout)",
+        "## grpo: CFG 4.0, merged LoRA outside the window (rollout), float8 rowwise, the LoRA's base in float8 "
+        "(rowwise) everywhere",
+        "## grpo: CFG 4.0, merged LoRA outside the window (rollout), the LoRA's base in float8 (rowwise) everywhere",
+    ]
+    assert out.count("first-update log-prob gap 0.0e+00") == 3 and len(made) == 1 and made[0]
+    for args in (
+        ("--fp8", "train", "--full"),
+        (*merged, "train+tensorwise"),
+        (*merged, "train", "--fp8-deviation"),
+    ):
+        assert "--fp8" in refusal(train_step, monkeypatch, capsys, *args)
 
 
 def test_rollout_deviation_closed_form(train_step):
