@@ -927,19 +927,46 @@ def busy_seconds(intervals: list[tuple[float, float]]) -> float:
     return busy / 1e6
 
 
+# Kernel families by name, first match wins: cuBLAS's Hopper kernels are `nvjet_*`, with `qq` where both inputs
+# are float8; inductor's kernels are `triton_*`, named after the ops they fuse (a float8 cast fuses an amax and a
+# clamp); eager ATen kernels live in `at::native`.
+KERNEL_KINDS = (
+    ("float8 matmul", ("nvjet_sm90_qq", "f8f8", "e4m3")),
+    ("matmul", ("nvjet", "gemm", "cutlass", "xmma", "triton_tem_")),
+    ("attention", ("sdpa", "flash", "fmha", "attention")),
+    ("Triton: float8 casts (amax, scale) fused", ("amax",)),
+    ("Triton: other fused ops", ("triton_",)),
+    ("eager ATen ops", ("at::native",)),
+    ("NCCL", ("nccl",)),
+    ("copies and fills", ("Memcpy", "Memset", "memcpy", "memset")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The family of a GPU kernel by its name (`KERNEL_KINDS`), or "other"."""
+    return next((kind for kind, parts in KERNEL_KINDS if any(p in name for p in parts)), "other")
+
+
 def kernel_profile(events, wall_s: float, top: int = 8) -> list[str]:
     """Lines on a profiled step's GPU kernels (`events`: the profiler's events): how many, the share of the step's
-    wall time the GPU was busy (the rest it waited for the host), and the kernels that took the most device time."""
+    wall time the GPU was busy (the rest it waited for the host), the device time of each kernel family
+    (`kernel_kind`; families can overlap across streams, so their sum can pass the busy time), and the kernels
+    that took the most device time."""
     kernels = [e for e in events if e.device_type == torch.profiler.DeviceType.CUDA]
     busy = busy_seconds([(e.time_range.start, e.time_range.end) for e in kernels])
     lines = [
         f"# profiled step: {len(kernels)} kernels, GPU busy {busy:.2f} of {wall_s:.2f} s ({busy / wall_s:.1%})"
     ]
     totals: dict[str, list[float]] = {}
+    kinds: dict[str, float] = {}
     for e in kernels:
         t = totals.setdefault(e.name, [0.0, 0])
         t[0] += e.time_range.elapsed_us()
         t[1] += 1
+        kind = kernel_kind(e.name)
+        kinds[kind] = kinds.get(kind, 0.0) + e.time_range.elapsed_us() / 1e6
+    for kind, s in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        lines.append(f"# {kind}: {s:.2f}s ({s / busy:.1%} of the busy time)")
     for name, (us, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"#   {name[:80]}: {us / 1e6:.2f}s x{count:.0f}")
     return lines

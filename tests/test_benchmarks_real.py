@@ -403,8 +403,43 @@ def test_kernel_profile_counts_the_union_of_overlapping_kernels(train_step):
     assert train_step.busy_seconds([(0, 10), (2, 4)]) == pytest.approx(10e-6)  # one inside another
     assert train_step.kernel_profile(events, 10.0) == [
         "# profiled step: 3 kernels, GPU busy 3.00 of 10.00 s (30.0%)",
+        "# other: 3.50s (116.7% of the busy time)",  # the two streams' overlap counts in each kernel's time
         "#   a: 2.00s x2",
         "#   b: 1.50s x1",
+    ]
+
+
+def test_kernel_families_by_name(train_step):
+    """--profile's families: the real-size step's own kernel names (RESULTS fp8-2: cuBLAS's float8 matmul, cuDNN's
+    attention, inductor's float8 cast, which fuses _scaled_mm's input cast and so holds `_scaled_mm` in its name, an
+    eager kernel) and names of the same form for the other families; each family's seconds and share of the busy
+    time."""
+    from torch.autograd.profiler_util import FunctionEvent
+    from torch.profiler import DeviceType
+
+    names = {
+        "nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_ovscale_TNT": "float8 matmul",
+        "nvjet_sm90_tst_256x128_64x4_2x1_v_bz_coopB_TNN": "matmul",
+        "triton_tem_fused_mm_0": "matmul",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x": "attention",
+        "triton_red_fused__scaled_mm__to_copy_abs_add_amax_clamp_exp2_floor_gelu_log2_mul": (
+            "Triton: float8 casts (amax, scale) fused"
+        ),
+        "triton_per_fused_add_mul_native_layer_norm_0": "Triton: other fused ops",
+        "void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<a": "eager ATen ops",
+        "ncclDevKernel_AllGather_RING_LL": "NCCL",
+        "Memcpy HtoD (Pageable -> Device)": "copies and fills",
+        "void some_library::kernel<float>": "other",
+    }
+    assert {n: train_step.kernel_kind(n) for n in names} == names
+    events = [
+        FunctionEvent(0, "nvjet_sm90_qqtst_x", 0, 0, 3_000_000, device_type=DeviceType.CUDA),
+        FunctionEvent(0, "sdpa_flash_fprop", 0, 3_000_000, 4_000_000, device_type=DeviceType.CUDA),
+    ]
+    lines = train_step.kernel_profile(events, 8.0)
+    assert lines[1:3] == [
+        "# float8 matmul: 3.00s (75.0% of the busy time)",
+        "# attention: 1.00s (25.0% of the busy time)",
     ]
 
 
