@@ -732,6 +732,26 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
+def _float8_rollout_seen(model, probe) -> tuple[Any, list[tuple[Any, bool]]]:
+    """The float8 merged rollout (rowwise, through the training graph) of PROMPTS, and per forward what `probe()`
+    saw and whether grad was on (the window's forwards)."""
+    seen: list[tuple[Any, bool]] = []
+    real_velocity = model.velocity
+
+    def velocity(*a, **k):
+        seen.append((probe(), torch.is_grad_enabled()))
+        return real_velocity(*a, **k)
+
+    model.velocity = velocity
+    try:
+        traj = DiffusersEngine(model, train_graph=True, merged_lora=True, float8="rowwise").generate(
+            PROMPTS, SEEDS, BASE
+        )
+    finally:
+        del model.velocity
+    return traj, seen
+
+
 @needs_torchao
 @pytest.mark.parametrize("scaling, scale_shape", [("rowwise", (32, 1)), ("tensorwise", (1, 1))])
 def test_fp8_merged_lora_keeps_only_a_float8_copy_and_restores_the_module(scaling, scale_shape):
@@ -776,20 +796,9 @@ def test_fp8_merged_rollout_keeps_the_window_exact():
         torch.manual_seed(0)  # peft draws lora_A from the global generator
         model = _lora_qwen(4)
     image_q = next(m for n, m in model.transformer.named_modules() if n.endswith("0.attn.to_q"))
-    seen: list[tuple[bool, bool]] = []  # per forward: float8 weight in, grad on
-    real_velocity = model.velocity
-
-    def velocity(*a, **k):
-        seen.append((isinstance(image_q.get_base_layer().weight, Float8Tensor), torch.is_grad_enabled()))
-        return real_velocity(*a, **k)
-
-    model.velocity = velocity
-    try:
-        traj = DiffusersEngine(model, train_graph=True, merged_lora=True, float8="rowwise").generate(
-            PROMPTS, SEEDS, BASE
-        )
-    finally:
-        del model.velocity
+    traj, seen = _float8_rollout_seen(
+        model, lambda: isinstance(image_q.get_base_layer().weight, Float8Tensor)
+    )
     assert [g for _, g in seen] == [not f for f, _ in seen] and any(f for f, _ in seen)
     assert torch.equal(recompute_log_probs(model, traj, BASE), traj.log_prob)  # the first update's gap: 0
     merged = DiffusersEngine(model, train_graph=True, merged_lora=True).generate(PROMPTS, SEEDS, BASE)
@@ -850,20 +859,7 @@ def test_fp8_train_with_fp8_rollout_runs_the_copies_quantized_once_and_keeps_the
     names = float8_base_layers(model.transformer, model.merge_targets, "rowwise")
     image_q = dict(model.transformer.named_modules())[names[0]]
     base = image_q.get_base_layer()
-    seen: list[tuple[str, bool]] = []  # per forward: the base module's type, grad on
-    real_velocity = model.velocity
-
-    def velocity(*a, **k):
-        seen.append((type(image_q.get_base_layer()).__name__, torch.is_grad_enabled()))
-        return real_velocity(*a, **k)
-
-    model.velocity = velocity
-    try:
-        traj = DiffusersEngine(model, train_graph=True, merged_lora=True, float8="rowwise").generate(
-            PROMPTS, SEEDS, BASE
-        )
-    finally:
-        del model.velocity
+    traj, seen = _float8_rollout_seen(model, lambda: type(image_q.get_base_layer()).__name__)
     assert {s for s in seen if not s[1]} == {("Linear", False)}  # merged: the plain stand-in
     assert {s for s in seen if s[1]} == {("Float8Linear", True)}  # the window: the float8 training linear
     assert torch.equal(recompute_log_probs(model, traj, BASE), traj.log_prob)  # the first update's gap: 0
