@@ -93,6 +93,7 @@ from fgrpo.models.lora import float8_base_layers
 from fgrpo.models.registry import build_tiny
 
 MATMUL_TFLOPS_H200 = 755.0  # bf16, measured on an H200 (RESULTS.md)
+VERL_OMNI_IMAGES_PER_GPU_S = 0.305  # published, 4xH800, LoRA + CFG, same recipe
 # --fp8's words: (the merged rollout's copies, model.fp8_train); fp8_train takes rowwise scales only
 FP8_SETTINGS = {
     "off": ("off", False),
@@ -101,7 +102,6 @@ FP8_SETTINGS = {
     "train": ("off", True),
     "train+rowwise": ("rowwise", True),
 }
-VERL_OMNI_IMAGES_PER_GPU_S = 0.305  # published, 4xH800, LoRA + CFG, same recipe
 
 
 def main() -> None:
@@ -634,9 +634,8 @@ def main() -> None:
             m = trainer.update(it, batch, timer)
             m.setdefault("logprob_gap/max", float("nan"))  # NFT/AWM have no transition log-probs
             sync()
-            step_s = (
-                timer.total()
-            )  # before the profiler stops: its teardown and event tables can take longer than the step
+            # the step's wall before the profiler stops: its teardown and event tables can take longer than the step
+            step_s = timer.total()
             t = timer.times
             roll, rew = t["rollout"], t["reward"] + experience_s["sync"]
             train = (
