@@ -14,7 +14,7 @@ Columns per shape (each the mean of --iters calls after one warm-up, between CUD
   cast fuses into the kernels before).
 The last row weighs the shapes by their FLOPs in one block: the block's rates.
 
-GPU:  PYTHONPATH=src python3 benchmarks/matmul.py                (about 1 min on one H200; needs torchao)
+GPU:  PYTHONPATH=src python3 benchmarks/matmul.py                (needs torchao, the fp8 extra)
 CPU:  uv run --extra fp8 python benchmarks/matmul.py --tiny       (tiny shapes: checks the script end to end)
 """
 
