@@ -928,10 +928,10 @@ def busy_seconds(intervals: list[tuple[float, float]]) -> float:
 
 # Kernel families by name, first match wins: cuBLAS's Hopper kernels are `nvjet_*`, with `qq` where both inputs
 # are float8; inductor's kernels are `triton_*`, named after the ops they fuse (a float8 cast fuses an amax and a
-# clamp); eager ATen kernels live in `at::native`.
+# clamp); eager ATen kernels live in `at::native`; cuDNN runs a convolution (the VAE) as an implicit GEMM.
 KERNEL_KINDS = (
     ("float8 matmul", ("nvjet_sm90_qq", "f8f8", "e4m3")),
-    ("matmul", ("nvjet", "gemm", "cutlass", "xmma", "triton_tem_")),
+    ("matmul or convolution (implicit GEMM)", ("nvjet", "gemm", "cutlass", "xmma", "triton_tem_")),
     ("attention", ("sdpa", "flash", "fmha", "attention")),
     ("Triton: float8 casts (amax, scale) fused", ("amax",)),
     ("Triton: other fused ops", ("triton_",)),

@@ -419,8 +419,9 @@ def test_kernel_families_by_name(train_step):
 
     names = {
         "nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_ovscale_TNT": "float8 matmul",
-        "nvjet_sm90_tst_256x128_64x4_2x1_v_bz_coopB_TNN": "matmul",
-        "triton_tem_fused_mm_0": "matmul",
+        "nvjet_sm90_tst_256x128_64x4_2x1_v_bz_coopB_TNN": "matmul or convolution (implicit GEMM)",
+        "triton_tem_fused_mm_0": "matmul or convolution (implicit GEMM)",
+        "sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc": "matmul or convolution (implicit GEMM)",
         "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x": "attention",
         "triton_red_fused__scaled_mm__to_copy_abs_add_amax_clamp_exp2_floor_gelu_log2_mul": (
             "Triton: float8 casts (amax, scale) fused"
