@@ -89,7 +89,7 @@ from rollout import (  # benchmarks/rollout.py: the same random models
 
 from fgrpo.models import tiny
 from fgrpo.models.base import trained_transformers
-from fgrpo.models.lora import float8_base_layers
+from fgrpo.models.lora import float8_base_model
 from fgrpo.models.registry import build_tiny
 
 MATMUL_TFLOPS_H200 = 755.0  # bf16, measured on an H200 (RESULTS.md)
@@ -575,8 +575,7 @@ def main() -> None:
         check_config(cfg, d.world_size)
         if fp8_train and trainer is not None and not in_float8:
             # the model was set up by a setting without it: convert as the trainer's setup would have
-            for transformer in trained_transformers(trainer.model).values():
-                float8_base_layers(transformer, getattr(trainer.model, "merge_targets", ()), "rowwise")
+            float8_base_model(trainer.model, "rowwise")
         in_float8 = in_float8 or fp8_train
         # one model build for every setting: the first Trainer adds the LoRA and shards, the next ones reuse it
         trainer = Trainer(

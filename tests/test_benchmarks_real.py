@@ -628,7 +628,6 @@ def test_train_step_fp8_train(train_step, monkeypatch, capsys):
         return made[-1]
 
     monkeypatch.setattr(lora, "float8_base_layers", spy)
-    monkeypatch.setattr(train_step, "float8_base_layers", spy)
     out = run_main(train_step, monkeypatch, capsys, *TRAIN_ARGS, "--fp8", "train")
     assert "the LoRA's base in float8 (rowwise) everywhere\n" in out
     assert "first-update log-prob gap 0.0e+00" in out

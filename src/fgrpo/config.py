@@ -17,7 +17,10 @@ from typing import Literal
 from fgrpo.core.sde import Kind
 from fgrpo.errors import ConfigError
 
-TORCHAO_MISSING = "model.fp8_rollout / model.fp8_train run torchao's float8 matmuls and torchao is missing; uv sync --extra fp8"
+TORCHAO_MISSING = (
+    "model.fp8_rollout / model.fp8_train run torchao's float8 matmuls and torchao is missing; "
+    "uv sync --extra fp8"
+)
 
 
 @dataclass(frozen=True)

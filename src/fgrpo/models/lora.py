@@ -91,9 +91,16 @@ def setup_trainable_model(model: FlowModel, mcfg: ModelConfig) -> list[nn.Parame
         if mcfg.init_lora and len(named) > 1:
             own = dataclasses.replace(mcfg, init_lora=str(Path(mcfg.init_lora) / name))
         params += setup_trainable(transformer, own)
-        if mcfg.fp8_train:
-            float8_base_layers(transformer, getattr(model, "merge_targets", ()), mcfg.fp8_scaling)
+    if mcfg.fp8_train:
+        float8_base_model(model, mcfg.fp8_scaling)
     return params
+
+
+def float8_base_model(model: FlowModel, scaling: Literal["rowwise", "tensorwise"]) -> list[str]:
+    """model.fp8_train's conversion: `float8_base_layers` on each trained transformer, over the model's merge
+    targets. Returns the converted layers' names."""
+    targets = getattr(model, "merge_targets", ())
+    return [n for t in trained_transformers(model).values() for n in float8_base_layers(t, targets, scaling)]
 
 
 def is_target(name: str, targets: Sequence[str]) -> bool:
