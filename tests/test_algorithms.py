@@ -295,7 +295,7 @@ def _budget(c):
         c.num_steps,
         c.grpo.group_size,
         c.grpo.prompts_per_step,
-        dataclasses.replace(c.optim, lr=0.0),  # the lr and the optimizer steps: per-algorithm values (below)
+        dataclasses.replace(c.optim, lr=0.0, eps=0.0),  # lr, eps and optimizer steps: per-algorithm (below)
         c.model,
         c.data,
         c.sampling.num_steps,
@@ -322,6 +322,8 @@ def test_every_algorithm_preset_validates_and_keeps_the_base_budget():
             awm_gpu = algo == "awm" and long_gpu
             base_steps = base.grpo.optimizer_steps_per_step
             assert cfg.grpo.optimizer_steps_per_step == (1 if awm_gpu else base_steps)
+            # and Adam's epsilon 5e-6, which damps the coordinates with small gradients (RESULTS.md, stability-12)
+            assert cfg.optim.eps == (5e-6 if awm_gpu else base.optim.eps)
             if algo == "awm":
                 assert cfg.grpo.kl_coef == (0.03 if awm_gpu else base.grpo.kl_coef if suffix else 3e-3)
             if algo == "nft":

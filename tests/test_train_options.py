@@ -197,6 +197,19 @@ def _backward_ops(checkpointing: bool, policy: Literal["full", "selective"]) -> 
     return count.ops
 
 
+def test_the_optimizer_takes_every_adamw_value_of_the_config(tmp_path):
+    """optim.lr, betas, eps and weight_decay reach AdamW as given (a preset such as awm-tiny-gpu sets eps)."""
+    c = Config()
+    optim = dataclasses.replace(c.optim, lr=3e-3, betas=(0.8, 0.95), eps=5e-6, weight_decay=0.03)
+    cfg = dataclasses.replace(c, optim=optim, run=dataclasses.replace(c.run, out_dir=str(tmp_path)))
+    trainer = train_mod.Trainer(cfg, parallel.init_distributed("cpu"))
+    (group,) = trainer.optimizer.param_groups
+    assert (group["betas"], group["eps"], group["weight_decay"]) == ((0.8, 0.95), 5e-6, 0.03)
+    assert group["initial_lr"] == 3e-3  # the lr scheduler's base; group["lr"] is its step-0 multiple
+    trainer.logger.finish()
+    trainer.run.unlock()
+
+
 def test_selective_checkpointing_recomputes_only_pointwise_ops_and_lora_b():
     """Ops that backward runs beyond no checkpointing's: full checkpointing redoes each block's whole forward
     (its 28 biased Linears as addmm, 2 x 24 LoRA matmuls, 2 attentions); selective redoes only LoRA's B

@@ -395,7 +395,10 @@ class AWM(ForwardProcessAlgorithm):
     samples: on a model whose samples lie far from its training data that fit moves the model with no reward in it,
     and the centred advantages cancel it only where it is alike across a group (RESULTS.md, cpu-awm-selffit). With
     the reward taken out (each group's advantages permuted), its noise alone still moves the images' brightness
-    (about 4x) and contrast (about 2.4x) farther than Flow-GRPO's does (RESULTS.md, cpu-awm-noise)."""
+    (about 4x) and contrast (about 2.4x) farther than Flow-GRPO's does (RESULTS.md, cpu-awm-noise). What held the
+    renderer to 300 steps is Adam's epsilon raised above most coordinates' gradient scale: the coordinates with
+    small gradients, where such noise likely weighs most against the reward's signal, then move at SGD-like steps
+    (RESULTS.md, stability-12)."""
 
     shared_steps = True
 
