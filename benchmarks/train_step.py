@@ -624,11 +624,12 @@ def main() -> None:
             experience_s = dict(timer.times)
             sync()
             t_old = time.perf_counter()
-            if not forward_process:
-                recompute_log_probs_and_means(
-                    model, batch.traj, sampling
-                )  # the 'recompute' variant's extra pass
-            sync()
+            with torch.profiler.record_function("phase:recompute"):  # a phase of its own in --profile's lines
+                if not forward_process:
+                    recompute_log_probs_and_means(
+                        model, batch.traj, sampling
+                    )  # the 'recompute' variant's extra pass
+                sync()
             old_s = time.perf_counter() - t_old
             m = trainer.update(it, batch, timer)
             m.setdefault("logprob_gap/max", float("nan"))  # NFT/AWM have no transition log-probs
@@ -947,14 +948,27 @@ def kernel_kind(name: str) -> str:
 
 def kernel_profile(events, wall_s: float, top: int = 8) -> list[str]:
     """Lines on a profiled step's GPU kernels (`events`: the profiler's events): how many, the share of the step's
-    wall time the GPU was busy (the rest it waited for the host), the device time of each kernel family
-    (`kernel_kind`; families can overlap across streams, so their sum can pass the busy time), and the kernels
-    that took the most device time."""
+    wall time the GPU was busy (the rest it waited for the host), the same within each of the step's phases (the
+    PhaseTimer's `phase:<name>` ranges, in the order they began; a phase entered twice adds up), the device time of
+    each kernel family (`kernel_kind`; families can overlap across streams, so their sum can pass the busy time),
+    and the kernels that took the most device time."""
     kernels = [e for e in events if e.device_type == torch.profiler.DeviceType.CUDA]
-    busy = busy_seconds([(e.time_range.start, e.time_range.end) for e in kernels])
+    intervals = [(e.time_range.start, e.time_range.end) for e in kernels]
+    busy = busy_seconds(intervals)
     lines = [
         f"# profiled step: {len(kernels)} kernels, GPU busy {busy:.2f} of {wall_s:.2f} s ({busy / wall_s:.1%})"
     ]
+    phases: dict[str, list[float]] = {}  # name -> [wall s, busy s]
+    for e in sorted(events, key=lambda e: e.time_range.start):
+        if e.device_type == torch.profiler.DeviceType.CPU and e.name.startswith("phase:"):
+            start, end = e.time_range.start, e.time_range.end
+            inside = [(max(a, start), min(b, end)) for a, b in intervals if a < end and b > start]
+            p = phases.setdefault(e.name.removeprefix("phase:"), [0.0, 0.0])
+            p[0] += (end - start) / 1e6
+            p[1] += busy_seconds(inside)
+    for name, (phase_s, phase_busy) in phases.items():
+        share = phase_busy / phase_s if phase_s > 0 else float("nan")
+        lines.append(f"# phase {name}: GPU busy {phase_busy:.2f} of {phase_s:.2f} s ({share:.1%})")
     totals: dict[str, list[float]] = {}
     kinds: dict[str, float] = {}
     for e in kernels:

@@ -391,7 +391,7 @@ def test_train_step_eager_vae_needs_compile(train_step, monkeypatch, capsys):
 def test_kernel_profile_counts_the_union_of_overlapping_kernels(train_step):
     """--profile's lines from hand-made profiler events: kernels on [0, 1), [0.5, 2) and [3, 4) s (two streams
     overlap on [0.5, 1)) keep the GPU busy 2 + 1 = 3 s of a 10-s step; kernel "a" ran 1 + 1 s, "b" 1.5 s; the
-    CPU event counts for neither."""
+    CPU event counts for neither; each phase range counts the kernels' time inside it."""
     from torch.autograd.profiler_util import FunctionEvent
     from torch.profiler import DeviceType
 
@@ -399,10 +399,17 @@ def test_kernel_profile_counts_the_union_of_overlapping_kernels(train_step):
         return FunctionEvent(0, name, 0, int(start_s * 1e6), int(end_s * 1e6), device_type=device_type)
 
     events = [event("a", 0, 1), event("b", 0.5, 2), event("a", 3, 4), event("cpu op", 0, 9, DeviceType.CPU)]
+    # the PhaseTimer's ranges: rollout [0, 1.5) holds 1.5 s of kernels; train, entered twice, [2, 3.5) and
+    # [3.5, 5) holds 0.5 + 0.5 s of the last kernel [3, 4) in 3 s; reward [1.5, 2) the last 0.5 s of "b"
+    phases = [("rollout", 0, 1.5), ("train", 3.5, 5), ("reward", 1.5, 2), ("train", 2, 3.5)]
+    events += [event(f"phase:{name}", a, b, DeviceType.CPU) for name, a, b in phases]
     assert train_step.busy_seconds([(0, 10), (5, 20), (30, 40)]) == pytest.approx(30e-6)
     assert train_step.busy_seconds([(0, 10), (2, 4)]) == pytest.approx(10e-6)  # one inside another
     assert train_step.kernel_profile(events, 10.0) == [
         "# profiled step: 3 kernels, GPU busy 3.00 of 10.00 s (30.0%)",
+        "# phase rollout: GPU busy 1.50 of 1.50 s (100.0%)",  # in the order the phases began
+        "# phase reward: GPU busy 0.50 of 0.50 s (100.0%)",
+        "# phase train: GPU busy 1.00 of 3.00 s (33.3%)",
         "# other: 3.50s (116.7% of the busy time)",  # the two streams' overlap counts in each kernel's time
         "#   a: 2.00s x2",
         "#   b: 1.50s x1",

@@ -45,6 +45,27 @@ def test_phase_timer_accumulates():
     assert m["perf/images_per_s"] == 34 / 6.75
 
 
+def test_phase_timer_marks_each_phase_for_the_profiler():
+    """Each phase is a profiler range `phase:<name>` around the work done in it (what train_step.py --profile reads
+    to say how busy the GPU was per phase): the matmul run inside "train" lies within that range."""
+    import torch
+
+    timer = flog.PhaseTimer()
+    x = torch.ones(8, 8)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with timer("rollout"):
+            pass
+        with timer("train"):
+            torch.mm(x, x)
+    events = prof.events() or []
+    ranges = {e.name: e.time_range for e in events if e.name.startswith("phase:")}
+    assert set(ranges) == {"phase:rollout", "phase:train"}
+    (mm,) = [e for e in events if e.name == "aten::mm"]
+    train = ranges["phase:train"]
+    assert train.start <= mm.time_range.start and mm.time_range.end <= train.end
+    assert ranges["phase:rollout"].end <= train.start
+
+
 class Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True

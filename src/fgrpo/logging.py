@@ -55,7 +55,9 @@ class PhaseTimer:
 
     A phase entered twice adds up. `total` runs from construction, so time outside any phase shows as
     `time/other` instead of vanishing. With CUDA in use the phase end synchronises the device (on by
-    default): without it an asynchronous launch bills its kernels to whichever phase syncs next.
+    default): without it an asynchronous launch bills its kernels to whichever phase syncs next. Each phase is
+    also a profiler range named `phase:<name>`, so a torch.profiler trace shows the step's phases (and
+    benchmarks/train_step.py --profile how busy the GPU was in each).
     """
 
     def __init__(self, *, sync_cuda: bool = True, clock=time.perf_counter):
@@ -72,11 +74,12 @@ class PhaseTimer:
     def __call__(self, phase: str) -> Iterator[None]:
         self._sync()
         t0 = self._clock()
-        try:
-            yield
-        finally:
-            self._sync()
-            self.times[phase] = self.times.get(phase, 0.0) + self._clock() - t0
+        with torch.profiler.record_function(f"phase:{phase}"):
+            try:
+                yield
+            finally:
+                self._sync()
+                self.times[phase] = self.times.get(phase, 0.0) + self._clock() - t0
 
     def total(self) -> float:
         return self._clock() - self._start
