@@ -1,6 +1,8 @@
 """benchmarks/optimizer_drift.py on checkpoints written by fgrpo.checkpoint: the LoRA update's norm and Adam's
 direction consistency against values computed by hand."""
 
+import contextlib
+import io
 import math
 from pathlib import Path
 
@@ -52,7 +54,7 @@ def test_update_norm_and_a_steady_gradient_by_hand(tmp_path):
     its consistency is exactly 1."""
     drift = _drift()
     step_dir = _train(tmp_path, [1.0] * 5)
-    ((name, step, norm, cons),) = drift.rows([step_dir])
+    ((name, step, norm, cons, *_),) = drift.rows([step_dir])
     assert name.endswith("step_000005") and step == 5
     assert norm == pytest.approx(math.sqrt(13), rel=1e-6)
     assert cons == pytest.approx(1.0, abs=1e-6)
@@ -86,6 +88,29 @@ def test_random_signs_give_the_noise_level(tmp_path):
     state = {"w": {k: v for k, v in opt.state[model.weight].items()}}
     cons = drift.direction_consistency(state, (0.9, 0.999))
     assert cons == pytest.approx(math.sqrt(0.1 / 1.9) * math.sqrt(2 / math.pi), rel=0.05)
+
+
+def test_gradient_scale_and_the_share_below_eps_by_hand(tmp_path):
+    """A steady gradient has v_hat = g^2 exactly, so sqrt(v_hat) is |g|. The entries' gradients 1..8 (A's four, then
+    B's) give the quantiles 1 + 0.1 * 7 = 1.7, 4.5 and 7.3 (linear interpolation over 8 order statistics); with
+    eps 4.5 half the entries lie below it. The table prints them beside the other columns."""
+    drift = _drift()
+    layer = _Lora(torch.eye(2), torch.eye(2))
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-9, betas=(0.9, 0.999), weight_decay=0.0, eps=4.5)
+    for _ in range(3):
+        for p, g in zip(
+            layer.parameters(), (torch.tensor([[1.0, 2], [3, 4]]), torch.tensor([[5.0, 6], [7, 8]]))
+        ):
+            p.grad = -g  # the sign does not matter: v holds its square
+        opt.step()
+    step_dir = checkpoint.save(tmp_path, 3, model=nn.ModuleDict({"proj": layer}), optimizer=opt)
+    ((*_, quantiles, eps, below),) = drift.rows([step_dir])
+    assert quantiles == pytest.approx((1.7, 4.5, 7.3), rel=1e-6)
+    assert (eps, below) == (4.5, 0.5)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        drift.main([str(step_dir)])
+    assert "| 1.70e+00 / 4.50e+00 / 7.30e+00 | 4.5e+00 (50%) |" in out.getvalue()
 
 
 def test_a_checkpoint_without_optimizer_state_is_refused(tmp_path):
