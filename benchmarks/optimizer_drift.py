@@ -38,6 +38,11 @@ def lora_update_norm(params: dict[str, torch.Tensor]) -> float:
     return math.sqrt(total)
 
 
+def v_hat(s: dict[str, torch.Tensor], beta2: float) -> torch.Tensor:
+    """Adam's bias-corrected second moment of one parameter's state, in float64: v / (1 - beta2^t)."""
+    return s["exp_avg_sq"].double() / (1 - beta2 ** float(s["step"]))
+
+
 def direction_consistency(state: dict[str, dict[str, torch.Tensor]], betas: tuple[float, float]) -> float:
     """Mean over every parameter entry of |m_hat| / sqrt(v_hat) (Adam's bias-corrected moments; 0 where v is 0)."""
     b1, b2 = betas
@@ -45,8 +50,8 @@ def direction_consistency(state: dict[str, dict[str, torch.Tensor]], betas: tupl
     for s in state.values():
         t = float(s["step"])
         m_hat = s["exp_avg"].double() / (1 - b1**t)
-        v_hat = s["exp_avg_sq"].double() / (1 - b2**t)
-        r = torch.where(v_hat > 0, m_hat.abs() / v_hat.sqrt(), torch.zeros_like(v_hat))
+        v = v_hat(s, b2)
+        r = torch.where(v > 0, m_hat.abs() / v.sqrt(), torch.zeros_like(v))
         total += float(r.sum())
         count += r.numel()
     return total / count
@@ -60,12 +65,7 @@ def gradient_scale(
 ) -> tuple[tuple[float, ...], float]:
     """The QUANTILES of sqrt(v_hat) over every parameter entry (linear interpolation between order statistics, as
     numpy.quantile), and the share of entries with sqrt(v_hat) below eps."""
-    scale = np.concatenate(
-        [
-            (s["exp_avg_sq"].double().flatten() / (1 - beta2 ** float(s["step"]))).sqrt().float().numpy()
-            for s in state.values()
-        ]
-    )
+    scale = np.concatenate([v_hat(s, beta2).flatten().sqrt().float().numpy() for s in state.values()])
     return tuple(float(q) for q in np.quantile(scale, QUANTILES)), float((scale < eps).mean())
 
 

@@ -623,14 +623,13 @@ def main() -> None:
             batch = trainer.experience(it, timer)  # rollout, reward, the rewards gathered -> advantages
             experience_s = dict(timer.times)
             sync()
-            t_old = time.perf_counter()
-            with torch.profiler.record_function("phase:recompute"):  # a phase of its own in --profile's lines
+            with timer("recompute"):  # a phase of its own, also in --profile's lines
                 if not forward_process:
                     recompute_log_probs_and_means(
                         model, batch.traj, sampling
                     )  # the 'recompute' variant's extra pass
                 sync()
-            old_s = time.perf_counter() - t_old
+            old_s = timer.times["recompute"]
             m = trainer.update(it, batch, timer)
             m.setdefault("logprob_gap/max", float("nan"))  # NFT/AWM have no transition log-probs
             sync()
@@ -958,12 +957,15 @@ def kernel_profile(events, wall_s: float, top: int = 8) -> list[str]:
     lines = [
         f"# profiled step: {len(kernels)} kernels, GPU busy {busy:.2f} of {wall_s:.2f} s ({busy / wall_s:.1%})"
     ]
+    from fgrpo.logging import PhaseTimer
+
+    prefix = PhaseTimer.RANGE_PREFIX
     phases: dict[str, list[float]] = {}  # name -> [wall s, busy s]
     for e in sorted(events, key=lambda e: e.time_range.start):
-        if e.device_type == torch.profiler.DeviceType.CPU and e.name.startswith("phase:"):
+        if e.device_type == torch.profiler.DeviceType.CPU and e.name.startswith(prefix):
             start, end = e.time_range.start, e.time_range.end
             inside = [(max(a, start), min(b, end)) for a, b in intervals if a < end and b > start]
-            p = phases.setdefault(e.name.removeprefix("phase:"), [0.0, 0.0])
+            p = phases.setdefault(e.name.removeprefix(prefix), [0.0, 0.0])
             p[0] += (end - start) / 1e6
             p[1] += busy_seconds(inside)
     for name, (phase_s, phase_busy) in phases.items():

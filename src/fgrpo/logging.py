@@ -60,6 +60,8 @@ class PhaseTimer:
     benchmarks/train_step.py --profile how busy the GPU was in each).
     """
 
+    RANGE_PREFIX = "phase:"  # a phase's profiler range is RANGE_PREFIX + its name
+
     def __init__(self, *, sync_cuda: bool = True, clock=time.perf_counter):
         self._clock = clock
         self._sync_cuda = sync_cuda
@@ -74,7 +76,7 @@ class PhaseTimer:
     def __call__(self, phase: str) -> Iterator[None]:
         self._sync()
         t0 = self._clock()
-        with torch.profiler.record_function(f"phase:{phase}"):
+        with torch.profiler.record_function(self.RANGE_PREFIX + phase):
             try:
                 yield
             finally:
