@@ -1,8 +1,10 @@
 """Every experiment file: --help parses, its presets instantiate, the tiny presets run 2 steps end to end."""
 
 import dataclasses
+import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -109,6 +111,36 @@ def test_qwen_image_recipe_matches_the_published_one():
     )
     assert (g.optimizer_steps_per_step, g.kl_coef, c.run.val_num_steps) == (2, 0.0, 50)
     assert (c.model.lora_rank, c.model.lora_alpha, c.optim.lr, c.optim.weight_decay) == (64, 128, 3e-4, 1e-4)
+
+
+def test_qwen_image_recipe_h200_is_the_recipe_with_the_fastest_measured_settings(monkeypatch):
+    m = load(ROOT / "experiments" / "qwen_image_ocr.py")
+    fast, recipe = m.presets()["recipe-h200"][1], m.Config()
+    mo = fast.model
+    settings = (mo.compile, mo.checkpoint_policy, mo.merged_rollout, mo.fp8_rollout, fast.parallel.shard)
+    assert settings == (True, "selective", True, True, "adapters")
+    # everything else is the published recipe's
+    same_model = dataclasses.replace(
+        mo, compile=False, checkpoint_policy="full", merged_rollout=False, fp8_rollout=False
+    )
+    assert dataclasses.replace(fast, model=same_model, parallel=recipe.parallel) == recipe
+    from fgrpo.config import TORCHAO_MISSING, validate_config
+
+    # valid where torchao is installed (whether or not this environment has it) ...
+    real_find_spec = importlib.util.find_spec
+    present = {"torchao": True}
+
+    def find_spec(name, *a):
+        if name == "torchao":
+            return object() if present["torchao"] else None
+        return real_find_spec(name, *a)
+
+    monkeypatch.setattr("importlib.util.find_spec", find_spec)
+    validate_config(fast, world_size=1)
+    # ... and without it the one-line error comes before anything is built
+    present["torchao"] = False
+    with pytest.raises(ValueError, match=re.escape(TORCHAO_MISSING)):
+        validate_config(fast, world_size=1)
 
 
 RENDERER_FLAGS = ["--grpo.prompts-per-step", "1", "--data.val-num-prompts", "2", "--run.val-every", "1"]
