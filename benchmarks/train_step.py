@@ -63,6 +63,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -239,6 +240,21 @@ def main() -> None:
         "rollout (`rollout_deviation`); needs --shard adapters and the fp8 extra",
     )
     ap.add_argument(
+        "--rollout-engine",
+        default="diffusers",
+        help="rollout engines, comma-separated, each in turn after its own warm-up step: diffusers (in-process), "
+        "vllm_omni (rollout_engine='vllm_omni': vLLM-Omni's own copy of the weights, woken for the rollout and "
+        "asleep through the update, the LoRA synced every step, the old log-probs recomputed in the update; "
+        "Qwen-Image, GPU, needs vllm + vllm-omni). With vllm_omni every setting reads its model from --real-dir",
+    )
+    ap.add_argument(
+        "--real-dir",
+        default="",
+        help="with --rollout-engine vllm_omni: the model's diffusers directory, written with random weights if "
+        "absent (real size: the 20 B transformer, the VAE and a one-layer text encoder of the real width, ~41 GB; "
+        "--tiny: the tiny model); '' = a temporary directory removed at the end",
+    )
+    ap.add_argument(
         "--split-cfg",
         default="off",
         help="qwen_image(_edit): off (the model's default: one CFG forward over both halves, padded and masked), on "
@@ -308,6 +324,22 @@ def main() -> None:
         ap.error(
             "--fp8-deviation runs the merged rollout, which needs the unsharded base: add --shard adapters"
         )
+    engines = [w.strip() for w in args.rollout_engine.split(",")]
+    if any(w not in ("diffusers", "vllm_omni") for w in engines):
+        ap.error(f"--rollout-engine {args.rollout_engine!r}: use diffusers, vllm_omni or diffusers,vllm_omni")
+    if "vllm_omni" in engines and (
+        args.model != "qwen_image"
+        or args.full
+        or any(merged_settings)
+        or args.fp8 != "off"
+        or args.split_cfg != "off"
+    ):
+        ap.error(
+            "--rollout-engine vllm_omni samples Qwen-Image's LoRA with vLLM-Omni's own kernels: use --model "
+            "qwen_image and drop --full, --merged-rollout, --fp8 and --split-cfg"
+        )
+    if args.real_dir and "vllm_omni" not in engines:
+        ap.error("--real-dir holds the model vLLM-Omni reads: add --rollout-engine vllm_omni or drop it")
     split_settings = settings("--split-cfg", args.split_cfg)
     if any(split_settings) and args.model not in ("qwen_image", "qwen_image_edit"):
         ap.error(
@@ -385,7 +417,15 @@ def main() -> None:
             "bagel": 28,
         }[args.model]
     )
-    if args.tiny:
+    real_dir = None
+    if "vllm_omni" in engines:
+        if d.world_size > 1:
+            raise SystemExit(
+                "--rollout-engine vllm_omni is wired for one trainer process: run without torchrun"
+            )
+        real_dir = Path(args.real_dir or tempfile.mkdtemp(prefix="fgrpo-real-")) / "qwen_image"
+        model = model_from_dir(real_dir, d.device, tiny=args.tiny, layers=layers)
+    elif args.tiny:
         model = tiny.tiny_wan(experts=2) if a14b else build_tiny(args.model)
     elif args.model == "qwen_image":
         model = build_real(d.device, text_encoder=False, layers=layers)
@@ -506,9 +546,10 @@ def main() -> None:
         size=height,
     )
 
-    def run_config(name: str, merged_rollout: bool, fp8: str, fp8_train: bool) -> TrainConfig:
+    def run_config(name: str, merged_rollout: bool, fp8: str, fp8_train: bool, engine: str) -> TrainConfig:
         """The trainer's configuration of algorithm `name`: NFT and AWM sample with the ODE and without CFG and
-        train 9 / 6 grid points a sample (their recipes); no validation, checkpoint, images or wandb."""
+        train 9 / 6 grid points a sample (their recipes); no validation, checkpoint, images or wandb. On vLLM-Omni
+        the window algorithms recompute the old log-probs (its kernels differ from the trainer's)."""
         points = args.train_points or {"nft": 9, "awm": 6}.get(name, 2)
         forward_process = algorithms.ALGORITHMS[name].forward_process
         sampling = (
@@ -519,8 +560,10 @@ def main() -> None:
             num_steps=args.warmup + args.iters,
             device=d.device.type,
             # the tiny model is fp32 on the CPU (FSDP2 computes in the parameters' dtype there)
+            rollout_engine="vllm_omni" if engine == "vllm_omni" else "diffusers",
             model=dataclasses.replace(
                 mcfg,
+                path=str(real_dir) if real_dir is not None else mcfg.path,
                 dtype="fp32" if args.tiny else "bf16",
                 merged_rollout=merged_rollout,
                 fp8_rollout=fp8 != "off",
@@ -533,6 +576,7 @@ def main() -> None:
                 group_size=group,
                 prompts_per_step=args.prompts,
                 optimizer_steps_per_step=args.opt_steps,
+                old_log_prob="recompute" if engine == "vllm_omni" else grpo_cfg.old_log_prob,
             ),
             optim=optim,
             algo=dataclasses.replace(AlgoConfig(), name=name, train_steps=points, ema_delay=0),
@@ -563,15 +607,15 @@ def main() -> None:
     in_float8 = False  # whether the model's LoRA base layers were converted (model.fp8_train)
     # the fp8_train settings last: a setting's place among the others is kept
     runs = [
-        (name, merged, fp8, fp8_train, split)
+        (name, merged, fp8, fp8_train, split, engine)
         for fp8_train in (False, True)
-        for name, merged, (fp8, train), split in itertools.product(
-            algos, merged_settings, fp8_settings, split_settings
+        for name, merged, (fp8, train), split, engine in itertools.product(
+            algos, merged_settings, fp8_settings, split_settings, engines
         )
         if train == fp8_train
     ]
-    for name, merged_rollout, fp8, fp8_train, split_cfg in runs:
-        cfg = run_config(name, merged_rollout, fp8, fp8_train)
+    for name, merged_rollout, fp8, fp8_train, split_cfg, engine in runs:
+        cfg = run_config(name, merged_rollout, fp8, fp8_train, engine)
         check_config(cfg, d.world_size)
         if fp8_train and trainer is not None and not in_float8:
             # the model was set up by a setting without it: convert as the trainer's setup would have
@@ -606,6 +650,11 @@ def main() -> None:
             + (f", float8 {fp8}" if fp8 != "off" else "")
             + (", the LoRA's base in float8 (rowwise) everywhere" if fp8_train else "")
             + (", CFG as two unpadded forwards" if split_cfg else "")
+            + (
+                ", rollout on vLLM-Omni (the update recomputes the old log-probs)"
+                if engine == "vllm_omni"
+                else ""
+            )
             + (f", {points} points a sample" if forward_process else "")
         )
         rows = []
@@ -619,15 +668,19 @@ def main() -> None:
             if d.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             sync()
+            # the GPU's memory in use by every process, vLLM-Omni's workers too (only with vllm_omni settings)
+            device_peak = DevicePeak(d.device) if real_dir is not None and d.device.type == "cuda" else None
+            if device_peak is not None:
+                device_peak.start()
             timer = PhaseTimer()
             batch = trainer.experience(it, timer)  # rollout, reward, the rewards gathered -> advantages
             experience_s = dict(timer.times)
             sync()
             with timer("recompute"):  # a phase of its own, also in --profile's lines
-                if not forward_process:
+                if not forward_process and engine == "diffusers":
                     recompute_log_probs_and_means(
                         model, batch.traj, sampling
-                    )  # the 'recompute' variant's extra pass
+                    )  # the 'recompute' variant's extra pass (vLLM-Omni's: inside the update, so in "train")
                 sync()
             old_s = timer.times["recompute"]
             m = trainer.update(it, batch, timer)
@@ -655,13 +708,16 @@ def main() -> None:
                 for line in kernel_profile(prof.events(), step_s):
                     print0(line)
             peak = torch.cuda.max_memory_allocated() / 2**30 if d.device.type == "cuda" else 0.0
+            all_peak = device_peak.stop() / 2**30 if device_peak is not None else float("nan")
             if it >= args.warmup or args.iters == 0:  # warm-up steps compile and warm kernels
-                rows.append((roll, rew, old_s, train, peak, m["logprob_gap/max"]))
+                rows.append((roll, rew, old_s, train, peak, m["logprob_gap/max"], all_peak))
             print0(
                 f"step {it}: rollout {roll:.2f}s "
                 + (f"reward {rew:.2f}s " if reward is not None else "")
                 + f"old-logprob {old_s:.2f}s train {train:.2f}s "
-                f"peak {peak:.1f} GiB gap {m['logprob_gap/max']:.2e}"
+                f"peak {peak:.1f} GiB "
+                + (f"(GPU, all processes: {all_peak:.1f} GiB) " if device_peak is not None else "")
+                + f"gap {m['logprob_gap/max']:.2e}"
                 + (f" nccl {nccl_s:.2f}s" if profile else "")
             )
             if it == 0 and cfg.model.compile and cfg.model.exact_rollout and batch.traj.window.shape[1]:
@@ -691,7 +747,8 @@ def main() -> None:
                 )
         trainer.finish()
 
-        roll, rew, old, train, peak, gap = (sum(r[k] for r in rows) / len(rows) for k in range(6))
+        roll, rew, old, train, peak, gap, all_peak = (sum(r[k] for r in rows) / len(rows) for k in range(7))
+        all_peak = max(r[6] for r in rows)
         W, steps = sampling.window_size, sampling.num_steps
         forwards = getattr(model, "cfg_forwards", 2) if sampling.guidance_scale > 1 else 1  # FLUX.1-dev: 1
         fwd_roll = n_local * steps * forwards
@@ -707,6 +764,8 @@ def main() -> None:
             f"{d.world_size} GPU(s), shard {args.shard}, {args.checkpointing} checkpointing, attention "
             f"{mcfg.attention_backend or 'default'}, {n_local} {unit} per GPU, "
             f"micro-batch {micro_batch}, peak {peak:.1f} GiB, "
+            + (f"GPU in use by all processes at most {all_peak:.1f} GiB, " if real_dir is not None else "")
+            + f"rollout engine {engine}, "
             f"first-update log-prob gap {gap:.1e}) |"
         )
         print0("|---|---:|---:|---:|")
@@ -724,12 +783,17 @@ def main() -> None:
                 if vlm
                 else []
             ),
-            *([] if forward_process else [("old log-prob (recompute only)", old, n_local * W * forwards)]),
+            # vLLM-Omni's recompute is the update's own, inside "train"
+            *(
+                []
+                if forward_process or engine != "diffusers"
+                else [("old log-prob (recompute only)", old, n_local * W * forwards)]
+            ),
             ("train", train, fwd_train),
             (f"total (rollout + {'reward + ' if vlm else ''}train)", total, fwd_roll + fwd_train),
             *(
                 []
-                if forward_process
+                if forward_process or engine != "diffusers"
                 else [("total with recompute", total + old, fwd_roll + fwd_train + n_local * W * forwards)]
             ),
         ]
@@ -772,6 +836,8 @@ def main() -> None:
     sync()  # every rank is done with the run directory
     if d.is_main:
         shutil.rmtree(out, ignore_errors=True)
+        if real_dir is not None and not args.real_dir:  # the temporary model directory
+            shutil.rmtree(real_dir.parent, ignore_errors=True)
     parallel.shutdown()
 
 
@@ -856,6 +922,50 @@ class StubReward:
 
         pixels = np.asarray(images, dtype=np.float32).reshape(len(images), -1)
         return RewardOutput(scores=pixels.mean(axis=1) / 255.0)
+
+
+class DevicePeak:
+    """The most memory in use on a GPU by every process (vLLM-Omni's workers too) between start() and stop():
+    total minus free (cudaMemGetInfo), polled every `every_s` on a thread. torch's own peak counts only this
+    process's tensors."""
+
+    def __init__(self, device: torch.device, every_s: float = 0.05):
+        self.device, self.every_s, self.peak = device, every_s, 0
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.poll, daemon=True)
+
+    def poll(self) -> None:
+        while True:
+            free, total = torch.cuda.mem_get_info(self.device)
+            self.peak = max(self.peak, total - free)
+            if self.done.wait(self.every_s):
+                return
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> int:
+        """The peak in bytes (the last reading is taken after stop was asked)."""
+        self.done.set()
+        self.thread.join()
+        return self.peak
+
+
+def model_from_dir(path: Path, device: torch.device, *, tiny: bool, layers: int):
+    """--rollout-engine vllm_omni: Qwen-Image read from the diffusers directory vLLM-Omni loads too, written first
+    if absent (random weights: vllm_omni_check's real-size directory, or the tiny model), so that both engines
+    sample the same weights. The tiny one is fp32 on the CPU, as the other tiny models here."""
+    from fgrpo.models.qwen_image import QwenImage
+    from fgrpo.models.tiny import save_tiny_qwen_image
+
+    if not (path / "model_index.json").exists():
+        if tiny:
+            save_tiny_qwen_image(path, seed=0)
+        else:
+            from vllm_omni_check import save_real_size_dir  # benchmarks/vllm_omni_check.py
+
+            save_real_size_dir(path, layers, device)
+    return QwenImage.from_pretrained(path, dtype=torch.float32 if tiny else torch.bfloat16, device=device)
 
 
 def run_folder(d) -> Path:

@@ -1,5 +1,6 @@
 """The loop's contract with an engine that keeps its own weights (vLLM-Omni's shape): wake before every
-rollout, sleep after it, a fresh LoRA after every training step, CPU trajectories moved to the device."""
+rollout, sleep after it, a fresh LoRA after every training step, CPU trajectories moved to the device, closed when
+the run ends."""
 
 import dataclasses
 import json
@@ -37,6 +38,9 @@ class RecordingEngine:
         traj = self.inner.generate(prompts, seeds, cfg)
         return traj.to("cpu")  # what a remote engine hands back
 
+    def close(self):
+        self.calls.append("close")
+
     def update_lora(self, peft_dir):
         self.calls.append("update_lora")
         self.adapters.append(json.loads((Path(peft_dir) / "adapter_config.json").read_text()))
@@ -59,8 +63,9 @@ def test_out_of_process_engine_is_woken_synced_and_slept(tmp_path, monkeypatch):
     train_mod.train(cfg)
     calls = engines[0].calls
     rollout = ["wake", "generate", "sleep"]
-    # step 0: validation rollout, training rollout, LoRA sync; step 1: rollout, sync; then final validation
-    assert calls == rollout * 2 + ["update_lora"] + rollout + ["update_lora"] + rollout
+    # step 0: validation rollout, training rollout, LoRA sync; step 1: rollout, sync; then final validation, and
+    # the engine's processes closed at the end
+    assert calls == rollout * 2 + ["update_lora"] + rollout + ["update_lora"] + rollout + ["close"]
     assert all(a["r"] == cfg.model.lora_rank for a in engines[0].adapters)
     assert torch.distributed.is_initialized() is False  # the loop left the process group cleanly
 

@@ -84,7 +84,8 @@ class ModelConfig:
     and diffusers' `save_lora_weights` writes. Its rank, alpha and targets must match model.lora_*."""
     compile: bool = False
     """Regional torch.compile of the transformer blocks (1.32x the eager step on an H200) and torch.compile of the VAE
-    decoder (fewer seconds per rollout; benchmarks/RESULTS.md measures both)."""
+    decoder (fewer seconds per rollout; benchmarks/RESULTS.md measures both). With rollout_engine='vllm_omni' the
+    engine compiles its own copy too (vLLM-Omni's torch.compile instead of its eager mode)."""
     exact_rollout: bool = True
     """With compile: run the rollout's SDE-window forwards through the training graph (autograd on, dropped at
     once), so the first update reproduces the rollout's log-probs exactly. Off, the compiled no-grad rollout and

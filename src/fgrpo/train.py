@@ -60,7 +60,7 @@ from fgrpo.rewards.base import Reward, check_scores
 from fgrpo.rewards.client import HttpReward
 from fgrpo.rewards.runner import ParallelReward, RewardStream
 from fgrpo.rollout import seeds as rs
-from fgrpo.rollout.base import LoraSyncedEngine
+from fgrpo.rollout.base import ClosingEngine, LoraSyncedEngine
 from fgrpo.rollout.build import build_engine
 from fgrpo.rollout.engine import rollout, validation_sampling
 from fgrpo.runs import RunDir
@@ -167,6 +167,7 @@ class Trainer:
             keep=self.algo.rollout_fields(),
             kind=cfg.model.kind,
             model_kwargs=wan_kwargs(cfg.model),
+            compile=cfg.model.compile,
         )
         # The asynchronous mode's weights the rollout still samples with, checkpointed (empty when synchronous).
         self.lagging = async_mode.Lagging.of(self.rollout_weights, split, cfg.parallel.max_staleness)
@@ -269,7 +270,8 @@ class Trainer:
     def finish(self) -> dict[str, float]:
         """After the last step: the trained model's validation, logged as step num_steps (by the trainer ranks:
         the rollout's copy lags), also when a finished run is resumed whose final validation was cut short
-        (metrics.jsonl has no row of it); the LoRA export; the logger and the run directory closed."""
+        (metrics.jsonl has no row of it); the LoRA export; the logger, the run directory and an engine with
+        processes of its own closed."""
         cfg, run = self.cfg, self.run
         self.bar.close()
         final_due = self.start_step < cfg.num_steps or (
@@ -285,6 +287,8 @@ class Trainer:
         if cfg.run.export_lora and cfg.model.lora:
             self.export_lora(run.path / "lora")
         self.logger.finish()
+        if isinstance(self.engine, ClosingEngine):  # its workers hold GPU memory until they exit
+            self.engine.close()
         run.unlock()
         return final
 

@@ -20,6 +20,7 @@ import dataclasses
 import importlib
 import json
 import random
+import re
 import sys
 import types
 from dataclasses import dataclass, field
@@ -466,6 +467,19 @@ def test_engine_passes_the_custom_pipeline_hook(engine):
     assert cls.supports_request_batch and not cls.supports_step_execution
 
 
+@pytest.mark.parametrize("compile", [False, True])
+def test_the_trainers_engine_follows_model_compile(fake_vllm, tiny_dir, tmp_path, monkeypatch, compile):
+    """model.compile compiles vLLM-Omni's copy too (its torch.compile); without it the engine runs eager."""
+    import tempfile
+
+    from fgrpo.rollout.build import build_engine
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the engine's work directory
+    build_engine(tiny_qwen_image(0), "vllm_omni", str(tiny_dir), compile=compile)
+    kw = FakeOmni.instances[-1].kwargs
+    assert kw["enforce_eager"] is (not compile) and kw["enable_sleep_mode"] is True
+
+
 def test_build_requests_carries_per_sample_seed_and_index(fake_vllm):
     requests, params = fake_vllm.build_requests(PROMPTS, SEEDS, CFG)
     assert [r["prompt"] for r in requests] == PROMPTS
@@ -806,3 +820,44 @@ def test_each_algorithm_trains_on_the_engines_rollouts(fake_vllm, tiny_on_vllm, 
         "generate",
         "sleep",
     ]  # the rollout ran here (an engine starts awake; a LoRA sync is no RPC)
+
+
+def test_train_step_times_each_engine_on_one_model_from_the_real_dir(
+    fake_vllm, tmp_path, monkeypatch, capsys
+):
+    """benchmarks/train_step.py --rollout-engine diffusers,vllm_omni (the tiny model, the fake vLLM-Omni): the
+    model is written to --real-dir once and both settings read it; the second setting rolls out on the engine
+    (woken, then slept), sends it the LoRA after the update, recomputes the old log-probs inside the update (no
+    separate recompute row) and closes it at the end."""
+    import tempfile
+
+    from fgrpo.scripts import load_script
+
+    bench = Path(__file__).resolve().parents[2] / "benchmarks"
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the engine's LoRA versions
+    monkeypatch.syspath_prepend(str(bench))  # train_step's own imports (rollout, vllm_omni_check)
+    train_step = load_script(bench / "train_step.py")
+    real = tmp_path / "real"
+    argv = ["train_step.py", "--tiny", "--rollout-engine", "diffusers,vllm_omni", "--real-dir", str(real)]
+    argv += ["--iters", "1", "--prompts", "1", "--group", "2", "--opt-steps", "1"]
+    monkeypatch.setattr(sys, "argv", argv)
+    train_step.main()
+    out = capsys.readouterr().out
+    assert (real / "qwen_image" / "model_index.json").is_file()  # written once, kept: --real-dir was given
+    (omni,) = FakeOmni.instances
+    assert omni.model == str(real / "qwen_image") and omni.closed
+    # warm-up and timed step: each a rollout, then the engine sleeps; it wakes for the next, which samples the
+    # LoRA synced after the update (an engine starts awake; a LoRA sync is no RPC)
+    log = [e[1] if e[0] == "rpc" else e[0] for e in omni.log]
+    assert log == ["generate", "sleep", "wake_up", "generate", "sleep"]
+    assert omni.log[0][1] is None and omni.log[3][1].lora_int_id == 1
+    tables = out.split("| phase | s |")[1:]
+    assert [("rollout engine diffusers" in t, "rollout engine vllm_omni" in t) for t in tables] == [
+        (True, False),
+        (False, True),
+    ]
+    assert ["old log-prob (recompute only)" in t for t in tables] == [True, False]
+    gap = re.findall(r"first-update log-prob gap (\S+)\)", out)
+    # in-process: exact; the engine's log-probs against the update's recompute: the same fp32 policy, its LoRA
+    # read back from the exported file, other batch shapes
+    assert len(gap) == 2 and float(gap[0]) == 0.0 and float(gap[1]) < 1e-3

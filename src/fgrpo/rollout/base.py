@@ -70,6 +70,13 @@ class SleepingEngine(Protocol):
 
 
 @runtime_checkable
+class ClosingEngine(Protocol):
+    """An engine with processes of its own (vLLM-Omni's workers): the trainer closes it when the run ends."""
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
 class LoraSyncedEngine(Protocol):
     """An engine with its own copy of the weights (vLLM-Omni): the trainer sends it each step's LoRA."""
 
