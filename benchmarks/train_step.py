@@ -198,15 +198,36 @@ def main() -> None:
     )
     ap.add_argument(
         "--reward",
-        choices=("stub", "vlm"),
+        choices=("stub", "vlm", "vlm-served"),
         default="stub",
         help="stub: each image's mean pixel value (no phase of its own); vlm: the OCR reward of a random Qwen2.5-VL-3B (tiny with --tiny) on "
-        "the same device, timed as the 'reward' phase",
+        "the same device, timed as the 'reward' phase; vlm-served: the same model written to --vlm-dir and served "
+        "by `vllm serve` in its own process on the same GPU, read through fgrpo's OpenAI client (one request an "
+        "image, all of a call in flight at once; needs vllm)",
+    )
+    ap.add_argument(
+        "--vlm-dir",
+        default="",
+        help="with --reward vlm-served: the VLM's checkpoint directory, written if absent ('' = a temporary one); "
+        "the server's console goes to vllm_serve.log beside it",
+    )
+    ap.add_argument(
+        "--vlm-gpu-fraction",
+        type=float,
+        default=0.1,
+        help="with --reward vlm-served: vLLM's --gpu-memory-utilization, its share of the GPU's memory",
+    )
+    ap.add_argument(
+        "--kill-server-at",
+        type=float,
+        default=0.0,
+        help="with --reward vlm-served: after the timed steps, one more step with the server killed this many "
+        "seconds into it; prints how the step ended and when (0 = off)",
     )
     ap.add_argument(
         "--reward-stream",
         action="store_true",
-        help="with --reward vlm: each rollout micro-batch is read on a background thread (its own CUDA stream) "
+        help="with --reward vlm(-served): each rollout micro-batch is read on a background thread (its own CUDA stream) "
         "while the next one samples (fgrpo.rewards.runner.RewardStream); the 'reward' phase is the wait after the "
         "rollout",
     )
@@ -293,7 +314,14 @@ def main() -> None:
         "--compare-update", default="", help="after the warm-up step: compare them with this file"
     )
     args = ap.parse_args()
-    if args.reward_stream and (args.reward != "vlm" or args.model == "ltx2"):
+    served = args.reward == "vlm-served"
+    if (args.vlm_dir or args.kill_server_at) and not served:
+        ap.error(
+            "--vlm-dir and --kill-server-at are for the served VLM: add --reward vlm-served or drop them"
+        )
+    if served and args.model == "ltx2":
+        ap.error("--reward vlm-served reads images; ltx2's clips take --reward vlm")
+    if args.reward_stream and (args.reward == "stub" or args.model == "ltx2"):
         ap.error("--reward-stream streams images to --reward vlm; add it (ltx2's clips are scored whole)")
     if args.eager_vae and not args.compile:
         ap.error("--eager-vae keeps the decoder eager under --compile; add --compile or drop it")
@@ -417,6 +445,8 @@ def main() -> None:
             "bagel": 28,
         }[args.model]
     )
+    # the served VLM first: vLLM takes its share of the GPU from the memory free when it starts
+    server = start_vlm_server(args, d) if served else None
     real_dir = None
     if "vllm_omni" in engines:
         if d.world_size > 1:
@@ -525,6 +555,8 @@ def main() -> None:
             static_cache=args.reward_static_cache,
         )
         if args.reward == "vlm"
+        else served_reward(server, images_per_call=n_local)
+        if server is not None
         else None
     )
     runner = (
@@ -614,7 +646,7 @@ def main() -> None:
         )
         if train == fp8_train
     ]
-    for name, merged_rollout, fp8, fp8_train, split_cfg, engine in runs:
+    for run_index, (name, merged_rollout, fp8, fp8_train, split_cfg, engine) in enumerate(runs):
         cfg = run_config(name, merged_rollout, fp8, fp8_train, engine)
         check_config(cfg, d.world_size)
         if fp8_train and trainer is not None and not in_float8:
@@ -745,6 +777,8 @@ def main() -> None:
                 save_or_compare_update(
                     names, trainer.params, trainer.optimizer, args.save_update, args.compare_update, d.is_main
                 )
+        if server is not None and args.kill_server_at and run_index == len(runs) - 1:
+            kill_mid_step(trainer, server, args.kill_server_at, args.warmup + args.iters, print0)
         trainer.finish()
 
         roll, rew, old, train, peak, gap, all_peak = (sum(r[k] for r in rows) / len(rows) for k in range(7))
@@ -775,7 +809,7 @@ def main() -> None:
             *(
                 [
                     (
-                        f"reward (random Qwen2.5-VL OCR{', static cache' if args.reward_static_cache else ''}{', streamed: the wait' if runner else ''})",
+                        f"reward (random Qwen2.5-VL OCR{', served by vLLM' if server else ''}{', static cache' if args.reward_static_cache else ''}{', streamed: the wait' if runner else ''})",
                         rew,
                         None,
                     )
@@ -832,6 +866,10 @@ def main() -> None:
         )
     if runner is not None:
         runner.close()
+    if server is not None:
+        server.kill()
+        if not args.vlm_dir:  # the temporary checkpoint
+            shutil.rmtree(server.path.parent, ignore_errors=True)
     del trainer, model
     sync()  # every rank is done with the run directory
     if d.is_main:
@@ -1119,6 +1157,52 @@ def vlm_reward(
     reward = VideoOcrReward(engine)
     engine.batch_size *= reward.frames  # a clip is read as its sampled frames, all in the one call
     return reward
+
+
+def start_vlm_server(args, d):
+    """--reward vlm-served: the random Qwen2.5-VL (the 3B's widths in bf16, or the tiny one) written to
+    --vlm-dir if absent, and `vllm serve` of it started and waited for (benchmarks/vlm_model.py's VllmServer)."""
+    from vlm_model import VllmServer, write_random_vlm  # benchmarks/vlm_model.py
+
+    if d.world_size > 1:
+        raise SystemExit("--reward vlm-served starts one server for one process: run without torchrun")
+    root = Path(args.vlm_dir or tempfile.mkdtemp(prefix="fgrpo-vlm-"))
+    path = root / ("qwen2_5_vl_tiny" if args.tiny else "qwen2_5_vl_3b")
+    if not (path / "config.json").exists():
+        write_random_vlm(path, "tiny" if args.tiny else "3b", dtype=torch.bfloat16, seed=0)
+    server = VllmServer(path, root / "vllm_serve.log", gpu_fraction=args.vlm_gpu_fraction)
+    print(f"# vllm serve {path}: answering after {server.wait():.0f} s (console: {server.log})", flush=True)
+    return server
+
+
+def served_reward(server, *, images_per_call: int):
+    """The OCR reward read through fgrpo's OpenAI client from `server`, every image of a call in flight at once,
+    greedy, at most VLM_MAX_TOKENS new tokens (as the in-process VLM)."""
+    from fgrpo.rewards import build_reward
+
+    spec = {"name": "ocr", "engine": "vlm", "base_url": server.url, "model": str(server.path)}
+    return build_reward({**spec, "max_tokens": VLM_MAX_TOKENS, "max_concurrency": images_per_call})
+
+
+def kill_mid_step(trainer, server, after_s: float, step: int, print0) -> None:
+    """One more experience step with the VLM server killed `after_s` seconds into it: how the step ends (the
+    client's error, or its scores if they were read before the kill) and how long after the kill."""
+    from fgrpo.logging import PhaseTimer
+
+    killer = threading.Timer(after_s, server.kill)
+    t0 = time.perf_counter()
+    killer.start()
+    try:
+        trainer.experience(step, PhaseTimer())
+        outcome = "finished: its images were read before the kill"
+    except Exception as e:  # what the trainer would stop with
+        outcome = f"raised {type(e).__name__}: {str(e).splitlines()[0][:240]}"
+    end = time.perf_counter() - t0
+    killer.join()
+    print0(
+        f"# the VLM server killed {after_s:.1f} s into step {step}: the step {outcome}; it ended {end:.1f} s "
+        f"after it began ({end - after_s:+.1f} s from the kill)"
+    )
 
 
 def gather_scores(out, prompts: list[str], device: torch.device) -> torch.Tensor:

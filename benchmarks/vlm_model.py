@@ -18,7 +18,14 @@ tokens differ from the tiny tokenizer's; the config carries the tokenizer's.
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -162,13 +169,97 @@ def write_random_vlm(
     path: str | Path, size: str = "tiny", *, dtype: torch.dtype = torch.float32, seed: int = 0
 ) -> Path:
     """Write a checkpoint directory (config.json, model.safetensors, tokenizer, chat template,
-    preprocessor_config.json) that `fgrpo.rewards.vlm.load_qwen_vl` loads offline ("3b": 15 GB in fp32)."""
+    preprocessor_config.json) that `fgrpo.rewards.vlm.load_qwen_vl` and `vllm serve` load offline ("3b": 15 GB
+    in fp32, 7.5 GB in bf16). Where the model's vocabulary is larger than the tokenizer's (the 3B's 151936), the
+    written tokenizer gets one placeholder token <|r{id}|> per missing id, so every id the random model emits
+    decodes to text: vLLM's detokenizer fails on ids its tokenizer lacks."""
     path = Path(path)
     model, processor = build_random_vlm(size, "cpu", dtype=dtype, seed=seed)
     model.save_pretrained(path)
-    processor.tokenizer.save_pretrained(path)
+    tokenizer = pad_vocabulary(processor.tokenizer, model.config.get_text_config().vocab_size)
+    tokenizer.save_pretrained(path)
     processor.image_processor.save_pretrained(path)
     return path
+
+
+def pad_vocabulary(tokenizer, vocab: int):
+    """`tokenizer` with one placeholder token <|r{id}|> for each id from its length up to `vocab`, the model's
+    vocabulary: those ids then decode to text, and the tokens it had keep their ids."""
+    tokenizer.add_tokens([f"<|r{i}|>" for i in range(len(tokenizer), vocab)])
+    return tokenizer
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VllmServer:
+    """`vllm serve` of a checkpoint directory in a process group of its own on 127.0.0.1, its console in `log`;
+    the model is served under its path, the name VlmOcrEngine's `model` sends.
+
+    gpu_fraction: vLLM's --gpu-memory-utilization, the share of the GPU's memory it takes for weights, activations
+    and KV cache (beside a trainer, start it before the trainer allocates). command: an argv to run instead of
+    `python -m vllm.entrypoints.openai.api_server ...`, given `--port PORT` at its end (tests start a fake
+    server)."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        log: str | Path,
+        *,
+        gpu_fraction: float = 0.1,
+        max_model_len: int = 4096,
+        eager: bool = False,
+        command: list[str] | None = None,
+    ):
+        self.path = Path(path)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = Path(log)
+        argv = command or [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path), "--host", "127.0.0.1",
+            "--port", str(self.port), "--dtype", "bfloat16", "--gpu-memory-utilization", str(gpu_fraction),
+            "--max-model-len", str(max_model_len), *(["--enforce-eager"] if eager else []),
+        ]  # fmt: skip
+        with open(self.log, "w") as out:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(
+                [*argv, *(["--port", str(self.port)] if command else [])],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # kill() takes its workers (vLLM's engine core) with it
+            )
+
+    def wait(self, timeout_s: float = 900.0) -> float:
+        """Block until GET /v1/models answers 200; the seconds it took. RuntimeError (with the log's tail) if the
+        server exits or does not answer within timeout_s."""
+        t0 = time.monotonic()
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"vllm serve exited ({self.proc.returncode}) before serving:\n{self.tail()}"
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=5) as r:
+                    if r.status == 200:
+                        return time.monotonic() - t0
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() - t0 > timeout_s:
+                self.kill()
+                raise RuntimeError(f"vllm serve did not answer within {timeout_s:.0f} s:\n{self.tail()}")
+            time.sleep(1.0)
+
+    def tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def kill(self) -> None:
+        """SIGKILL to the whole process group, as a crashed machine would leave it; then reap it."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
 
 
 def main() -> None:

@@ -693,3 +693,48 @@ def test_rollout_deviation_closed_form(train_step):
         "kl": 0.0,
         "log_prob": 0.0,
     }
+
+
+FAKE_SERVER = [sys.executable, str(ROOT / "tests" / "fake_openai_server.py")]
+
+
+def test_vllm_server_waits_for_the_server_and_reports_one_that_exits(bench, tmp_path):
+    """VllmServer starts its command with the port, waits for GET /v1/models, kills the whole group; a server that
+    exits before serving is a RuntimeError with its console's tail."""
+    vlm_model = bench("vlm_model")
+    server = vlm_model.VllmServer(tmp_path / "m", tmp_path / "ok.log", command=FAKE_SERVER)
+    try:
+        assert server.wait(timeout_s=60) < 60
+        assert server.proc.poll() is None and "serving" in server.tail()
+    finally:
+        server.kill()
+    assert server.proc.returncode == -9
+    failing = vlm_model.VllmServer(tmp_path / "m", tmp_path / "bad.log", command=[*FAKE_SERVER, "--exit"])
+    with pytest.raises(RuntimeError, match=r"exited \(3\) before serving:\nfake server: failing to start"):
+        failing.wait(timeout_s=60)
+
+
+def test_train_step_served_vlm_reward_and_a_server_killed_mid_step(bench, train_step, monkeypatch, capsys):
+    """--reward vlm-served: the tiny VLM is written, its server started before the model is built and read through
+    fgrpo's OpenAI client, streamed (here a fake server that answers "WORD" after 0.3 s); --kill-server-at: the
+    step after the timed ones loses its server mid-way and stops with the client's one-line error, not a hang."""
+    vlm_model = bench("vlm_model")
+    started = []
+
+    class Fake(vlm_model.VllmServer):
+        def __init__(self, path, log, **kw):
+            super().__init__(path, log, command=[*FAKE_SERVER, "--delay", "0.3"], **kw)
+            started.append(self)
+
+    monkeypatch.setattr(vlm_model, "VllmServer", Fake)
+    monkeypatch.setattr(vlm_model, "write_random_vlm", lambda path, *a, **k: Path(path).mkdir(parents=True))
+    args = ["--reward", "vlm-served", "--reward-stream", "--kill-server-at", "0.1", *TRAIN_ARGS]
+    out = run_main(train_step, monkeypatch, capsys, *args)
+    (server,) = started
+    assert server.path.name == "qwen2_5_vl_tiny" and not server.path.parent.exists()  # temporary: removed
+    assert re.search(
+        r"^\| reward \(random Qwen2.5-VL OCR, served by vLLM, streamed: the wait\) \|", out, re.M
+    )
+    kill = re.search(r"^# the VLM server killed 0.1 s into step 1: the step raised (.*); it ended", out, re.M)
+    assert kill is not None and kill.group(1).startswith("RewardServiceError: VLM server http://127.0.0.1")
+    assert "unreachable" in kill.group(1) or "HTTP" in kill.group(1)

@@ -329,6 +329,17 @@ def test_transformers_reward_from_a_checkpoint_directory_offline(
     assert out.scores.shape == (3,) and ((out.scores >= 0) & (out.scores <= 1)).all()
 
 
+def test_the_served_checkpoints_tokenizer_decodes_every_id_of_the_model(vlm_model):
+    """vLLM's detokenizer fails on an id its tokenizer lacks, and the random 3B emits ids across its 151936: the
+    written tokenizer gets a placeholder for each id past its own, and its own tokens keep their ids."""
+    tokenizer = vlm_model.random_vlm_processor().tokenizer
+    n, text = len(tokenizer), "<|im_start|>user output only the text<|im_end|>"
+    ids = tokenizer(text)["input_ids"]
+    padded = vlm_model.pad_vocabulary(tokenizer, n + 3)
+    assert len(padded) == n + 3 and padded(text)["input_ids"] == ids
+    assert padded.decode([n, n + 2]) == f"<|r{n}|><|r{n + 2}|>"
+
+
 def test_transformers_engine_reads_the_legacy_chat_template_file_or_says_it_is_missing(
     vlm_model, tiny_texts, tmp_path
 ):
