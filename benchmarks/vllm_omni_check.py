@@ -68,7 +68,7 @@ from fgrpo.models import tiny
 from fgrpo.models.bagel import Bagel, patchify, unpatchify
 from fgrpo.models.bagel_mot import BagelTransformer, sincos_2d
 from fgrpo.models.base import FlowModel, ImagePrompt
-from fgrpo.models.flux2 import Flux2
+from fgrpo.models.flux2 import DEV_TEXT_LAYERS, TEXT_LAYERS, Flux2
 from fgrpo.models.loading import configure_transformer
 from fgrpo.models.qwen_image import QwenImage
 from fgrpo.models.qwen_image_edit import QwenImageEdit
@@ -286,10 +286,14 @@ def save_tiny_flux2_dir(path: Path, kind: str) -> Path:
     from diffusers.pipelines.flux2.pipeline_flux2 import Flux2Pipeline
     from diffusers.pipelines.flux2.pipeline_flux2_klein import Flux2KleinPipeline
 
+    # text encoders as deep as the released layers read (vLLM-Omni's start-up request carries no fgrpo keywords,
+    # so its model reads the released layers); fgrpo's requests read the tiny ones (FAMILY_KWARGS)
     if kind == "flux2_dev":
-        Flux2Pipeline(**tiny.tiny_flux2_dev_components(0)).save_pretrained(str(path))
+        parts = tiny.tiny_flux2_dev_components(0, text_depth=max(DEV_TEXT_LAYERS))
+        Flux2Pipeline(**parts).save_pretrained(str(path))
     else:
-        Flux2KleinPipeline(**tiny.tiny_flux2_components(0), is_distilled=False).save_pretrained(str(path))
+        parts = tiny.tiny_flux2_components(0, text_depth=max(TEXT_LAYERS))
+        Flux2KleinPipeline(**parts, is_distilled=False).save_pretrained(str(path))
     return path
 
 
@@ -1050,6 +1054,19 @@ def selftest_family_dirs() -> None:
         assert torch.isfinite(
             DiffusersEngine(as_flow_model(flux2)).generate(PROMPTS[:1], seeds_for(1), cfg).log_prob
         ).all()
+        # the start-up request's model (the released layers) runs on it too, and [dev]'s LM head was written
+        released = Flux2.from_pretrained(flux2_dir, dtype=torch.float32, device="cpu")
+        assert released.text_layers == (DEV_TEXT_LAYERS if kind == "flux2_dev" else TEXT_LAYERS)
+        assert (
+            released.encode(PROMPTS[:1])["prompt_embeds"].shape[-1]
+            == flux2.encode(PROMPTS[:1])["prompt_embeds"].shape[-1]
+        )
+        if kind == "flux2_dev":
+            from safetensors import safe_open
+
+            (weights,) = (flux2_dir / "text_encoder").glob("*.safetensors")
+            with safe_open(str(weights), "pt") as f:
+                assert "language_model.lm_head.weight" in set(f.keys())  # the released names
     # vLLM-Omni's Flux2KleinPipeline loads the tokenizer as Qwen2TokenizerFast (transformers 5: Qwen2Tokenizer)
     klein_tok = Qwen2Tokenizer.from_pretrained(str(root / "flux2"), subfolder="tokenizer")
     fgrpo_tok = AutoTokenizer.from_pretrained(str(root / "flux2"), subfolder="tokenizer")

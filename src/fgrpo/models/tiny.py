@@ -746,9 +746,11 @@ def _flux2_components(parts: dict, text_encoder: torch.nn.Module, tokenizer: Any
     )
 
 
-def tiny_flux2_components(seed: int = 0) -> dict:
+def tiny_flux2_components(seed: int = 0, text_depth: int = 0) -> dict:
     """Random-init tiny FLUX.2 [klein] parts, keyed like Flux2KleinPipeline's constructor (fp32, CPU): a 3-layer
-    Qwen3 (every layer's states stacked), the tiny FLUX.2 transformer without a guidance embedding, the tiny VAE."""
+    Qwen3 (every layer's states stacked), the tiny FLUX.2 transformer without a guidance embedding, the tiny VAE.
+    text_depth: the Qwen3's layers instead of 3 (its states are still read at 3 layers; a directory that vLLM-Omni
+    loads needs the released layers, 9 / 18 / 27, for the start-up request it sends without fgrpo's keywords)."""
     tokenizer = tiny_qwen_tokenizer(FLUX2_PROMPT_TEMPLATE, drop=3)
     tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
     hidden = 16
@@ -759,7 +761,7 @@ def tiny_flux2_components(seed: int = 0) -> dict:
                 vocab_size=len(tokenizer),
                 hidden_size=hidden,
                 intermediate_size=32,
-                num_hidden_layers=len(FLUX2_TEXT_LAYERS_TINY),
+                num_hidden_layers=text_depth or len(FLUX2_TEXT_LAYERS_TINY),
                 num_attention_heads=2,
                 num_key_value_heads=1,
                 head_dim=8,
@@ -843,10 +845,12 @@ def tiny_mistral3_processor():
     )
 
 
-def tiny_flux2_dev_components(seed: int = 0) -> dict:
+def tiny_flux2_dev_components(seed: int = 0, text_depth: int = 0) -> dict:
     """Random-init tiny FLUX.2 [dev] parts, keyed like Flux2Pipeline's constructor (fp32, CPU): a Mistral-3 with a
     3-layer Mistral language model (every layer's states stacked) and a 1-layer Pixtral vision tower, its processor,
-    the tiny FLUX.2 transformer with a guidance embedding, the tiny VAE."""
+    the tiny FLUX.2 transformer with a guidance embedding, the tiny VAE. The LM head is a copy of the embedding, not
+    tied to it (the released model's is its own; vLLM-Omni's loader requires it). text_depth: as
+    tiny_flux2_components' (the released layers here: 10 / 20 / 30)."""
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
     processor = tiny_mistral3_processor()
@@ -857,7 +861,7 @@ def tiny_flux2_dev_components(seed: int = 0) -> dict:
             vocab_size=len(tokenizer),
             hidden_size=hidden,
             intermediate_size=32,
-            num_hidden_layers=len(FLUX2_TEXT_LAYERS_TINY),
+            num_hidden_layers=text_depth or len(FLUX2_TEXT_LAYERS_TINY),
             num_attention_heads=2,
             num_key_value_heads=1,
             head_dim=8,
@@ -880,6 +884,10 @@ def tiny_flux2_dev_components(seed: int = 0) -> dict:
         torch.manual_seed(seed)
         text_encoder = Mistral3ForConditionalGeneration(config)
         parts = _tiny_flux2_image_parts(hidden * len(FLUX2_TEXT_LAYERS_TINY), guidance_embeds=True)  # dev's
+    # untied after the draws, so the weights are those of the tied model
+    text_encoder.lm_head.weight = torch.nn.Parameter(text_encoder.lm_head.weight.detach().clone())
+    text_encoder.config.tie_word_embeddings = False
+    text_encoder.config.get_text_config().tie_word_embeddings = False
     return _flux2_components(parts, text_encoder, processor)
 
 
