@@ -377,6 +377,15 @@ def released_bagel_name(name: str) -> str:
     return fixed.get(name, name)  # time_embedder.*, vae2llm.*, llm2vae.* keep their names
 
 
+def released_vit_state(vit: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A SigLIP vision model's tensors under BAGEL's released names, `vit_model.vision_model.<name>`, which
+    vLLM-Omni's BagelPipeline loads: transformers 5 names them without the `vision_model.` level (4.x with it)."""
+    return {
+        f"vit_model.vision_model.{k.removeprefix('vision_model.')}": v.contiguous()
+        for k, v in vit.state_dict().items()
+    }
+
+
 def save_tiny_bagel_dir(path: Path, *, vllm_omni_parts: bool, seed: int = 0) -> Path:
     """A random BAGEL in BAGEL's released layout, which both loaders read: fgrpo's (llm_config.json,
     ema.safetensors, the tokenizer, a diffusers VAE in vae/) and vLLM-Omni's (config.json, vit_config.json,
@@ -406,8 +415,7 @@ def save_tiny_bagel_dir(path: Path, *, vllm_omni_parts: bool, seed: int = 0) -> 
         state["language_model.lm_head.weight"] = torch.randn(vocab, hidden) * 0.02
         vit_config = SiglipVisionConfig(**BAGEL_VIT)
         if vllm_omni_parts:
-            vit = SiglipVisionModel(vit_config)
-            state |= {f"vit_model.{k}": v.contiguous() for k, v in vit.state_dict().items()}
+            state |= released_vit_state(SiglipVisionModel(vit_config))
             side = BAGEL_VIT["image_size"] // BAGEL_VIT["patch_size"]
             state |= {
                 "connector.fc1.weight": torch.randn(hidden, BAGEL_VIT["hidden_size"]) * 0.02,
@@ -1013,7 +1021,14 @@ def selftest_family_dirs() -> None:
     directory and condition images pass selftest_edit_dir."""
     import tempfile
 
-    from transformers import AutoTokenizer, CLIPTokenizer, Qwen2Tokenizer, T5Tokenizer
+    from transformers import (
+        AutoTokenizer,
+        CLIPTokenizer,
+        Qwen2Tokenizer,
+        SiglipVisionConfig,
+        SiglipVisionModel,
+        T5Tokenizer,
+    )
 
     from fgrpo.rollout.seeds import sample_generator
     from fgrpo.rollout.vllm_omni_pipeline import wan_settings
@@ -1071,6 +1086,13 @@ def selftest_family_dirs() -> None:
     klein_tok = Qwen2Tokenizer.from_pretrained(str(root / "flux2"), subfolder="tokenizer")
     fgrpo_tok = AutoTokenizer.from_pretrained(str(root / "flux2"), subfolder="tokenizer")
     assert klein_tok(PROMPTS[2]).input_ids == fgrpo_tok(PROMPTS[2]).input_ids
+    vit = released_vit_state(SiglipVisionModel(SiglipVisionConfig(**BAGEL_VIT)))
+    # the names vLLM-Omni's BagelPipeline holds (its wrapper keeps a `vision_model`), one ViT layer here
+    assert {"vit_model.vision_model.embeddings.patch_embedding.weight", "vit_model.vision_model.post_layernorm.weight",
+            "vit_model.vision_model.encoder.layers.0.self_attn.q_proj.weight"} <= set(vit), sorted(vit)[:4]  # fmt: skip
+    assert all(
+        k.startswith("vit_model.vision_model.") and ".vision_model.vision_model." not in k for k in vit
+    )
     bagel_dir = save_tiny_bagel_dir(root / "bagel", vllm_omni_parts=False)
     bagel = as_flow_model(Bagel.from_pretrained(bagel_dir, dtype=torch.float32, device="cpu"))  # strict load
     ode = dataclasses.replace(cfg, guidance_scale=4.0, negative_prompt="", window_size=0, window_range=(0, 0))
