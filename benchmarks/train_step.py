@@ -30,6 +30,11 @@ prompts, rollout, reward, gathered rewards -> advantages; its "rollout" and "rew
     python benchmarks/train_step.py                      # H200: 2 prompts x 16 images, eager
     python benchmarks/train_step.py --compile            # regional torch.compile of the blocks
     python benchmarks/train_step.py --compile --reward vlm   # + the OCR reward of a random Qwen2.5-VL-3B, colocated
+    python benchmarks/train_step.py --compile --rollout-engine diffusers,vllm_omni --real-dir /tmp/real
+                                                         # the loop on each engine over one model (vLLM-Omni asleep
+                                                         # through the update), written to /tmp/real first (41 GB)
+    python benchmarks/train_step.py --compile --reward vlm-served --reward-stream --kill-server-at 5
+                                                         # the VLM reward served by `vllm serve`, then killed mid-step
     python benchmarks/train_step.py --tiny               # CPU wiring check with a tiny model
     python benchmarks/train_step.py --compile --algo nft # another update rule (grpo dppo mixgrpo nft awm)
     python benchmarks/train_step.py --compile --algo grpo,nft,awm   # several, one model build and warm compile
@@ -322,7 +327,9 @@ def main() -> None:
     if served and args.model == "ltx2":
         ap.error("--reward vlm-served reads images; ltx2's clips take --reward vlm")
     if args.reward_stream and (args.reward == "stub" or args.model == "ltx2"):
-        ap.error("--reward-stream streams images to --reward vlm; add it (ltx2's clips are scored whole)")
+        ap.error(
+            "--reward-stream streams images to --reward vlm or vlm-served; add one (ltx2's clips are scored whole)"
+        )
     if args.eager_vae and not args.compile:
         ap.error("--eager-vae keeps the decoder eager under --compile; add --compile or drop it")
     if args.warmup < 1:
@@ -781,8 +788,8 @@ def main() -> None:
             kill_mid_step(trainer, server, args.kill_server_at, args.warmup + args.iters, print0)
         trainer.finish()
 
-        roll, rew, old, train, peak, gap, all_peak = (sum(r[k] for r in rows) / len(rows) for k in range(7))
-        all_peak = max(r[6] for r in rows)
+        roll, rew, old, train, peak, gap = (sum(r[k] for r in rows) / len(rows) for k in range(6))
+        all_peak = max(r[6] for r in rows)  # the GPU's, every process: the most of the timed steps
         W, steps = sampling.window_size, sampling.num_steps
         forwards = getattr(model, "cfg_forwards", 2) if sampling.guidance_scale > 1 else 1  # FLUX.1-dev: 1
         fwd_roll = n_local * steps * forwards
