@@ -109,7 +109,7 @@ def recipe_h200() -> Config:
             # the rollout's forwards that no sample trains run one matmul per layer on merged copies
             merged_rollout=True,
             # ... and as float8 matmuls: 1.15x the bf16 merged step with the trained log-probs' bits unchanged;
-            # the text renderer learned with it as in bf16 over whole 300-step runs on 3 seeds (fp8-4)
+            # the text renderer learned with it as in bf16 over whole 300-step runs on 3 seeds (RESULTS.md, fp8-4)
             fp8_rollout=True,
         ),
         # the frozen base replicated on every rank, only the adapters sharded: the merged rollout merges into a
