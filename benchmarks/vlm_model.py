@@ -196,6 +196,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def serve_argv(
+    path: str | Path, port: int, gpu_fraction: float, max_model_len: int, eager: bool
+) -> list[str]:
+    """`vllm serve` of checkpoint `path` on 127.0.0.1:port as this Python's module, bf16."""
+    # One image a request and no video: vLLM sizes its memory profile by the largest input a prompt may hold,
+    # and the processor's own bound (16384 visual tokens) would not fit max_model_len; 1 MP is 1337 tokens.
+    mm = ["--limit-mm-per-prompt", '{"image": 1, "video": 0}']
+    mm += ["--mm-processor-kwargs", '{"max_pixels": 1048576}']
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path), "--host", "127.0.0.1",
+        "--port", str(port), "--dtype", "bfloat16", "--gpu-memory-utilization", str(gpu_fraction),
+        "--max-model-len", str(max_model_len), *mm, *(["--enforce-eager"] if eager else []),
+    ]  # fmt: skip
+
+
 class VllmServer:
     """`vllm serve` of a checkpoint directory in a process group of its own on 127.0.0.1, its console in `log`;
     the model is served under its path, the name VlmOcrEngine's `model` sends.
@@ -219,11 +234,7 @@ class VllmServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = Path(log)
-        argv = command or [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path), "--host", "127.0.0.1",
-            "--port", str(self.port), "--dtype", "bfloat16", "--gpu-memory-utilization", str(gpu_fraction),
-            "--max-model-len", str(max_model_len), *(["--enforce-eager"] if eager else []),
-        ]  # fmt: skip
+        argv = command or serve_argv(path, self.port, gpu_fraction, max_model_len, eager)
         with open(self.log, "w") as out:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(
                 [*argv, *(["--port", str(self.port)] if command else [])],

@@ -714,6 +714,20 @@ def test_vllm_server_waits_for_the_server_and_reports_one_that_exits(bench, tmp_
         failing.wait(timeout_s=60)
 
 
+def test_the_vllm_server_takes_one_image_a_prompt_of_at_most_a_megapixel(bench):
+    """vLLM profiles its memory with the largest input a prompt may hold: one image of at most 1 MP (1337 visual
+    tokens, inside --max-model-len) and no video, not the processor's 16384-token bound."""
+    import json
+
+    argv = bench("vlm_model").serve_argv("/ckpt", 8123, 0.1, 4096, eager=False)
+    flags = dict(zip(argv[3::2], argv[4::2], strict=True))
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and flags["--model"] == "/ckpt"
+    assert json.loads(flags["--limit-mm-per-prompt"]) == {"image": 1, "video": 0}
+    max_pixels = json.loads(flags["--mm-processor-kwargs"])["max_pixels"]
+    assert max_pixels // (28 * 28) < int(flags["--max-model-len"])
+    assert (flags["--port"], flags["--gpu-memory-utilization"]) == ("8123", "0.1")
+
+
 def test_train_step_served_vlm_reward_and_a_server_killed_mid_step(bench, train_step, monkeypatch, capsys):
     """--reward vlm-served: the tiny VLM is written, its server started before the model is built and read through
     fgrpo's OpenAI client, streamed (here a fake server that answers "WORD" after 0.3 s); --kill-server-at: the
