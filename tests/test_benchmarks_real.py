@@ -311,6 +311,33 @@ def test_train_step_tiny_ltx2(train_step, monkeypatch, capsys):
     assert "| total (rollout + train) |" in out
 
 
+def test_real_bagel_widths(rollout):
+    """BAGEL-7B-MoT's decoder: Qwen2.5-7B's widths (its released llm_config.json: 28 layers of 3584, MLP 18944,
+    28 query heads of 128 over 4 key/value heads, vocabulary 152064) in each of the two experts, 14 B in all (7 B
+    active a token); FLUX.1's VAE, 16 latent channels at an eighth of the side."""
+    model = rollout.build_real_bagel("meta", layers=28)
+    t = model.transformer
+    widths = (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+    )
+    assert [getattr(t, k) for k in widths] == [3584, 18944, 28, 28, 4] and t.vocab_size == 152064
+    experts = {e: sum(p.numel() for n, p in t.named_parameters() if f".{e}." in n) for e in ("und", "gen")}
+    assert experts["und"] == experts["gen"] and round(experts["gen"] / 1e9, 1) == 6.5
+    assert round(sum(p.numel() for p in t.parameters()) / 1e9) == 14
+    assert model.latent_shape(512, 512) == (16, 64, 64)
+
+
+def test_train_step_tiny_bagel(train_step, monkeypatch, capsys):
+    """#44's GPU row is this command at real size: the tiny BAGEL through the trainer (its recipe's CFG 4)."""
+    out = run_main(train_step, monkeypatch, capsys, "--model", "bagel", *TRAIN_ARGS)
+    assert "bagel, LoRA r64" in out and "TFLOP per 64² forward" in out and "## grpo: CFG 4.0" in out
+    assert "| total (rollout + train) |" in out and "gap 0.00e+00" in out
+
+
 def test_train_step_tiny_flux2_dev(train_step, monkeypatch, capsys):
     out = run_main(train_step, monkeypatch, capsys, "--model", "flux2_dev", *TRAIN_ARGS)
     # the `dev` preset: embedded guidance 4, LoRA r64, micro-batch 4; the tiny model at 64²
