@@ -350,10 +350,11 @@ def write_edit_prompts(root: Path, texts: Sequence[str] = PROMPTS, seed: int = 0
 
 
 # BAGEL at a width every attention backend takes (head_dim 64), FLUX's 16 latent channels (vLLM-Omni's BAGEL builds
-# FLUX's autoencoder, 16 channels, whatever the checkpoint), a 16 x 16 latent grid (128 px images at most).
+# FLUX's autoencoder, 16 channels, whatever the checkpoint), a 32 x 32 grid of latent patches: 512 px images at most
+# (8 x the VAE, 2 x the patch), the size of the warm-up request vLLM-Omni's engine sends when it starts.
 BAGEL_TINY: dict[str, Any] = dict(
     hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    latent_channels=16, max_latent_size=16,
+    latent_channels=16, max_latent_size=32,
 )  # fmt: skip
 BAGEL_VIT: dict[str, Any] = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, patch_size=14,
@@ -1242,10 +1243,10 @@ def main() -> None:
         ap.error(
             f"--size {args.size}: --model wan needs a multiple of 32 (VAE 16 x patch 2); e.g. --size 128"
         )
-    top = 8 * BAGEL_TINY["max_latent_size"]
+    top = 16 * BAGEL_TINY["max_latent_size"]  # VAE 8 x patch 2 pixels a grid cell
     if args.model == "bagel" and (args.size % 16 or args.size > top):
         ap.error(
-            f"--size {args.size}: --model bagel needs a multiple of 16 up to {top} (its tiny latent grid)"
+            f"--size {args.size}: --model bagel needs a multiple of 16 up to {top} (its tiny grid of latent patches)"
         )
     if args.cpu_selftest:
         cpu_selftest()

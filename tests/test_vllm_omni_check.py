@@ -103,3 +103,12 @@ def test_the_edit_selftest_fails_when_the_condition_images_change_between_writin
     with pytest.raises(AssertionError, match="edit_images_again"):  # the pixel comparison's message
         check.selftest_edit_dir(tmp_path)
     assert len(calls) == 2  # it got as far as the second writing
+
+
+def test_the_bagel_directory_admits_the_engines_warm_up_request(check, tmp_path):
+    """vLLM-Omni's engine warms up with a 512 x 512 request when it starts, and its BAGEL pipeline refuses a side
+    over max_latent_size x VAE downsample x latent patch: the tiny directory's grid covers 512 px."""
+    path = check.save_tiny_bagel_dir(tmp_path / "bagel", vllm_omni_parts=False)
+    config = json.loads((path / "config.json").read_text())
+    side = config["max_latent_size"] * config["vae_config"]["downsample"] * config["latent_patch_size"]
+    assert side >= 512, config

@@ -250,6 +250,24 @@ def test_from_pretrained_reads_the_pipelines_switches(tmp_path, experts):
         assert torch.equal(v, ref.velocity(x, torch.tensor(sigma), cond, guidance_scale=1.0))
 
 
+def test_a_bf16_load_keeps_diffusers_float32_parameters_and_computes_in_bf16(tmp_path):
+    """diffusers loads a bf16 WanTransformer3DModel with its `_keep_in_fp32_modules` in float32, the first
+    parameter (`scale_shift_table`) among them: the model's compute dtype is the weights' bf16 all the same, so a
+    velocity feeds bf16 to the patch embedding (a float32 input there fails: "Input type (float) and bias type
+    (c10::BFloat16) should be the same")."""
+    from diffusers.schedulers.scheduling_unipc_multistep import UniPCMultistepScheduler
+
+    parts = tiny.tiny_wan_components(seed=0, experts=1)
+    unipc = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=4.0)
+    WanPipeline(**{**parts, "scheduler": unipc}).save_pretrained(tmp_path)
+    m = Wan.from_pretrained(tmp_path, dtype=torch.bfloat16, device="cpu", num_frames=tiny.TINY_WAN_FRAMES)
+    assert next(m.transformer.parameters()).dtype == torch.float32  # the premise: a kept-fp32 parameter first
+    assert m.dtype == torch.bfloat16 and m.transformer.patch_embedding.weight.dtype == torch.bfloat16
+    x = torch.randn(1, *m.latent_shape(SIZE[1], SIZE[1]), generator=torch.Generator().manual_seed(0))
+    v = m.velocity(x, torch.tensor(0.5), m.encode(["a cat"]), guidance_scale=1.0)
+    assert v.dtype == torch.float32 and torch.isfinite(v).all()
+
+
 def test_fsdp_shards_the_experts_blocks_and_trains_through_them():
     """parallel.shard_transformer finds Wan's `blocks` (neither `transformer_blocks` nor `layers`): LoRA, bf16
     compute through FSDP2 on a world of one, gradient checkpointing, finite and nonzero adapter gradients."""

@@ -137,7 +137,11 @@ def module_device(module: torch.nn.Module) -> torch.device:
 
 
 def module_dtype(module: torch.nn.Module) -> torch.dtype:
-    return next(module.parameters()).dtype
+    """The dtype a module computes in: diffusers' and transformers' own `dtype` where the module has one (it skips
+    the parameters their `_keep_in_fp32_modules` keep in float32 on a low-precision load, such as Wan's
+    `scale_shift_table`, which comes first), else its first parameter's."""
+    dtype = getattr(module, "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else next(module.parameters()).dtype
 
 
 def stacked_prompt_states(
