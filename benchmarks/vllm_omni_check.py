@@ -5,9 +5,9 @@ and wan only `parity` runs, on a tiny random directory in diffusers' layout (tok
 loader instantiates: CLIP and T5 for SD3.5; Qwen2TokenizerFast for FLUX.2 [klein], the Pixtral processor for [dev];
 Wan's with --wan-experts 1 (TI2V-5B-like) or 2 (T2V-A14B-like); Qwen-Image-Edit's with the released `processor`
 folder, read as a Qwen2VLProcessor, and its prompts naming condition images written as PNG files under --out).
-For zimage `parity` runs on --model-dir, a released Z-Image directory (Tongyi-MAI/Z-Image or -Turbo): vLLM-Omni
-builds its Z-Image transformer at the released size whatever the directory's config says, so a tiny one does not
-load. For bagel, `parity` is issue #44's: a
+For zimage `parity` runs on --model-dir, a released Z-Image directory (Tongyi-MAI/Z-Image or -Turbo), or without
+it on a random one written under --out with the released transformer (~12 GB): vLLM-Omni builds its Z-Image
+transformer at the released size whatever the directory's config says, so a tiny one does not load. For bagel, `parity` is issue #44's: a
 tiny random BAGEL directory in BAGEL's released layout (ema.safetensors, ae.safetensors, llm/vit/config JSONs, the
 tokenizer; plus vae/, the diffusers VAE fgrpo's loader reads), sampled by vLLM-Omni's own BagelPipeline
 (single-stage deploy, NOT fgrpo's custom pipeline) and by fgrpo's in-process transition from vLLM-Omni's initial
@@ -37,7 +37,7 @@ HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1):
   python3 benchmarks/vllm_omni_check.py --model sd3            # parity of each added family
   python3 benchmarks/vllm_omni_check.py --model qwen_image_edit  # each prompt with its condition image file
   python3 benchmarks/vllm_omni_check.py --model flux2          # FLUX.2 [klein]; --model flux2_dev for [dev]
-  python3 benchmarks/vllm_omni_check.py --model zimage --model-dir /path/to/Z-Image-Turbo
+  python3 benchmarks/vllm_omni_check.py --model zimage [--model-dir /path/to/Z-Image-Turbo]
   python3 benchmarks/vllm_omni_check.py --model wan --wan-experts 2
   python3 benchmarks/vllm_omni_check.py --model bagel          # issue #44: vLLM-Omni's BAGEL vs fgrpo's
 CPU (no vllm): `python benchmarks/vllm_omni_check.py --cpu-selftest` checks the helpers on the tiny model and the
@@ -538,8 +538,10 @@ def tiny_cfg(args: argparse.Namespace, **kw: Any) -> SamplingConfig:
 
 def ensure_tiny_dir(ctx: Ctx) -> Path:
     model, path = ctx.args.model, ctx.tiny_dir
-    if model == "zimage":  # a released directory (the module docstring says why not a tiny one)
-        return Path(ctx.args.model_dir)
+    if model == "zimage":  # released-size (the module docstring says why not a tiny one)
+        if ctx.args.model_dir:
+            return Path(ctx.args.model_dir)
+        return save_real_size_zimage_dir(path, ctx.device)
     done = path / ("config.json" if model == "bagel" else "model_index.json")
     if not done.exists():
         if model == "qwen_image":
@@ -905,6 +907,61 @@ def save_real_size_dir(path: Path, layers: int, device: torch.device) -> Path:
     return path
 
 
+def save_real_size_zimage_dir(
+    path: Path, device: torch.device, transformer_kwargs: Mapping[str, Any] | None = None
+) -> Path:
+    """Random Z-Image in diffusers' layout whose transformer has the released sizes (ZImageTransformer2DModel's
+    defaults: vLLM-Omni builds that size whatever the directory's config says; `transformer_kwargs` shrink it for
+    the CPU test only), a small 16-channel VAE (vLLM-Omni builds the VAE from the directory's config, and its size
+    is not what the check compares) and a 2-layer Qwen3 of Qwen3-4B's width (2560, the transformer's cap_feat_dim;
+    the conditioning is its second-to-last layer, which both sides read), bf16."""
+    if (path / "model_index.json").exists():
+        return path
+    from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
+    from diffusers.models.transformers.transformer_z_image import ZImageTransformer2DModel
+    from diffusers.pipelines.z_image.pipeline_z_image import ZImagePipeline
+    from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from fgrpo.models.zimage import SCHEDULER_CONFIG
+
+    tokenizer: Any = tiny.tiny_qwen_tokenizer()
+    tokenizer.chat_template = tiny.QWEN3_CHAT_TEMPLATE
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            transformer = ZImageTransformer2DModel(**(transformer_kwargs or {}))
+            width = transformer.config["cap_feat_dim"]
+            vae_config: dict[str, Any] = dict(
+                down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                block_out_channels=(32, 32, 64, 64), layers_per_block=1, latent_channels=16, norm_num_groups=16,
+                scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False,
+            )  # fmt: skip
+            vae = AutoencoderKL(**vae_config)
+            encoder = Qwen3ForCausalLM(
+                Qwen3Config(
+                    vocab_size=len(tokenizer), hidden_size=width, intermediate_size=1024, num_hidden_layers=2,
+                    num_attention_heads=width // 128, num_key_value_heads=max(1, width // 320), head_dim=128,
+                    max_position_embeddings=4096,
+                )
+            )  # fmt: skip
+    finally:
+        torch.set_default_dtype(default)
+    scheduler: Any = FlowMatchEulerDiscreteScheduler.from_config(SCHEDULER_CONFIG)
+    pipe = ZImagePipeline(
+        transformer=transformer, vae=vae, text_encoder=encoder, tokenizer=tokenizer, scheduler=scheduler
+    )
+    tmp = path.with_name(path.name + ".tmp")
+    pipe.save_pretrained(tmp, max_shard_size="10GB")
+    tmp.rename(path)
+    del pipe, transformer, vae, encoder
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return path
+
+
 def _time_engine(
     generate: Callable[[list[str], list[int], SamplingConfig], Trajectory],
     cfg: SamplingConfig,
@@ -1187,7 +1244,11 @@ def main() -> None:
         help="family: qwen_image (every section), qwen_image_edit, sd3, zimage, flux2, flux2_dev, wan, bagel (parity "
         "only)",
     )
-    ap.add_argument("--model-dir", default="", help="zimage: a released Z-Image diffusers directory")
+    ap.add_argument(
+        "--model-dir",
+        default="",
+        help="zimage: a released Z-Image diffusers directory (default: a random released-size one under --out)",
+    )
     ap.add_argument(
         "--sections",
         default="",
@@ -1234,10 +1295,6 @@ def main() -> None:
     if args.model != "qwen_image" and sections != ["parity"]:
         ap.error(
             f"--sections {','.join(sections)}: --model {args.model} runs parity only; pass --sections parity"
-        )
-    if args.model == "zimage" and not args.model_dir and not args.cpu_selftest:
-        ap.error(
-            "--model zimage needs --model-dir (a released Z-Image directory; vLLM-Omni's transformer is full size)"
         )
     if args.model == "wan" and args.size % 32:
         ap.error(

@@ -112,3 +112,29 @@ def test_the_bagel_directory_admits_the_engines_warm_up_request(check, tmp_path)
     config = json.loads((path / "config.json").read_text())
     side = config["max_latent_size"] * config["vae_config"]["downsample"] * config["latent_patch_size"]
     assert side >= 512, config
+
+
+def test_the_random_zimage_directory_loads_in_fgrpo_and_feeds_its_transformer(check, tmp_path):
+    """The Z-Image parity's random directory (without --model-dir): the text encoder's width is the transformer's
+    cap_feat_dim and fgrpo's ZImage loads it and samples a velocity. The transformer is shrunk here; on the GPU it
+    has the released sizes, which vLLM-Omni builds whatever the config says."""
+    import torch
+
+    from fgrpo.models.zimage import ZImage
+
+    small = dict(dim=64, n_layers=1, n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=256,
+                 axes_dims=[16, 8, 8], axes_lens=[256, 64, 64])  # fmt: skip
+    path = check.save_real_size_zimage_dir(tmp_path / "zimage", torch.device("cpu"), small)
+    assert not (tmp_path / "zimage.tmp").exists()
+    index = json.loads((path / "model_index.json").read_text())
+    assert index["_class_name"] == "ZImagePipeline" and index["text_encoder"] == [
+        "transformers",
+        "Qwen3ForCausalLM",
+    ]
+    text = json.loads((path / "text_encoder" / "config.json").read_text())
+    assert text["hidden_size"] == 256
+    model = ZImage.from_pretrained(path, dtype=torch.bfloat16, device="cpu")
+    x = torch.randn(1, *model.latent_shape(64, 64), generator=torch.Generator().manual_seed(0))
+    v = model.velocity(x, torch.tensor(0.5), model.encode(["a storefront sign"]), guidance_scale=1.0)
+    assert v.shape == x.shape and torch.isfinite(v).all()
+    assert check.save_real_size_zimage_dir(path, torch.device("cpu")) == path  # written once
