@@ -942,7 +942,7 @@ def save_real_size_zimage_dir(
             encoder = Qwen3ForCausalLM(
                 Qwen3Config(
                     vocab_size=len(tokenizer), hidden_size=width, intermediate_size=1024, num_hidden_layers=2,
-                    num_attention_heads=width // 128, num_key_value_heads=max(1, width // 320), head_dim=128,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=128,  # Qwen3-4B's heads
                     max_position_embeddings=4096,
                 )
             )  # fmt: skip
