@@ -142,9 +142,15 @@ class FakeOmniZImageTransformer(nn.Module):
         self.inner = inner
         self.in_channels = inner.config.in_channels  # pyright: ignore[reportAttributeAccessIssue]
         self.dtype = torch.float32
+        self.calls: list[list[int]] = []
 
     def forward(self, x, t, cap_feats, patch_size=2, f_patch_size=1, ref_x=None, cap_feats_2=None):
         assert (patch_size, f_patch_size, ref_x, cap_feats_2) == (2, 1, None, None)
+        # vllm-omni 0.30 masks no padding and rotates every item with item 0's positions: it is right only when the
+        # captions pad to one length, and wrong without a word otherwise; the fake refuses such a batch instead
+        padded = {-(-c.shape[0] // 32) for c in cap_feats}
+        assert len(padded) == 1, f"captions of padded lengths {sorted(32 * n for n in padded)} in one call"
+        self.calls.append([c.shape[0] for c in cap_feats])
         return self.inner(x, t, cap_feats, return_dict=False)[0], {}
 
 
@@ -695,3 +701,32 @@ def test_the_checkpoints_own_post_processing_would_refuse_the_envelope(
     error = AttributeError if kind == "wan" else ValueError
     with pytest.raises(error, match="shape" if kind == "wan" else "takes a torch.Tensor, got dict"):
         engine.generate(prompts[:2], SEEDS[:2], cfg)
+
+
+def test_zimage_calls_vllm_omnis_transformer_once_per_padded_caption_length():
+    """A CFG batch mixes caption lengths; vllm-omni's Z-Image transformer is right only for one padded length a
+    call (the fake refuses more). The wrapper groups the items and restores their order: each output equals the
+    diffusers transformer's on the whole batch (which masks the padding), and a batch of one group is one call."""
+    c = tiny.tiny_zimage_components(0)
+    model = c["transformer"]
+    fake = FakeOmniZImageTransformer(model)
+    wrapper = vop.OmniZImageTransformer(fake, in_channels=fake.in_channels)
+    gen = torch.Generator().manual_seed(0)
+    lengths = [10, 40, 20, 33]  # pad to 32, 64, 32, 64
+    x = [torch.randn(4, 1, 8, 8, generator=gen) for _ in lengths]
+    t = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    caps = [torch.randn(n, model.config.cap_feat_dim, generator=gen) for n in lengths]
+    with torch.no_grad():
+        got, extra = wrapper(x, t, caps)
+        want = model(x, t, caps, return_dict=False)[0]
+        alone = [model([x[i]], t[i : i + 1], [caps[i]], return_dict=False)[0][0] for i in range(4)]
+    assert extra == {} and fake.calls == [[10, 20], [40, 33]]
+    for g, w, a in zip(got, want, alone, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(g, a, rtol=1e-5, atol=1e-5)
+    fake.calls.clear()
+    with torch.no_grad():
+        same = wrapper(x[::2], t[::2], caps[::2])[0]
+    assert fake.calls == [[10, 20]] and all(torch.equal(a, b) for a, b in zip(same, got[::2], strict=True))
+    with pytest.raises(AssertionError, match="padded lengths"):
+        fake(x, t, caps)  # the premise: the whole batch at once is refused

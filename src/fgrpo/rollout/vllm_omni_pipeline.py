@@ -46,6 +46,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+from diffusers.models.transformers.transformer_z_image import SEQ_MULTI_OF
 from torch import nn
 
 from fgrpo.config import SamplingConfig
@@ -319,11 +320,30 @@ def flux2_wrap(variant: str) -> Callable[[Any, Mapping[str, Any]], Flux2]:
 
 class OmniZImageTransformer(OmniConfigured):
     """vllm-omni's Z-Image transformer: diffusers' positional call (per-sample latents, timestep, per-sample text) and
-    the same output tuple, but no `return_dict` keyword, which ZImage passes; `in_channels` is a plain attribute."""
+    the same output tuple, but no `return_dict` keyword, which ZImage passes; `in_channels` is a plain attribute.
 
-    def forward(self, *args: Any, return_dict: bool = False, **kwargs: Any) -> Any:
+    vllm-omni 0.30's forward is right only for a batch whose captions all pad to one length (a multiple of
+    diffusers' SEQ_MULTI_OF tokens, vllm-omni's too): it passes no attention mask, so shorter items attend to the padding rows, and it rotates
+    every item with item 0's positions. A CFG batch (prompts beside a short negative prompt) mixes lengths, so this
+    wrapper calls it once per group of items of one padded caption length and image shape and puts the outputs back
+    in order; a batch of one group is one call, as before."""
+
+    def forward(
+        self, x: list[torch.Tensor], t: torch.Tensor, cap_feats: list[torch.Tensor], return_dict: bool = False
+    ) -> Any:
         assert not return_dict  # ZImage reads the tuple; vllm-omni's forward returns (samples, {}) only
-        return self.inner(*args, **kwargs)
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, (xi, ci) in enumerate(zip(x, cap_feats, strict=True)):
+            groups.setdefault((-(-ci.shape[0] // SEQ_MULTI_OF), *xi.shape), []).append(i)
+        if len(groups) == 1:
+            return self.inner(x, t, cap_feats)
+        out: list[Any] = [None] * len(x)
+        for idx in groups.values():
+            ti = t if t.ndim == 0 else t[torch.tensor(idx, device=t.device)]
+            samples = self.inner([x[i] for i in idx], ti, [cap_feats[i] for i in idx])[0]
+            for i, sample in zip(idx, samples, strict=True):
+                out[i] = sample
+        return out, {}
 
 
 def zimage_flow_model(pipeline: Any, model_kwargs: Mapping[str, Any] | None = None) -> ZImage:
