@@ -137,11 +137,15 @@ def module_device(module: torch.nn.Module) -> torch.device:
 
 
 def module_dtype(module: torch.nn.Module) -> torch.dtype:
-    """The dtype a module computes in: diffusers' and transformers' own `dtype` where the module has one (it skips
-    the parameters their `_keep_in_fp32_modules` keep in float32 on a low-precision load, such as Wan's
-    `scale_shift_table`, which comes first), else its first parameter's."""
-    dtype = getattr(module, "dtype", None)
-    return dtype if isinstance(dtype, torch.dtype) else next(module.parameters()).dtype
+    """The dtype a module computes in: its first parameter's outside the modules diffusers and transformers keep in
+    float32 on a low-precision load (`_keep_in_fp32_modules`, matched as they match it: a substring of the name;
+    Wan's `scale_shift_table` comes first). Their own `dtype` property applies the same rule but first walks every
+    submodule for casting hooks, milliseconds a call at real size, and the families ask on every forward."""
+    keep = getattr(module, "_keep_in_fp32_modules", None) or ()
+    for name, param in module.named_parameters():
+        if not any(k in name for k in keep):
+            return param.dtype
+    return next(module.parameters()).dtype
 
 
 def stacked_prompt_states(

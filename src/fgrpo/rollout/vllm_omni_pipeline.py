@@ -323,10 +323,10 @@ class OmniZImageTransformer(OmniConfigured):
     the same output tuple, but no `return_dict` keyword, which ZImage passes; `in_channels` is a plain attribute.
 
     vllm-omni 0.30's forward is right only for a batch whose captions all pad to one length (a multiple of
-    diffusers' SEQ_MULTI_OF tokens, vllm-omni's too): it passes no attention mask, so shorter items attend to the padding rows, and it rotates
-    every item with item 0's positions. A CFG batch (prompts beside a short negative prompt) mixes lengths, so this
-    wrapper calls it once per group of items of one padded caption length and image shape and puts the outputs back
-    in order; a batch of one group is one call, as before."""
+    diffusers' SEQ_MULTI_OF tokens, vllm-omni's too): it passes no attention mask, so shorter items attend to the
+    padding rows, and it rotates every item with item 0's positions. A CFG batch (prompts beside a short negative
+    prompt) mixes lengths, so this wrapper calls it once per group of items of one padded caption length and image
+    shape and puts the outputs back in order; a batch of one group is one call, as before."""
 
     def forward(
         self, x: list[torch.Tensor], t: torch.Tensor, cap_feats: list[torch.Tensor], return_dict: bool = False
