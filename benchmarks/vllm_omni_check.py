@@ -47,7 +47,6 @@ family directory writers, the Edit condition images too (what runs without vLLM-
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import gc
 import json
@@ -57,7 +56,7 @@ import sys
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -860,18 +859,6 @@ def section_sleep(ctx: Ctx) -> None:
         engine.close()
 
 
-@contextlib.contextmanager
-def random_bf16(device: torch.device) -> Iterator[None]:
-    """Modules built inside are made on `device` in bf16 (random init, no float32 copy first)."""
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            yield
-    finally:
-        torch.set_default_dtype(default)
-
-
 def save_real_size_dir(path: Path, layers: int, device: torch.device) -> Path:
     """Random real-size Qwen-Image (transformer + VAE; a 1-layer text encoder of width 3584) in diffusers layout."""
     if (path / "model_index.json").exists():
@@ -886,19 +873,24 @@ def save_real_size_dir(path: Path, layers: int, device: torch.device) -> Path:
     from fgrpo.models.tiny import tiny_qwen_tokenizer
 
     tokenizer = tiny_qwen_tokenizer()
-    with random_bf16(device):
-        transformer = QwenImageTransformer2DModel(num_layers=layers)  # diffusers defaults = Qwen-Image
-        vae = AutoencoderKLQwenImage()
-        text = dict(
-            hidden_size=3584, intermediate_size=1024, num_hidden_layers=1, num_attention_heads=28,
-            num_key_value_heads=4, vocab_size=len(tokenizer), rope_theta=1e6,
-            rope_scaling={"mrope_section": [16, 24, 24], "rope_type": "default", "type": "default"},
-            eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tokenizer.pad_token_id,
-        )  # fmt: skip
-        vision = dict(depth=1, hidden_size=64, intermediate_size=64, num_heads=2, out_hidden_size=3584)
-        encoder = Qwen2_5_VLForConditionalGeneration(
-            Qwen2_5_VLConfig(text_config=text, vision_config=vision, vocab_size=len(tokenizer))  # pyright: ignore[reportCallIssue]
-        )
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            transformer = QwenImageTransformer2DModel(num_layers=layers)  # diffusers defaults = Qwen-Image
+            vae = AutoencoderKLQwenImage()
+            text = dict(
+                hidden_size=3584, intermediate_size=1024, num_hidden_layers=1, num_attention_heads=28,
+                num_key_value_heads=4, vocab_size=len(tokenizer), rope_theta=1e6,
+                rope_scaling={"mrope_section": [16, 24, 24], "rope_type": "default", "type": "default"},
+                eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tokenizer.pad_token_id,
+            )  # fmt: skip
+            vision = dict(depth=1, hidden_size=64, intermediate_size=64, num_heads=2, out_hidden_size=3584)
+            encoder = Qwen2_5_VLForConditionalGeneration(
+                Qwen2_5_VLConfig(text_config=text, vision_config=vision, vocab_size=len(tokenizer))  # pyright: ignore[reportCallIssue]
+            )
+    finally:
+        torch.set_default_dtype(default)
     scheduler: Any = FlowMatchEulerDiscreteScheduler.from_config(
         SCHEDULER_CONFIG
     )  # from_config may return a tuple
@@ -935,22 +927,27 @@ def save_real_size_zimage_dir(
 
     tokenizer: Any = tiny.tiny_qwen_tokenizer()
     tokenizer.chat_template = tiny.QWEN3_CHAT_TEMPLATE
-    with random_bf16(device):
-        transformer = ZImageTransformer2DModel(**(transformer_kwargs or {}))
-        width = transformer.config["cap_feat_dim"]
-        vae_config: dict[str, Any] = dict(
-            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-            block_out_channels=(32, 32, 64, 64), layers_per_block=1, latent_channels=16, norm_num_groups=16,
-            scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False,
-        )  # fmt: skip
-        vae = AutoencoderKL(**vae_config)
-        encoder = Qwen3ForCausalLM(
-            Qwen3Config(
-                vocab_size=len(tokenizer), hidden_size=width, intermediate_size=1024, num_hidden_layers=2,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128,  # Qwen3-4B's heads
-                max_position_embeddings=4096,
-            )
-        )  # fmt: skip
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            transformer = ZImageTransformer2DModel(**(transformer_kwargs or {}))
+            width = transformer.config["cap_feat_dim"]
+            vae_config: dict[str, Any] = dict(
+                down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                block_out_channels=(32, 32, 64, 64), layers_per_block=1, latent_channels=16, norm_num_groups=16,
+                scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False,
+            )  # fmt: skip
+            vae = AutoencoderKL(**vae_config)
+            encoder = Qwen3ForCausalLM(
+                Qwen3Config(
+                    vocab_size=len(tokenizer), hidden_size=width, intermediate_size=1024, num_hidden_layers=2,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=128,  # Qwen3-4B's heads
+                    max_position_embeddings=4096,
+                )
+            )  # fmt: skip
+    finally:
+        torch.set_default_dtype(default)
     scheduler: Any = FlowMatchEulerDiscreteScheduler.from_config(SCHEDULER_CONFIG)
     pipe = ZImagePipeline(
         transformer=transformer, vae=vae, text_encoder=encoder, tokenizer=tokenizer, scheduler=scheduler
@@ -960,7 +957,8 @@ def save_real_size_zimage_dir(
     tmp.rename(path)
     del pipe, transformer, vae, encoder
     gc.collect()
-    torch.cuda.empty_cache()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return path
 
 
