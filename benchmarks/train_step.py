@@ -100,13 +100,14 @@ from fgrpo.models.registry import build_tiny
 
 MATMUL_TFLOPS_H200 = 755.0  # bf16, measured on an H200 (RESULTS.md)
 VERL_OMNI_IMAGES_PER_GPU_S = 0.305  # published, 4xH800, LoRA + CFG, same recipe
-# --fp8's words: (the merged rollout's copies, model.fp8_train); fp8_train takes rowwise scales only
+# --fp8's words: (the merged rollout's copies, model.fp8_train); fp8_train scales per row whatever the copies take
 FP8_SETTINGS = {
     "off": ("off", False),
     "rowwise": ("rowwise", False),
     "tensorwise": ("tensorwise", False),
     "train": ("off", True),
     "train+rowwise": ("rowwise", True),
+    "train+tensorwise": ("tensorwise", True),
 }
 
 
@@ -255,7 +256,8 @@ def main() -> None:
         "off; rowwise or tensorwise: with --merged-rollout on, the merged copies as float8 and their forwards as "
         "float8 matmuls with that scaling (model.fp8_rollout, model.fp8_scaling); train: the frozen base of the "
         "LoRA layers the merged rollout targets as float8 matmuls (rowwise) in every forward and backward, rollout "
-        "window and training alike (model.fp8_train); train+rowwise: both. The train settings run last: "
+        "window and training alike (model.fp8_train); train+rowwise, train+tensorwise: both (the copies with that "
+        "scaling, training rowwise). The train settings run last: "
         "converting the base cannot be undone in the process",
     )
     ap.add_argument(
@@ -658,7 +660,7 @@ def main() -> None:
         check_config(cfg, d.world_size)
         if fp8_train and trainer is not None and not in_float8:
             # the model was set up by a setting without it: convert as the trainer's setup would have
-            float8_base_model(trainer.model, "rowwise")
+            float8_base_model(trainer.model)
         in_float8 = in_float8 or fp8_train
         # one model build for every setting: the first Trainer adds the LoRA and shards, the next ones reuse it
         trainer = Trainer(

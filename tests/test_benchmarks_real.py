@@ -650,8 +650,9 @@ def test_train_step_fp8_rollout(train_step, monkeypatch, capsys):
 def test_train_step_fp8_train(train_step, monkeypatch, capsys):
     """--fp8 train converts the LoRA layers' frozen base to float8 through the trainer's model setup, and the first
     update's gap stays 0. In one process, `train+rowwise,off,train` runs off first (the conversion cannot be undone),
-    then converts once, then runs both train settings: the merged rollout's copies in float8 and in bf16; with
-    --full, --fp8-deviation or a tensorwise train it stops before any work."""
+    then converts once, then runs both train settings: the merged rollout's copies in float8 and in bf16.
+    train+tensorwise keeps the copies with one scale per tensor and trains rowwise, gap 0. With --full,
+    --fp8-deviation or float8 copies without the merged rollout it stops before any work."""
     from fgrpo.models import lora
 
     made: list[list[str]] = []
@@ -677,9 +678,13 @@ def test_train_step_fp8_train(train_step, monkeypatch, capsys):
         "## grpo: CFG 4.0, merged LoRA outside the window (rollout), the LoRA's base in float8 (rowwise) everywhere",
     ]
     assert out.count("first-update log-prob gap 0.0e+00") == 3 and len(made) == 1 and made[0]
+    made.clear()
+    out = run_main(train_step, monkeypatch, capsys, *TRAIN_ARGS, *merged, "train+tensorwise")
+    assert "float8 tensorwise, the LoRA's base in float8 (rowwise) everywhere\n" in out
+    assert "first-update log-prob gap 0.0e+00" in out and len(made) == 1 and made[0]
     for args in (
         ("--fp8", "train", "--full"),
-        (*merged, "train+tensorwise"),
+        ("--fp8", "tensorwise"),
         (*merged, "train", "--fp8-deviation"),
     ):
         assert "--fp8" in refusal(train_step, monkeypatch, capsys, *args)

@@ -264,8 +264,9 @@ def test_refusals():
 def test_fp8_rollout_refusals(monkeypatch):
     """model.fp8_rollout quantizes the merged rollout's copies: refused by name without merged_rollout, and
     without torchao (the fp8 extra), before anything is built; merged_float8 names the scaling the engine gets.
-    model.fp8_train is refused without torchao, without LoRA and with tensorwise scaling; beside fp8_rollout it is
-    taken (the merged forwards run the copies quantized at the merge)."""
+    model.fp8_train is refused without torchao and without LoRA; beside fp8_rollout it is taken with either scaling
+    of the copies (the merged forwards run the copies quantized at the merge). model.fp8_scaling tensorwise without
+    fp8_rollout is refused: it would scale nothing."""
     import importlib.util
 
     c = Config()
@@ -290,16 +291,20 @@ def test_fp8_rollout_refusals(monkeypatch):
     if real("torchao") is not None:
         validate_config(dataclasses.replace(c, model=both, parallel=lora_adapters), 1)
         validate_config(dataclasses.replace(c, model=train), 1)
-        validate_config(
-            dataclasses.replace(c, model=dataclasses.replace(both, fp8_train=True), parallel=lora_adapters), 1
-        )
-    # model.fp8_train: the LoRA's frozen base in float8 in every forward, with rowwise scales only (one scale per
-    # tensor depends on the batch, and the recompute batches otherwise)
+        for scaling in ("rowwise", "tensorwise"):  # the copies' scales; training's are rowwise
+            both_train = dataclasses.replace(both, fp8_train=True, fp8_scaling=scaling)
+            validate_config(dataclasses.replace(c, model=both_train, parallel=lora_adapters), 1)
+    # model.fp8_scaling names the merged copies' scales: without fp8_rollout it would scale nothing (fp8_train is
+    # rowwise whatever it says: one scale per tensor depends on the batch, and the recompute batches otherwise)
     for bad, words in (
         (dataclasses.replace(train, lora=False), r"model.fp8_train .*model.lora=False"),
         (
             dataclasses.replace(train, fp8_scaling="tensorwise"),
-            r"model.fp8_train .*--model.fp8-scaling rowwise",
+            r"model.fp8_scaling=tensorwise .*model.fp8_rollout.*--model.fp8-rollout or drop --model.fp8-scaling",
+        ),
+        (
+            dataclasses.replace(c.model, fp8_scaling="tensorwise"),
+            r"model.fp8_scaling=tensorwise .*model.fp8_rollout, which is off",
         ),
     ):
         with pytest.raises(ValueError, match=words):

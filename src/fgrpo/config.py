@@ -109,7 +109,9 @@ class ModelConfig:
     With merged_rollout its merged forwards are float8 too, each quantizing its bf16 merged weight as it runs;
     with fp8_rollout as well, they run the copies quantized once at the merge instead."""
     fp8_scaling: Literal["rowwise", "tensorwise"] = "rowwise"
-    """With fp8_rollout or fp8_train: one float8 scale per weight row and per activation row, or one per tensor."""
+    """With fp8_rollout: the merged copies' float8 scales, one per weight row and per activation row, or one per
+    tensor (no log-prob is taken from those forwards). fp8_train always scales per row: one scale per tensor would
+    depend on the whole batch, and the recompute's batches hold other rows than the rollout's."""
 
     @property
     def merged_float8(self) -> Literal["off", "rowwise", "tensorwise"]:
@@ -546,10 +548,10 @@ def validate_config(cfg: TrainConfig, world_size: int) -> None:
             "model.fp8_train runs the frozen base of the LoRA layers in float8 and model.lora=False trains the "
             "base; add --model.lora or drop --model.fp8-train"
         )
-    if m.fp8_train and m.fp8_scaling != "rowwise":
+    if m.fp8_scaling != "rowwise" and not m.fp8_rollout:
         raise ConfigError(
-            "model.fp8_train with one scale per tensor scales each activation by its whole batch, so the "
-            "recompute's batches would not reproduce the rollout's log-probs; use --model.fp8-scaling rowwise"
+            f"model.fp8_scaling={m.fp8_scaling} scales the merged copies of model.fp8_rollout, which is off "
+            "(model.fp8_train always scales per row); add --model.fp8-rollout or drop --model.fp8-scaling"
         )
     if (m.fp8_rollout or m.fp8_train) and importlib.util.find_spec("torchao") is None:
         raise ConfigError(TORCHAO_MISSING)

@@ -732,9 +732,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def _float8_rollout_seen(model, probe) -> tuple[Any, list[tuple[Any, bool]]]:
-    """The float8 merged rollout (rowwise, through the training graph) of PROMPTS, and per forward what `probe()`
-    saw and whether grad was on (the window's forwards)."""
+def _float8_rollout_seen(model, probe, scaling: str = "rowwise") -> tuple[Any, list[tuple[Any, bool]]]:
+    """The float8 merged rollout (through the training graph) of PROMPTS, and per forward what `probe()` saw and
+    whether grad was on (the window's forwards)."""
     seen: list[tuple[Any, bool]] = []
     real_velocity = model.velocity
 
@@ -744,7 +744,7 @@ def _float8_rollout_seen(model, probe) -> tuple[Any, list[tuple[Any, bool]]]:
 
     model.velocity = velocity
     try:
-        traj = DiffusersEngine(model, train_graph=True, merged_lora=True, float8="rowwise").generate(
+        traj = DiffusersEngine(model, train_graph=True, merged_lora=True, float8=scaling).generate(
             PROMPTS, SEEDS, BASE
         )
     finally:
@@ -841,12 +841,16 @@ def test_fp8_train_runs_the_base_in_float8_in_rollout_and_training_alike():
 
 
 @needs_torchao
-def test_fp8_train_with_fp8_rollout_runs_the_copies_quantized_once_and_keeps_the_window_exact():
+@pytest.mark.parametrize("scaling, scale_shape", [("rowwise", (32, 1)), ("tensorwise", (1, 1))])
+def test_fp8_train_with_fp8_rollout_runs_the_copies_quantized_once_and_keeps_the_window_exact(
+    scaling, scale_shape
+):
     """model.fp8_train with model.fp8_rollout: the merged forwards run a plain Linear that holds the float8 copy
     quantized at the merge (torchao's float8 training linear would quantize its weight again in every forward and
     does not take a float8 weight), the window's forwards the float8 training linear with the adapters, so the
     recompute equals the rollout's log-probs bit for bit; on leaving, the very base module comes back. Inside, the
-    layer's output is F.linear with the float8 copy, exactly."""
+    layer's output is F.linear with the float8 copy, exactly. The copies may scale per tensor (the merged forwards
+    give no log-prob) while training stays rowwise: the window is exact either way."""
     import torch.nn.functional as F
     from torchao.float8.float8_linear import Float8Linear  # pyright: ignore[reportMissingImports]
 
@@ -859,14 +863,14 @@ def test_fp8_train_with_fp8_rollout_runs_the_copies_quantized_once_and_keeps_the
     names = float8_base_layers(model.transformer, model.merge_targets, "rowwise")
     image_q = dict(model.transformer.named_modules())[names[0]]
     base = image_q.get_base_layer()
-    traj, seen = _float8_rollout_seen(model, lambda: type(image_q.get_base_layer()).__name__)
+    traj, seen = _float8_rollout_seen(model, lambda: type(image_q.get_base_layer()).__name__, scaling)
     assert {s for s in seen if not s[1]} == {("Linear", False)}  # merged: the plain stand-in
     assert {s for s in seen if s[1]} == {("Float8Linear", True)}  # the window: the float8 training linear
     assert torch.equal(recompute_log_probs(model, traj, BASE), traj.log_prob)  # the first update's gap: 0
     assert image_q.get_base_layer() is base and isinstance(base, Float8Linear)
-    merged = MergedLora(model.transformer, model.merge_targets, float8="rowwise")
+    merged = MergedLora(model.transformer, model.merge_targets, float8=scaling)
     copy = next(m for layer, _, m in merged.layers if layer is image_q)
-    assert isinstance(copy, Float8Tensor)
+    assert isinstance(copy, Float8Tensor) and tuple(copy.scale.shape) == scale_shape
     x = torch.randn(2, 5, base.in_features, generator=torch.Generator().manual_seed(0)).to(base.weight.dtype)
     with torch.no_grad(), merged.active():
         assert torch.equal(image_q(x), F.linear(x, copy, base.bias))

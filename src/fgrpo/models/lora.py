@@ -92,15 +92,18 @@ def setup_trainable_model(model: FlowModel, mcfg: ModelConfig) -> list[nn.Parame
             own = dataclasses.replace(mcfg, init_lora=str(Path(mcfg.init_lora) / name))
         params += setup_trainable(transformer, own)
     if mcfg.fp8_train:
-        float8_base_model(model, mcfg.fp8_scaling)
+        float8_base_model(model)
     return params
 
 
-def float8_base_model(model: FlowModel, scaling: Literal["rowwise", "tensorwise"]) -> list[str]:
+def float8_base_model(model: FlowModel) -> list[str]:
     """model.fp8_train's conversion: `float8_base_layers` on each trained transformer, over the model's merge
-    targets. Returns the converted layers' names."""
+    targets, with rowwise scales (a row's scale depends on that row alone, so a training forward of other rows
+    than the rollout's still reproduces its log-probs). Returns the converted layers' names."""
     targets = getattr(model, "merge_targets", ())
-    return [n for t in trained_transformers(model).values() for n in float8_base_layers(t, targets, scaling)]
+    return [
+        n for t in trained_transformers(model).values() for n in float8_base_layers(t, targets, "rowwise")
+    ]
 
 
 def is_target(name: str, targets: Sequence[str]) -> bool:
