@@ -731,9 +731,8 @@ def main() -> None:
             step_s = timer.total()
             t = timer.times
             roll, rew = t["rollout"], t["reward"] + experience_s["sync"]
-            train = (
-                t["train"] + t["sync"] - experience_s["sync"]
-            )  # update's sync: an out-of-process engine's LoRA
+            lora_sync = t["sync"] - experience_s["sync"]  # the update's sync: an out-of-process engine's LoRA
+            train = t["train"] + lora_sync
             if prof is not None:
                 prof.__exit__(None, None, None)
                 events = [e for e in prof.key_averages() if "nccl" in e.key.lower()]
@@ -756,7 +755,8 @@ def main() -> None:
                 f"step {it}: rollout {roll:.2f}s "
                 + (f"reward {rew:.2f}s " if reward is not None else "")
                 + f"old-logprob {old_s:.2f}s train {train:.2f}s "
-                f"peak {peak:.1f} GiB "
+                + (f"(the LoRA's sync {lora_sync:.2f}s) " if engine == "vllm_omni" else "")
+                + f"peak {peak:.1f} GiB "
                 + (f"(GPU, all processes: {all_peak:.1f} GiB) " if device_peak is not None else "")
                 + f"gap {m['logprob_gap/max']:.2e}"
                 + (f" nccl {nccl_s:.2f}s" if profile else "")

@@ -828,7 +828,7 @@ def test_train_step_times_each_engine_on_one_model_from_the_real_dir(
     """benchmarks/train_step.py --rollout-engine diffusers,vllm_omni (the tiny model, the fake vLLM-Omni): the
     model is written to --real-dir once and both settings read it; the second setting rolls out on the engine
     (woken, then slept), sends it the LoRA after the update, recomputes the old log-probs inside the update (no
-    separate recompute row) and closes it at the end."""
+    separate recompute row), prints the LoRA's sync apart in its step lines, and closes it at the end."""
     import tempfile
 
     from fgrpo.scripts import load_script
@@ -857,6 +857,9 @@ def test_train_step_times_each_engine_on_one_model_from_the_real_dir(
         (False, True),
     ]
     assert ["old log-prob (recompute only)" in t for t in tables] == [True, False]
+    # the engine's step lines give the LoRA's sync apart (inside their train time); the in-process ones share it
+    syncs = [float(v) for _, v in re.findall(r"train (\S+)s \(the LoRA's sync (\S+)s\)", out)]
+    assert len(syncs) == 2 and all(v > 0 for v in syncs) and out.count("the LoRA's sync") == 2
     gap = re.findall(r"first-update log-prob gap (\S+)\)", out)
     # in-process: exact; the engine's log-probs against the update's recompute: the same fp32 policy, its LoRA
     # read back from the exported file, other batch shapes
