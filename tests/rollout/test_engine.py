@@ -27,7 +27,7 @@ from diffusers.schedulers.scheduling_utils import SchedulerOutput
 from fgrpo.config import SamplingConfig
 from fgrpo.core import schedule
 from fgrpo.models import tiny
-from fgrpo.models.lora import MergedLora, add_lora
+from fgrpo.models.lora import Float8, MergedLora, add_lora
 from fgrpo.models.qwen_image import QWEN_IMAGE_LORA_TARGETS, QwenImage, pack
 from fgrpo.models.sd3 import SD3, SD3_LORA_TARGETS
 from fgrpo.policy import transition
@@ -732,7 +732,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def _float8_rollout_seen(model, probe, scaling: str = "rowwise") -> tuple[Any, list[tuple[Any, bool]]]:
+def _float8_rollout_seen(model, probe, scaling: Float8 = "rowwise") -> tuple[Any, list[tuple[Any, bool]]]:
     """The float8 merged rollout (through the training graph) of PROMPTS, and per forward what `probe()` saw and
     whether grad was on (the window's forwards)."""
     seen: list[tuple[Any, bool]] = []
@@ -870,7 +870,8 @@ def test_fp8_train_with_fp8_rollout_runs_the_copies_quantized_once_and_keeps_the
     assert image_q.get_base_layer() is base and isinstance(base, Float8Linear)
     merged = MergedLora(model.transformer, model.merge_targets, float8=scaling)
     copy = next(m for layer, _, m in merged.layers if layer is image_q)
-    assert isinstance(copy, Float8Tensor) and tuple(copy.scale.shape) == scale_shape
+    f8: Any = copy  # torchao's tensor subclass: its scale
+    assert isinstance(copy, Float8Tensor) and tuple(f8.scale.shape) == scale_shape
     x = torch.randn(2, 5, base.in_features, generator=torch.Generator().manual_seed(0)).to(base.weight.dtype)
     with torch.no_grad(), merged.active():
         assert torch.equal(image_q(x), F.linear(x, copy, base.bias))
