@@ -10,11 +10,12 @@ Columns per shape (each the mean of --iters calls after one warm-up, between CUD
 - float8 matmul: `torch._scaled_mm` on operands already quantized rowwise (e4m3, one scale per row of each): the
   float8 matmul alone, the rate a float8 ceiling divides by;
 - float8 linear: `F.linear` with the weight as torchao's float8 tensor (`models.lora.float8_weight`, rowwise), so
-  the activation is quantized in the call, as the merged rollout's float8 forwards run (eager here; compiled, the
-  cast fuses into the kernels before).
-The last row weighs the shapes by their FLOPs in one block: the block's rates.
+  the activation is quantized in the call, as the merged rollout's float8 forwards run;
+- float8 linear, tensorwise: the same with one scale per tensor (model.fp8_scaling tensorwise).
+With --compile each call is torch.compile'd first (the step's forwards are: the activation's cast then fuses into
+the kernels before it). The last row weighs the shapes by their FLOPs in one block: the block's rates.
 
-GPU:  PYTHONPATH=src python3 benchmarks/matmul.py                (needs torchao, the fp8 extra)
+GPU:  PYTHONPATH=src python3 benchmarks/matmul.py [--compile]     (needs torchao, the fp8 extra)
 CPU:  uv run --extra fp8 python benchmarks/matmul.py --tiny       (tiny shapes: checks the script end to end)
 """
 
@@ -65,30 +66,42 @@ def mean_seconds(fn: Callable[[], torch.Tensor], iters: int, device: torch.devic
     return (time.perf_counter() - t0) / iters
 
 
-def measure(m: int, k: int, n: int, iters: int, device: torch.device) -> dict[str, float]:
-    """Seconds per call of the three matmuls of one shape, and the float8 matmul's largest error relative to the
-    bf16 output's largest magnitude (a check that it computes the same product)."""
+KINDS = ("bf16", "float8 matmul", "float8 linear", "float8 linear, tensorwise")
+
+
+def measure(
+    m: int, k: int, n: int, iters: int, device: torch.device, compile: bool = False
+) -> dict[str, float]:
+    """Seconds per call of the four matmuls of one shape (each torch.compile'd first with `compile`), and the float8
+    matmul's largest error relative to the bf16 output's largest magnitude (a check that it computes the same
+    product)."""
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=g)
     w = torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=g) / k**0.5
     x8, sx = rowwise(x)
     w8, sw = rowwise(w)
-    w_float8 = float8_weight(w, "rowwise", "benchmark weight")
+    w_row = float8_weight(w, "rowwise", "benchmark weight")
+    w_tensor = float8_weight(w, "tensorwise", "benchmark weight")
 
-    def scaled() -> torch.Tensor:
+    def scaled(x8: torch.Tensor, sx: torch.Tensor) -> torch.Tensor:
         return torch._scaled_mm(  # pyright: ignore[reportPrivateImportUsage] - torch's float8 matmul
             x8, w8.t(), scale_a=sx, scale_b=sw.t(), out_dtype=torch.bfloat16, use_fast_accum=True
         )
 
+    def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, weight)
+
+    mm, lin = (torch.compile(scaled), torch.compile(linear)) if compile else (scaled, linear)
     with torch.no_grad():
         ref = F.linear(x, w)
-        err = float((scaled().float() - ref.float()).abs().max() / ref.float().abs().max())
-        return {
-            "bf16": mean_seconds(lambda: F.linear(x, w), iters, device),
-            "float8 matmul": mean_seconds(scaled, iters, device),
-            "float8 linear": mean_seconds(lambda: F.linear(x, w_float8), iters, device),
-            "error": err,
+        err = float((mm(x8, sx).float() - ref.float()).abs().max() / ref.float().abs().max())
+        calls = {
+            "bf16": lambda: lin(x, w),
+            "float8 matmul": lambda: mm(x8, sx),
+            "float8 linear": lambda: lin(x, w_row),
+            "float8 linear, tensorwise": lambda: lin(x, w_tensor),
         }
+        return {kind: mean_seconds(calls[kind], iters, device) for kind in KINDS} | {"error": err}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -96,20 +109,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (script check)")
     ap.add_argument("--rows", type=int, default=0, help="M, the rows of a call (0: 16,384; tiny: 32)")
     ap.add_argument("--iters", type=int, default=20, help="timed calls per cell")
+    ap.add_argument(
+        "--compile", action="store_true", help="torch.compile each call first, as the step runs them"
+    )
     args = ap.parse_args(argv)
+    if args.compile:
+        torch._dynamo.config.recompile_limit = 64  # one graph per (shape, weight kind)
     device = torch.device("cpu" if args.tiny else "cuda")
     m = args.rows or (32 if args.tiny else 16 * 1024)
     shapes = TINY_SHAPES if args.tiny else QWEN_IMAGE_SHAPES
-    kinds = ("bf16", "float8 matmul", "float8 linear")
+    kinds = KINDS
     print(
-        f"# {'CPU' if args.tiny else torch.cuda.get_device_name()}, torch {torch.__version__}, M = {m} rows"
+        f"# {'CPU' if args.tiny else torch.cuda.get_device_name()}, torch {torch.__version__}, M = {m} rows, "
+        + ("compiled" if args.compile else "eager")
     )
     print("| K -> N (layers a block) | " + " | ".join(f"{k} TFLOP/s" for k in kinds) + " | float8 / bf16 |")
     print("|---|" + "---:|" * (len(kinds) + 1))
     block_s = dict.fromkeys(kinds, 0.0)
     block_flop = 0.0
     for k, n, count in shapes:
-        s = measure(m, k, n, args.iters, device)
+        s = measure(m, k, n, args.iters, device, args.compile)
         if s["error"] > 0.1:
             raise SystemExit(f"float8 matmul of {k} -> {n}: error {s['error']:.3f} of the output's range")
         for kind in kinds:

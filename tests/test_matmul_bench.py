@@ -38,17 +38,22 @@ def test_rowwise_operands_give_the_product():
     torch.testing.assert_close(scale[:2].flatten(), torch.tensor([4.0, 8.0]) / 448, rtol=2**-8, atol=0)
     torch.testing.assert_close((q.float() * scale)[:2, :3], rows[:2, :3], rtol=2**-8, atol=0)
     s = mm.measure(16, 32, 48, 1, torch.device("cpu"))
-    assert set(s) == {"bf16", "float8 matmul", "float8 linear", "error"} and 0 < s["error"] < 0.1
+    assert set(s) == {*mm.KINDS, "error"} and 0 < s["error"] < 0.1
+    assert "float8 linear, tensorwise" in mm.KINDS
 
 
-def test_tiny_table(capsys):
-    """--tiny prints one row per shape and the block's row, each with three rates and the float8 / bf16 ratio."""
-    _matmul().main(["--tiny", "--iters", "1"])
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+@pytest.mark.parametrize("compile", [False, True])
+def test_tiny_table(capsys, compile):
+    """--tiny prints one row per shape and the block's row, each with four rates and the float8 / bf16 ratio, eager
+    and with --compile."""
+    _matmul().main(["--tiny", "--iters", "1", *(["--compile"] if compile else [])])
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].endswith("compiled" if compile else "eager")
+    rows = [line for line in out.splitlines() if line.startswith("| ")]
     assert [r.split(" | ")[0] for r in rows[1:]] == [
         "| 32 -> 32 (4)",
         "| 32 -> 128 (1)",
         "| 128 -> 32 (1)",
         "| **one block**",
     ]
-    assert all(len(r.split(" | ")) == 5 and r.endswith("x |") for r in rows[1:])
+    assert all(len(r.split(" | ")) == 6 and r.endswith("x |") for r in rows[1:])
