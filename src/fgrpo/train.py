@@ -52,7 +52,7 @@ from fgrpo.core.schedule import lr_multiplier
 from fgrpo.data import load_prompts, step_prompt_indices
 from fgrpo.errors import RunCollapsed
 from fgrpo.models.base import FlowModel, trained_module, trained_transformers
-from fgrpo.models.lora import export_loras, setup_trainable_model
+from fgrpo.models.lora import export_loras, lora_file_tensors, setup_trainable_model
 from fgrpo.models.registry import build_model
 from fgrpo.models.wan import wan_kwargs
 from fgrpo.rewards import build_reward
@@ -397,9 +397,12 @@ class Trainer:
         return train_metrics
 
     def sync_engine(self) -> None:
-        """An engine with its own weights (vLLM-Omni) gets the trained adapter; the in-process one shares it."""
+        """An engine with its own weights (vLLM-Omni) gets the trained adapter from memory (no file of it written
+        and read back); the in-process one shares it. The engine takes one transformer's (it refuses a two-expert
+        Wan by name)."""
         if isinstance(self.engine, LoraSyncedEngine):
-            self.engine.update_lora(self.export_lora(self.run.path / "engine_lora"))
+            transformer = next(iter(trained_transformers(self.model).values()))
+            self.engine.update_lora(*lora_file_tensors(transformer))
 
     def export_lora(self, out_dir: Path, **kwargs) -> Path:
         """The trained LoRA in diffusers' layout (models.lora.export_loras: one directory of each transformer's

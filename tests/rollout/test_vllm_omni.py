@@ -630,8 +630,38 @@ def test_lora_names_follow_vllm_omni_modules(engine, tmp_path):
         load_file(f"{req.lora_path}/adapter_model.safetensors")[
             "transformer.transformer_blocks.0.attn.to_out.lora_B.weight"
         ],
-        b,
+        b.to(torch.bfloat16),  # written in the engine's dtype
     )
+
+
+def test_the_trainers_lora_from_memory_equals_its_export_and_is_written_in_the_engines_dtype(
+    engine, tmp_path
+):
+    """The trainer hands the engine its adapter from memory (`lora_file_tensors`: no file written and read back):
+    the engine's directory equals the one the exported directory gives, key for key, value for value and config,
+    and holds the fp32 masters cast to the engine's bf16, the cast its LoRA manager applies on loading."""
+    from safetensors.torch import load_file
+
+    from fgrpo.models.lora import ADAPTER_WEIGHTS, add_lora, export_lora, lora_file_tensors
+    from fgrpo.rollout.vllm_omni import vllm_omni_lora_names
+
+    transformer = tiny_qwen_image(0).transformer
+    add_lora(transformer, rank=2, alpha=4, init=False)  # A and B random: no zero tensor hides a wrong key
+    for p in transformer.parameters():
+        p.data = p.data.float()  # the trainer's fp32 masters
+    state, cfg = lora_file_tensors(transformer)
+    exported = export_lora(tmp_path / "export", transformer)
+    assert load_file(str(exported / ADAPTER_WEIGHTS)).keys() == state.keys()
+    from_file, from_memory = engine.update_lora(exported), engine.update_lora(state, cfg)
+    a, b = (load_file(f"{r.lora_path}/{ADAPTER_WEIGHTS}") for r in (from_file, from_memory))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(k.endswith(".attn.to_out.lora_B.weight") for k in b)  # vLLM-Omni's names (to_out.0 renamed)
+    assert {t.dtype for t in b.values()} == {torch.bfloat16}
+    renamed, _ = vllm_omni_lora_names(state, cfg, engine.adapter.lora_renames)
+    assert all(torch.equal(b[k], renamed[k].to(torch.bfloat16)) for k in b)
+    assert (Path(from_file.lora_path) / "adapter_config.json").read_text() == (
+        Path(from_memory.lora_path) / "adapter_config.json"
+    ).read_text()
 
 
 def test_lora_update_errors(engine, tmp_path):
@@ -794,13 +824,21 @@ def test_each_algorithms_rollout_equals_the_in_process_engines(
 @pytest.mark.parametrize("name", ["dppo", "nft", "awm", "mixgrpo-flash"])
 def test_each_algorithm_trains_on_the_engines_rollouts(fake_vllm, tiny_on_vllm, tmp_path, monkeypatch, name):
     """One training step through train(): rollout on the engine (woken, then slept), the update on its trajectory
-    (moved to the trainer's device), the LoRA sent back; the trajectory holds exactly the fields the update reads."""
+    (moved to the trainer's device), the LoRA sent back from memory; the trajectory holds exactly the fields the
+    update reads."""
     import tempfile
 
     import fgrpo.train as train_mod
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the engine's LoRA versions
     seen = []
+    sources = []
+    real_update = fake_vllm.VllmOmniEngine.update_lora
+    monkeypatch.setattr(
+        fake_vllm.VllmOmniEngine,
+        "update_lora",
+        lambda self, source, *a, **k: sources.append(source) or real_update(self, source, *a, **k),
+    )
     real_rollout = train_mod.rollout
     monkeypatch.setattr(train_mod, "rollout", lambda *a, **k: seen.append(real_rollout(*a, **k)) or seen[-1])
     cfg = _algo_cfg(name)
@@ -820,6 +858,7 @@ def test_each_algorithm_trains_on_the_engines_rollouts(fake_vllm, tiny_on_vllm, 
         "generate",
         "sleep",
     ]  # the rollout ran here (an engine starts awake; a LoRA sync is no RPC)
+    assert len(sources) == 1 and isinstance(sources[0], dict)  # the LoRA synced from memory after the update
 
 
 def test_train_step_times_each_engine_on_one_model_from_the_real_dir(

@@ -470,6 +470,18 @@ def lora_state_dict(model: nn.Module, *, adapter_name: str = "default") -> dict[
     return out
 
 
+def lora_file_tensors(
+    model: nn.Module, *, adapter_name: str = "default"
+) -> tuple[dict[str, torch.Tensor], Any]:
+    """What `export_lora` writes, held in memory: the adapter's full tensors under the keys of its file
+    (`transformer.<module>.lora_A.weight`: diffusers' saver prefixes the component) and its peft config. For an
+    engine that takes the adapter from memory (the vLLM-Omni engine's `update_lora`). Collective as
+    `lora_state_dict`."""
+    cfg = _peft_config(model, adapter_name)
+    sd = lora_state_dict(model, adapter_name=adapter_name)
+    return {f"transformer.{k}": v for k, v in sd.items()}, cfg
+
+
 def export_lora(
     out_dir: str | os.PathLike,
     model: nn.Module,

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -80,6 +80,7 @@ class ClosingEngine(Protocol):
 class LoraSyncedEngine(Protocol):
     """An engine with its own copy of the weights (vLLM-Omni): the trainer sends it each step's LoRA."""
 
-    def update_lora(self, source: Path) -> object:
-        """Sample with the PEFT adapter directory `source` (the trainer's export) from the next generate() on."""
+    def update_lora(self, source: Path | Mapping[str, torch.Tensor], config: Any = None) -> object:
+        """Sample with this adapter from the next generate() on: a PEFT adapter directory, or its tensors and
+        peft `config` held in memory (`models.lora.lora_file_tensors`)."""
         ...

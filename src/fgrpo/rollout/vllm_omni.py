@@ -343,6 +343,8 @@ class VllmOmniEngine:
             kwargs["model_class_name"] = self.adapter.request_arch
         kwargs.update(omni_kwargs or {})
         self.sleep_enabled = enable_sleep_mode
+        # the weights' torch dtype, which vLLM-Omni's LoRA manager casts adapters to ("auto": unknown here)
+        self.dtype = getattr(torch, dtype, None) if dtype != "auto" else None
         self.omni = Omni(**kwargs)
         # Configs of the resolved local directory (Omni downloads hub ids) for host-side request checks
         # (Qwen-Image's; another family's requests are checked on the worker, by the same check_request).
@@ -382,8 +384,11 @@ class VllmOmniEngine:
         """Use new LoRA weights from the next generate() on; returns the LoRARequest.
 
         source: a PEFT adapter directory (e.g. the trainer's export), or a PEFT-named state dict with its
-        `config` (peft.LoraConfig). Either way the engine gets a fresh directory and a fresh adapter id,
-        because vllm-omni would otherwise serve the cached adapter of the same id.
+        `config` (peft.LoraConfig; the trainer's `models.lora.lora_file_tensors`). Either way the engine gets a
+        fresh directory and a fresh adapter id, because vllm-omni would otherwise serve the cached adapter of the
+        same id. Floating tensors are written in the engine's dtype: its LoRA manager casts them to it on
+        loading (`Tensor.to`, before it scales B), so the engine computes the same and reads half the bytes of
+        fp32 masters.
         """
         if self.two_experts:
             # one LoRARequest reaches one set of names; the trainer's second expert would not be synced
@@ -407,7 +412,10 @@ class VllmOmniEngine:
         self.weight_version += 1
         v = self.weight_version
         dst = self.work_dir / f"lora_v{v:06d}"
-        write_peft_dir(dst, *vllm_omni_lora_names(source, config, self.adapter.lora_renames))
+        tensors, cfg = vllm_omni_lora_names(source, config, self.adapter.lora_renames)
+        if self.dtype is not None:
+            tensors = {k: t.to(self.dtype) if t.is_floating_point() else t for k, t in tensors.items()}
+        write_peft_dir(dst, tensors, cfg)
         from vllm.lora.request import LoRARequest  # pyright: ignore[reportMissingImports] - the optional `vllm` extra
 
         self.lora_request = LoRARequest(lora_name=f"fgrpo_v{v}", lora_int_id=v, lora_path=str(dst))
