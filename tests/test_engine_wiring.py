@@ -3,12 +3,10 @@ rollout, sleep after it, a fresh LoRA after every training step, CPU trajectorie
 the run ends."""
 
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_entry import Config  # noqa: E402
@@ -41,10 +39,11 @@ class RecordingEngine:
     def close(self):
         self.calls.append("close")
 
-    def update_lora(self, peft_dir):
+    def update_lora(self, state, config):
+        """The trainer's adapter from memory: its tensors (the export's keys) and peft config."""
         self.calls.append("update_lora")
-        self.adapters.append(json.loads((Path(peft_dir) / "adapter_config.json").read_text()))
-        self.weights.append(load_file(Path(peft_dir) / "adapter_model.safetensors"))
+        self.adapters.append(config.to_dict())
+        self.weights.append({k: t.detach().clone() for k, t in state.items()})
 
 
 def test_out_of_process_engine_is_woken_synced_and_slept(tmp_path, monkeypatch):
