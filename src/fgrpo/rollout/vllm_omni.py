@@ -344,7 +344,8 @@ class VllmOmniEngine:
         kwargs.update(omni_kwargs or {})
         self.sleep_enabled = enable_sleep_mode
         # the weights' torch dtype, which vLLM-Omni's LoRA manager casts adapters to ("auto": unknown here)
-        self.dtype = getattr(torch, dtype, None) if dtype != "auto" else None
+        named = getattr(torch, dtype, None)
+        self.dtype = named if isinstance(named, torch.dtype) else None
         self.omni = Omni(**kwargs)
         # Configs of the resolved local directory (Omni downloads hub ids) for host-side request checks
         # (Qwen-Image's; another family's requests are checked on the worker, by the same check_request).
