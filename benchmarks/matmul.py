@@ -118,25 +118,24 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cpu" if args.tiny else "cuda")
     m = args.rows or (32 if args.tiny else 16 * 1024)
     shapes = TINY_SHAPES if args.tiny else QWEN_IMAGE_SHAPES
-    kinds = KINDS
     print(
         f"# {'CPU' if args.tiny else torch.cuda.get_device_name()}, torch {torch.__version__}, M = {m} rows, "
         + ("compiled" if args.compile else "eager")
     )
-    print("| K -> N (layers a block) | " + " | ".join(f"{k} TFLOP/s" for k in kinds) + " | float8 / bf16 |")
-    print("|---|" + "---:|" * (len(kinds) + 1))
-    block_s = dict.fromkeys(kinds, 0.0)
+    print("| K -> N (layers a block) | " + " | ".join(f"{k} TFLOP/s" for k in KINDS) + " | float8 / bf16 |")
+    print("|---|" + "---:|" * (len(KINDS) + 1))
+    block_s = dict.fromkeys(KINDS, 0.0)
     block_flop = 0.0
     for k, n, count in shapes:
         s = measure(m, k, n, args.iters, device, args.compile)
         if s["error"] > 0.1:
             raise SystemExit(f"float8 matmul of {k} -> {n}: error {s['error']:.3f} of the output's range")
-        for kind in kinds:
+        for kind in KINDS:
             block_s[kind] += count * s[kind]
         block_flop += count * 2 * m * k * n
-        cells = " | ".join(rate(2 * m * k * n, s[kind]) for kind in kinds)
+        cells = " | ".join(rate(2 * m * k * n, s[kind]) for kind in KINDS)
         print(f"| {k} -> {n} ({count}) | {cells} | {s['bf16'] / s['float8 matmul']:.2f}x |")
-    cells = " | ".join(rate(block_flop, block_s[kind]) for kind in kinds)
+    cells = " | ".join(rate(block_flop, block_s[kind]) for kind in KINDS)
     print(f"| **one block** | {cells} | {block_s['bf16'] / block_s['float8 matmul']:.2f}x |")
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -80,7 +79,7 @@ class ClosingEngine(Protocol):
 class LoraSyncedEngine(Protocol):
     """An engine with its own copy of the weights (vLLM-Omni): the trainer sends it each step's LoRA."""
 
-    def update_lora(self, source: Path | Mapping[str, torch.Tensor], config: Any = None) -> object:
-        """Sample with this adapter from the next generate() on: a PEFT adapter directory, or its tensors and
-        peft `config` held in memory (`models.lora.lora_file_tensors`)."""
+    def update_lora(self, source: Mapping[str, torch.Tensor], config: Any) -> object:
+        """Sample with this adapter from the next generate() on: its tensors and peft `config`, held in memory
+        (`models.lora.lora_file_tensors`)."""
         ...
