@@ -306,7 +306,8 @@ def main() -> None:
     ap.add_argument(
         "--profile",
         action="store_true",
-        help="profile the last timed step: time in NCCL kernels, the GPU's busy share, the kernels that take most",
+        help="one more step after the timed ones, under torch's profiler and left out of the table (the profiler "
+        "slows it): time in NCCL kernels, the GPU's busy share in each phase, the kernels that take most",
     )
     ap.add_argument(
         "--comm-probe", action="store_true", help="time a full-model all-gather of the blocks' weights"
@@ -598,7 +599,7 @@ def main() -> None:
         )
         return TrainConfig(
             exp_name=f"train_step_{name}",
-            num_steps=args.warmup + args.iters,
+            num_steps=args.warmup + args.iters + args.profile,
             device=d.device.type,
             # the tiny model is fp32 on the CPU (FSDP2 computes in the parameters' dtype there)
             rollout_engine="vllm_omni" if engine == "vllm_omni" else "diffusers",
@@ -700,8 +701,9 @@ def main() -> None:
         )
         rows = []
         nccl_s = float("nan")
-        for it in range(args.warmup + args.iters):
-            profile = args.profile and it == args.warmup + args.iters - 1
+        timed_end = args.warmup + args.iters
+        for it in range(timed_end + args.profile):
+            profile = args.profile and it == timed_end  # the extra step, not in the table
             activity = getattr(torch.profiler.ProfilerActivity, "CUDA" if d.device.type == "cuda" else "CPU")
             prof = torch.profiler.profile(activities=[activity]) if profile else None
             if prof is not None:
@@ -749,7 +751,9 @@ def main() -> None:
                     print0(line)
             peak = torch.cuda.max_memory_allocated() / 2**30 if d.device.type == "cuda" else 0.0
             all_peak = device_peak.stop() / 2**30 if device_peak is not None else float("nan")
-            if it >= args.warmup or args.iters == 0:  # warm-up steps compile and warm kernels
+            if it < timed_end and (
+                it >= args.warmup or args.iters == 0
+            ):  # warm-up steps compile and warm kernels
                 rows.append((roll, rew, old_s, train, peak, m["logprob_gap/max"], all_peak))
             print0(
                 f"step {it}: rollout {roll:.2f}s "
@@ -787,7 +791,7 @@ def main() -> None:
                     names, trainer.params, trainer.optimizer, args.save_update, args.compare_update, d.is_main
                 )
         if server is not None and args.kill_server_at and run_index == len(runs) - 1:
-            kill_mid_step(trainer, server, args.kill_server_at, args.warmup + args.iters, print0)
+            kill_mid_step(trainer, server, args.kill_server_at, timed_end + args.profile, print0)
         trainer.finish()
 
         roll, rew, old, train, peak, gap = (sum(r[k] for r in rows) / len(rows) for k in range(6))

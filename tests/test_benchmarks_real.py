@@ -556,6 +556,57 @@ def test_the_profiled_steps_busy_share_is_of_the_step_not_of_the_profilers_teard
     assert line.startswith("# profiled step: 1 kernels, GPU busy 0.00 of ") and wall < 0.5
 
 
+def test_the_profiled_step_comes_after_the_timed_ones_and_stays_out_of_the_table(
+    train_step, monkeypatch, capsys
+):
+    """--profile runs one step more than --warmup + --iters, under the profiler, and the table's means are the timed
+    steps' only: the profiler slows the step it watches (RESULTS fp8-2's profiled step was the slowest of its
+    three). Here the fake rollout takes 1.25 s in the timed step and 9 s in the profiled one: the row says 1.25."""
+    from torch.autograd.profiler_util import FunctionEvent
+    from torch.profiler import DeviceType
+
+    from fgrpo.async_mode import Batch
+    from fgrpo.train import Trainer
+
+    class FakeProfiler:
+        def __init__(self, activities):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def key_averages(self):
+            return []
+
+        def events(self):
+            return [FunctionEvent(0, "gemm", 0, 0, 1000, device_type=DeviceType.CUDA)]
+
+    steps = []
+
+    def experience(self, step, timer):
+        steps.append(step)
+        timer.times.update(rollout=9.0 if step == 2 else 1.25, reward=0.0, sync=0.0)
+        traj = SimpleNamespace(window=torch.zeros(2, 0, dtype=torch.long))
+        return Batch(step, traj, torch.zeros(2), torch.zeros(2), {})  # pyright: ignore[reportArgumentType]
+
+    def update(self, step, batch, timer, off_policy=False):
+        timer.times["train"] = 2.5
+        return {"skipped_steps": 0.0, "optimizer_steps": 1.0}
+
+    monkeypatch.setattr(Trainer, "experience", experience)
+    monkeypatch.setattr(Trainer, "update", update)
+    monkeypatch.setattr(torch.profiler, "profile", FakeProfiler)
+    out = run_main(
+        train_step, monkeypatch, capsys, "--algo", "nft", "--iters", "1", "--profile", *TRAIN_ARGS[2:]
+    )
+    assert steps == [0, 1, 2]  # a warm-up step, a timed one, the profiled one
+    assert "step 2: rollout 9.00s" in out and "# profiled step: 1 kernels" in out
+    assert "| rollout | 1.25 | 1.600 |" in out and "| total (rollout + train) | 3.75 | 0.533 |" in out
+
+
 def test_counting_the_flops_of_compiled_blocks_leaves_them_compiled(rollout):
     """forward_tflop runs the model under torch's flop counter (a dispatch mode dynamo will not trace); counted on
     blocks already compiled, dynamo marked their code as skipped for the rest of the process, and every later
