@@ -53,6 +53,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -1068,17 +1069,16 @@ def cpu_selftest() -> None:
     b = DiffusersEngine(model).generate(PROMPTS[:2], seeds, cfg)
     assert (b.x_next - a.x_next).abs().mean() > 0
     print(fmt_table(step_gaps(b, a), ["step", "sigma", "n", "dx_mean", "dx_max", "dlp_rollout"]))
-    selftest_family_dirs()
+    with tempfile.TemporaryDirectory(prefix="fgrpo-vllm-check-") as root:  # removed afterwards, pass or fail
+        selftest_family_dirs(Path(root))
     print("cpu selftest ok")
 
 
-def selftest_family_dirs() -> None:
-    """The added families' directory writers: fgrpo's loaders read them (and, for SD3 and FLUX.2 [klein], the
-    tokenizer classes vLLM-Omni instantiates agree with fgrpo's), the Wan and FLUX.2 adapters read the settings fgrpo's
-    loader does, the BAGEL reference loop is the in-process engine's ODE bit for bit, and the Qwen-Image-Edit
-    directory and condition images pass selftest_edit_dir."""
-    import tempfile
-
+def selftest_family_dirs(root: Path) -> None:
+    """The added families' directory writers, each writing below `root`: fgrpo's loaders read them (and, for SD3 and
+    FLUX.2 [klein], the tokenizer classes vLLM-Omni instantiates agree with fgrpo's), the Wan and FLUX.2 adapters read
+    the settings fgrpo's loader does, the BAGEL reference loop is the in-process engine's ODE bit for bit, and the
+    Qwen-Image-Edit directory and condition images pass selftest_edit_dir."""
     from transformers import (
         AutoTokenizer,
         CLIPTokenizer,
@@ -1091,7 +1091,6 @@ def selftest_family_dirs() -> None:
     from fgrpo.rollout.seeds import sample_generator
     from fgrpo.rollout.vllm_omni_pipeline import wan_settings
 
-    root = Path(tempfile.mkdtemp(prefix="fgrpo-vllm-check-"))
     sd3_dir = save_tiny_sd3_dir(root / "sd3")
     for sub, cls in (
         ("tokenizer", CLIPTokenizer),
@@ -1163,7 +1162,7 @@ def selftest_family_dirs() -> None:
     assert torch.equal(mine[-1], final), latent_gaps([mine[-1]], [final])
     assert torch.equal(unpatchify(patchify(x1[None], 2), 2, 16, 8, 8)[0], x1)
     selftest_edit_dir(root)
-    print(f"family directories ok ({root})")
+    print("family directories ok")
 
 
 def selftest_edit_dir(root: Path) -> None:

@@ -4,6 +4,7 @@ parity section could not use."""
 
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -23,12 +24,15 @@ def check():
         sys.modules.pop(module.__name__, None)
 
 
-def test_cpu_selftest_runs_every_family_directory_the_edit_one_included(check, monkeypatch, capsys):
+def test_cpu_selftest_runs_every_family_directory_the_edit_one_included(check, monkeypatch, capsys, tmp_path):
+    """...and leaves nothing in the temporary folder (the family directories took 17 MB a run there)."""
     monkeypatch.setattr(sys, "argv", ["vllm_omni_check.py", "--cpu-selftest"])
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     check.main()
     out = capsys.readouterr().out
     assert "qwen_image_edit directory and condition images ok" in out
     assert out.rstrip().endswith("cpu selftest ok")
+    assert [p.name for p in tmp_path.iterdir()] == []
 
 
 def test_the_edit_directory_names_the_edit_pipeline_and_carries_the_processor(check, tmp_path):

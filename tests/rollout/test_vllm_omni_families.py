@@ -18,6 +18,7 @@ never imported.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import sys
 import types
@@ -533,7 +534,8 @@ def test_edit_requests_carry_the_condition_image_and_run_qwen_images_request_pro
     assert omni.kwargs["model_class_name"] == "QwenImagePipeline"
     warmup = base.FakeSamplingParams(height=32, width=48, num_inference_steps=2, seed=0)
     (out,) = omni.pipeline.forward(base.FakeRequestBatch([base.FakeRequest("dummy run", warmup)]))
-    blank = ImagePrompt("dummy run", Path(omni.pipeline._fgrpo_image_dir) / "plain_0.png")
+    folder = Path(omni.pipeline._fgrpo_images.name)
+    blank = ImagePrompt("dummy run", folder / "plain_0.png")
     assert Image.open(blank.image).size == (48, 32) and not Image.open(blank.image).getbbox()  # all black
     cfg = dataclasses.replace(_cfg("qwen_image_edit"), num_steps=2, window_size=0, window_range=(0, 0))
     cfg = dataclasses.replace(cfg, guidance_scale=1.0, negative_prompt=None, micro_batch=1)
@@ -541,6 +543,9 @@ def test_edit_requests_carry_the_condition_image_and_run_qwen_images_request_pro
     reference = tiny.tiny_qwen_image_edit(0, condition_area=CONDITION_AREA)
     want = DiffusersEngine(vop.as_flow_model(reference)).generate([blank], [0], cfg)
     assert torch.equal(out.output["payload"]["image"], vop.pixels_to_payload(want.images))
+    omni.pipeline = omni.worker.model_runner.pipeline = None  # the fake engine's references to it
+    gc.collect()
+    assert not folder.exists()  # the blank images go with the pipeline, not left in the temporary folder
 
 
 def test_wan_lora_names_and_the_two_expert_refusal(fake_families, tmp_path):

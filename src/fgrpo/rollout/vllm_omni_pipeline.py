@@ -647,9 +647,9 @@ def pipeline_forward(adapter: FamilyAdapter) -> Callable[[Any, Any], list[Any]]:
         else:  # vllm-omni's start-up warm-up request (and any plain request): same model path, ODE
             cfg, texts, seeds = plain_request(params, req.prompts)
             if adapter.image_input:
-                if self._fgrpo_image_dir is None:
-                    self._fgrpo_image_dir = tempfile.mkdtemp(prefix="fgrpo-vllm-omni-images-")
-                texts = plain_prompts(req.prompts, cfg.height, cfg.width, self._fgrpo_image_dir)
+                if self._fgrpo_images is None:  # removed with the pipeline, or when its process exits
+                    self._fgrpo_images = tempfile.TemporaryDirectory(prefix="fgrpo-vllm-omni-images-")
+                texts = plain_prompts(req.prompts, cfg.height, cfg.width, self._fgrpo_images.name)
             images = pixels_to_payload(DiffusersEngine(flow).generate(texts, seeds, cfg).images)
             payloads = [{adapter.output_key: images[b : b + 1]} for b in range(len(texts))]
         return [DiffusionOutput(output={"payload": p, "metadata": {}}, to_cpu=True) for p in payloads]
@@ -672,7 +672,7 @@ def _build_pipeline(adapter: FamilyAdapter) -> type:
             "supports_step_execution": False,  # fgrpo's loop runs whole requests; no per-step scheduling
             "_fgrpo_flow": None,
             "_fgrpo_key": None,
-            "_fgrpo_image_dir": None,
+            "_fgrpo_images": None,
             "forward": pipeline_forward(adapter),
         },
     )
