@@ -91,6 +91,41 @@ def test_a_resumed_run_sends_the_engine_its_adapter_before_the_first_rollout(tmp
     assert sent.keys() == trained.keys() and all(torch.equal(sent[k], trained[k]) for k in sent)
 
 
+def test_a_trainer_over_an_earlier_trainers_model_sends_the_engine_its_adapter_first(tmp_path, monkeypatch):
+    """A Trainer handed the model of an earlier one (train_step.py's settings over one model build) holds an adapter
+    that has trained; the new engine starts from the base weights, so it gets that adapter before it samples.
+    Without it, the first rollout sampled the base model against a trained policy: the likely cause of the first
+    step's log-prob gap of 5.3e-3 in RESULTS vllm-loop-1 (vLLM-Omni after the in-process setting), 4e-5 after."""
+    from fgrpo import parallel
+    from fgrpo.logging import PhaseTimer
+
+    engines = []
+
+    def build(model, engine, path, **kw):
+        engines.append(RecordingEngine(model))
+        return engines[-1]
+
+    monkeypatch.setattr(train_mod, "build_engine", build)
+    base = Config()
+    d = parallel.init_distributed("cpu")
+
+    def config(name):
+        run = dataclasses.replace(base.run, out_dir=str(tmp_path / name), val_every=0, ckpt_every=0)
+        return dataclasses.replace(base, num_steps=1, run=run)
+
+    first = train_mod.Trainer(config("first"), d)
+    first.update(0, first.experience(0, PhaseTimer()), PhaseTimer())
+    first.finish()
+    trained = engines[0].weights[-1]
+    assert any(t.abs().sum() > 0 for k, t in trained.items() if "lora_B" in k)  # not the starting adapter
+    second = train_mod.Trainer(config("second"), d, model=first.model)
+    assert engines[1].calls == ["update_lora"]  # before its first wake and rollout
+    sent = engines[1].weights[0]
+    assert sent.keys() == trained.keys() and all(torch.equal(sent[k], trained[k]) for k in sent)
+    second.finish()
+    parallel.shutdown()
+
+
 def test_group_init_noise_reaches_the_engine(tmp_path, monkeypatch):
     """--grpo.group-init-noise: the training rollout gets one init seed per group (validation gets none)."""
     seen = []

@@ -98,8 +98,8 @@ class Trainer:
 
     Building it starts the run: the run directory is claimed (or resumed), the rewards and the model built, LoRA
     added and the transformer sharded, the checkpoint loaded. `model`: a transformer already made trainable and
-    sharded by an earlier Trainer of this process (a benchmark's several algorithms over one model build);
-    `reward`: a Reward object in place of reward.spec's (a benchmark's stub or colocated model).
+    sharded by an earlier Trainer of this process (a benchmark's several algorithms over one model build), whose
+    adapter an engine with weights of its own gets before the first rollout, as after a resume; `reward`: a Reward object in place of reward.spec's (a benchmark's stub or colocated model).
     """
 
     def __init__(
@@ -125,6 +125,7 @@ class Trainer:
         resume_from = self.run.start(cfg, is_main=d.is_main, say=flog.print0)
         self._build_rewards(reward, resumed=resume_from is not None, is_main=d.is_main)
 
+        reused = model is not None  # its adapter may have been trained already
         if model is None:
             torch.manual_seed(cfg.seed)  # LoRA init is the only draw from the global RNG
             model = model_builder(cfg.model, d.device, cfg.seed)
@@ -182,8 +183,8 @@ class Trainer:
                 rank_tensors=self.algo.state() | self.lagging.state(),
             )
             flog.print0(f"resumed from {resume_from} at step {self.start_step}")
-        if resume_from is not None or cfg.model.init_lora:
-            self.sync_engine()  # else its first rollout would sample the adapter it was started with
+        if resume_from is not None or cfg.model.init_lora or reused:
+            self.sync_engine()  # else its first rollout would sample the base weights it was started with
         # Rows of the steps after the checkpoint are redone below: move them aside, so the file keeps one row a
         # step (a finished run resumed has nothing to redo and keeps its final validation's row).
         if d.is_main and self.start_step < cfg.num_steps:
