@@ -751,9 +751,8 @@ def main() -> None:
                     print0(line)
             peak = torch.cuda.max_memory_allocated() / 2**30 if d.device.type == "cuda" else 0.0
             all_peak = device_peak.stop() / 2**30 if device_peak is not None else float("nan")
-            if it < timed_end and (
-                it >= args.warmup or args.iters == 0
-            ):  # warm-up steps compile and warm kernels
+            # warm-up steps compile and warm kernels; the profiled one is slowed by the profiler
+            if it < timed_end and (it >= args.warmup or args.iters == 0):
                 rows.append((roll, rew, old_s, train, peak, m["logprob_gap/max"], all_peak))
             print0(
                 f"step {it}: rollout {roll:.2f}s "

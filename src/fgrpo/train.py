@@ -99,7 +99,8 @@ class Trainer:
     Building it starts the run: the run directory is claimed (or resumed), the rewards and the model built, LoRA
     added and the transformer sharded, the checkpoint loaded. `model`: a transformer already made trainable and
     sharded by an earlier Trainer of this process (a benchmark's several algorithms over one model build), whose
-    adapter an engine with weights of its own gets before the first rollout, as after a resume; `reward`: a Reward object in place of reward.spec's (a benchmark's stub or colocated model).
+    adapter an engine with weights of its own gets before the first rollout, as after a resume; `reward`: a Reward
+    object in place of reward.spec's (a benchmark's stub or colocated model).
     """
 
     def __init__(
