@@ -416,9 +416,8 @@ def main() -> None:
     from fgrpo.models.qwen_image_edit import QwenImageEdit
     from fgrpo.models.sd3 import SD3_LORA_TARGETS
     from fgrpo.models.wan import Wan
-    from fgrpo.recompute import micro_batches, recompute_log_probs_and_means
+    from fgrpo.recompute import recompute_log_probs_and_means
     from fgrpo.rewards.runner import AsyncRewardRunner
-    from fgrpo.rollout.engine import forward_units
     from fgrpo.train import Trainer
 
     algos = args.algo.split(",")
@@ -764,21 +763,15 @@ def main() -> None:
                 + f"gap {m['logprob_gap/max']:.2e}"
                 + (f" nccl {nccl_s:.2f}s" if profile else "")
             )
-            if it == 0 and cfg.model.compile and cfg.model.exact_rollout and batch.traj.window.shape[1]:
-                # steps of a micro-batch with a row inside its window: each runs the training graph
+            if cfg.model.compile and cfg.model.exact_rollout and batch.traj.window.shape[1]:
+                # each step's own windows: a step whose rollout runs more steps through the training graph is slower
                 engine_sampling = trainer.algo.sampling(it)
-                mb = engine_sampling.micro_batch
-                grouped = [
-                    forward_units(batch.traj.window, mb, engine_sampling.unit_block),
-                    [range(r.start, r.stop) for r in micro_batches(n_local, mb)],
-                ]
-                per_unit = [
-                    sum(len({int(i) for r in u for i in batch.traj.window[r]}) for u in units) / len(units)
-                    for units in grouped
-                ]
+                grouped, consecutive = graph_steps(
+                    batch.traj.window, engine_sampling.micro_batch, engine_sampling.unit_block
+                )
                 print0(
-                    f"# step 0: {per_unit[0]:.2f} of {sampling.num_steps} steps per micro-batch through the training "
-                    f"graph (rows grouped by window; consecutive rows would give {per_unit[1]:.2f})"
+                    f"# step {it}: {grouped:.2f} of {sampling.num_steps} steps per micro-batch through the training "
+                    f"graph (rows grouped by window; consecutive rows would give {consecutive:.2f})"
                 )
             if it == 0 and m.get("skipped_steps", 0):
                 print0(
@@ -1103,6 +1096,23 @@ KERNEL_KINDS = (
 def kernel_kind(name: str) -> str:
     """The family of a GPU kernel by its name (`KERNEL_KINDS`), or "other"."""
     return next((kind for kind, parts in KERNEL_KINDS if any(p in name for p in parts)), "other")
+
+
+def graph_steps(window: torch.Tensor, micro_batch: int, unit_block: int = 0) -> tuple[float, float]:
+    """Of a rollout with per-sample windows (`window`: [B, W] step indices), how many steps a micro-batch runs with
+    at least one row inside its window, on average over the micro-batches: with the exact rollout, each such step
+    is a forward through the training graph, the others a no-grad (merged) one. Returns (the rollout's grouping:
+    rows sorted by window start, rollout.engine.forward_units; consecutive rows, for comparison)."""
+    from fgrpo.recompute import micro_batches
+    from fgrpo.rollout.engine import forward_units
+
+    grouped = forward_units(window, micro_batch, unit_block)
+    consecutive = [torch.arange(r.start, r.stop) for r in micro_batches(window.shape[0], micro_batch)]
+
+    def mean_steps(units: list[torch.Tensor]) -> float:
+        return sum(len(set(window[unit].flatten().tolist())) for unit in units) / len(units)
+
+    return mean_steps(grouped), mean_steps(consecutive)
 
 
 def kernel_profile(events, wall_s: float, top: int = 8) -> list[str]:

@@ -556,6 +556,44 @@ def test_the_profiled_steps_busy_share_is_of_the_step_not_of_the_profilers_teard
     assert line.startswith("# profiled step: 1 kernels, GPU busy 0.00 of ") and wall < 0.5
 
 
+def test_graph_steps_counts_the_steps_a_micro_batch_runs_with_a_row_in_its_window(train_step):
+    """8 samples, windows of 2 starting at 3, 0, 3, 0, 1, 2, 1, 0, forwards of 4. Consecutive rows: rows 0-3 touch
+    steps {0, 1, 3, 4}, rows 4-7 {0, 1, 2, 3}: 4 each. Sorted by start (rows 1, 3, 7, 4 | 6, 5, 0, 2): {0, 1, 2}
+    and {1, 2, 3, 4}: 3.5 on average."""
+    start = torch.tensor([3, 0, 3, 0, 1, 2, 1, 0])
+    window = torch.stack([start, start + 1], dim=1)
+    assert train_step.graph_steps(window, 4) == (3.5, 4.0)
+
+
+def test_every_step_says_how_many_of_its_rollout_steps_ran_the_training_graph(
+    train_step, monkeypatch, capsys
+):
+    """The step lines carry each step's own count (its windows are its own draws; the rollout of a step with more
+    such steps is slower), not only the first step's. Fakes of the Trainer's phases give two rows, one forward
+    (--compile only names the setting: the fakes run no model): windows at 0 and 1 in the warm-up step (steps
+    {0, 1, 2}: 3), at 0 and 2 in the timed one ({0, 1, 2, 3}: 4)."""
+    from fgrpo.async_mode import Batch
+    from fgrpo.train import Trainer
+
+    def experience(self, step, timer):
+        timer.times.update(rollout=1.25, reward=0.0, sync=0.0)
+        window = torch.tensor([[0, 1], [1 + step % 2, 2 + step % 2]])
+        traj = SimpleNamespace(window=window)
+        return Batch(step, traj, torch.zeros(2), torch.zeros(2), {})  # pyright: ignore[reportArgumentType]
+
+    def update(self, step, batch, timer, off_policy=False):
+        timer.times["train"] = 2.5
+        return {"skipped_steps": 0.0, "optimizer_steps": 1.0, "logprob_gap/max": 0.0}
+
+    monkeypatch.setattr(Trainer, "experience", experience)
+    monkeypatch.setattr(Trainer, "update", update)
+    out = run_main(
+        train_step, monkeypatch, capsys, "--algo", "nft", "--compile", "--iters", "1", *TRAIN_ARGS[2:]
+    )
+    lines = [x for x in out.splitlines() if x.startswith("# step") and "through the training graph" in x]
+    assert [x.split(" of ")[0] for x in lines] == ["# step 0: 3.00", "# step 1: 4.00"]
+
+
 def test_the_profiled_step_comes_after_the_timed_ones_and_stays_out_of_the_table(
     train_step, monkeypatch, capsys
 ):
