@@ -306,8 +306,9 @@ def main() -> None:
     ap.add_argument(
         "--profile",
         action="store_true",
-        help="one more step after the timed ones, under torch's profiler and left out of the table (the profiler "
-        "slows it): time in NCCL kernels, the GPU's busy share in each phase, the kernels that take most",
+        help="one more step after the last setting's timed ones, under torch's profiler and left out of the table "
+        "(the profiler slows it, and its teardown takes minutes at real size): time in NCCL kernels, the GPU's busy "
+        "share in each phase, the kernels that take most",
     )
     ap.add_argument(
         "--comm-probe", action="store_true", help="time a full-model all-gather of the blocks' weights"
@@ -701,8 +702,9 @@ def main() -> None:
         rows = []
         nccl_s = float("nan")
         timed_end = args.warmup + args.iters
-        for it in range(timed_end + args.profile):
-            profile = args.profile and it == timed_end  # the extra step, not in the table
+        profiling = args.profile and run_index == len(runs) - 1  # the last setting's
+        for it in range(timed_end + profiling):
+            profile = profiling and it == timed_end  # the extra step, not in the table
             activity = getattr(torch.profiler.ProfilerActivity, "CUDA" if d.device.type == "cuda" else "CPU")
             prof = torch.profiler.profile(activities=[activity]) if profile else None
             if prof is not None:
@@ -783,7 +785,7 @@ def main() -> None:
                     names, trainer.params, trainer.optimizer, args.save_update, args.compare_update, d.is_main
                 )
         if server is not None and args.kill_server_at and run_index == len(runs) - 1:
-            kill_mid_step(trainer, server, args.kill_server_at, timed_end + args.profile, print0)
+            kill_mid_step(trainer, server, args.kill_server_at, timed_end + profiling, print0)
         trainer.finish()
 
         roll, rew, old, train, peak, gap = (sum(r[k] for r in rows) / len(rows) for k in range(6))
@@ -839,7 +841,7 @@ def main() -> None:
         for phase, t, fwd in phases:  # the reward's FLOPs are the VLM's, not counted
             tflops = "-" if fwd is None else f"{fwd * tflop_per_forward / t:.0f}"
             print0(f"| {phase} | {t:.2f} | {n_local / t:.3f} | {tflops} |")
-        if args.profile:
+        if profiling:
             print0(
                 f"\ntime in NCCL kernels during the profiled step: {nccl_s:.2f} s "
                 f"({nccl_s / (total + old):.1%} of the step; overlapped with compute where FSDP2 prefetches)"
