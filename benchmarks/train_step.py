@@ -1117,12 +1117,39 @@ def graph_steps(window: torch.Tensor, micro_batch: int, unit_block: int = 0) -> 
     return mean_steps(grouped), mean_steps(consecutive)
 
 
+# Idle gaps of the GPU by length, in microseconds: below the first edge the next kernel was already queued behind a
+# launch (the host paces small kernels); up to the second the host was busy between launches; above it the host
+# waited or worked (a synchronisation, Python between micro-batches, a thread holding the interpreter).
+GAP_EDGES_US = (20.0, 1000.0)
+GAP_NAMES = ("< 20 us", "20 us - 1 ms", ">= 1 ms")
+
+
+def idle_gaps(
+    intervals: list[tuple[float, float]], start: float, end: float
+) -> tuple[list[list[float]], float]:
+    """The GPU's idle time in [start, end) (microseconds) between kernel `intervals` (overlaps merged), by gap length
+    (`GAP_EDGES_US`): [count, seconds] per bucket, and the longest gap in seconds."""
+    buckets = [[0.0, 0.0] for _ in range(len(GAP_EDGES_US) + 1)]
+    longest, reach = 0.0, start
+    for a, b in sorted([*intervals, (end, end)]):
+        a, b = max(a, start), min(b, end)
+        if a > reach:
+            gap = a - reach
+            k = sum(gap >= edge for edge in GAP_EDGES_US)
+            buckets[k][0] += 1
+            buckets[k][1] += gap / 1e6
+            longest = max(longest, gap / 1e6)
+        reach = max(reach, b)
+    return buckets, longest
+
+
 def kernel_profile(events, wall_s: float, top: int = 8) -> list[str]:
     """Lines on a profiled step's GPU kernels (`events`: the profiler's events): how many, the share of the step's
     wall time the GPU was busy (the rest it waited for the host), the same within each of the step's phases (the
     PhaseTimer's `phase:<name>` ranges, in the order they began; a phase entered twice adds up), the device time of
     each kernel family (`kernel_kind`; families can overlap across streams, so their sum can pass the busy time),
-    and the kernels that took the most device time."""
+    and the kernels that took the most device time. Each phase's idle time is split by gap length (`idle_gaps`):
+    many short gaps mean kernels too small for their launches, a few long ones the host's own waits."""
     kernels = [e for e in events if e.device_type == torch.profiler.DeviceType.CUDA]
     intervals = [(e.time_range.start, e.time_range.end) for e in kernels]
     busy = busy_seconds(intervals)
@@ -1132,17 +1159,22 @@ def kernel_profile(events, wall_s: float, top: int = 8) -> list[str]:
     from fgrpo.logging import PhaseTimer
 
     prefix = PhaseTimer.RANGE_PREFIX
-    phases: dict[str, list[float]] = {}  # name -> [wall s, busy s]
+    phases: dict[str, list] = {}  # name -> [wall s, busy s, gap buckets, longest gap s]
     for e in sorted(events, key=lambda e: e.time_range.start):
         if e.device_type == torch.profiler.DeviceType.CPU and e.name.startswith(prefix):
             start, end = e.time_range.start, e.time_range.end
             inside = [(max(a, start), min(b, end)) for a, b in intervals if a < end and b > start]
-            p = phases.setdefault(e.name.removeprefix(prefix), [0.0, 0.0])
+            buckets, longest = idle_gaps(inside, start, end)
+            p = phases.setdefault(e.name.removeprefix(prefix), [0.0, 0.0, [[0.0, 0.0] for _ in buckets], 0.0])
             p[0] += (end - start) / 1e6
             p[1] += busy_seconds(inside)
-    for name, (phase_s, phase_busy) in phases.items():
+            p[2] = [[n + m, t + u] for (n, t), (m, u) in zip(p[2], buckets)]
+            p[3] = max(p[3], longest)
+    for name, (phase_s, phase_busy, buckets, longest) in phases.items():
         share = phase_busy / phase_s if phase_s > 0 else float("nan")
         lines.append(f"# phase {name}: GPU busy {phase_busy:.2f} of {phase_s:.2f} s ({share:.1%})")
+        idle = ", ".join(f"{t:.2f} s in {n:.0f} gaps {g}" for g, (n, t) in zip(GAP_NAMES, buckets))
+        lines.append(f"#   idle: {idle}; the longest {longest * 1e3:.1f} ms")
     totals: dict[str, list[float]] = {}
     kinds: dict[str, float] = {}
     for e in kernels:

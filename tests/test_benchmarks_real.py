@@ -432,15 +432,32 @@ def test_kernel_profile_counts_the_union_of_overlapping_kernels(train_step):
     events += [event(f"phase:{name}", a, b, DeviceType.CPU) for name, a, b in phases]
     assert train_step.busy_seconds([(0, 10), (5, 20), (30, 40)]) == pytest.approx(30e-6)
     assert train_step.busy_seconds([(0, 10), (2, 4)]) == pytest.approx(10e-6)  # one inside another
+    none = "#   idle: 0.00 s in 0 gaps < 20 us, 0.00 s in 0 gaps 20 us - 1 ms, 0.00 s in 0 gaps >= 1 ms"
     assert train_step.kernel_profile(events, 10.0) == [
         "# profiled step: 3 kernels, GPU busy 3.00 of 10.00 s (30.0%)",
         "# phase rollout: GPU busy 1.50 of 1.50 s (100.0%)",  # in the order the phases began
+        none + "; the longest 0.0 ms",
         "# phase reward: GPU busy 0.50 of 0.50 s (100.0%)",
+        none + "; the longest 0.0 ms",
         "# phase train: GPU busy 1.00 of 3.00 s (33.3%)",
+        # [2, 3) before the last kernel, [4, 5) after it
+        "#   idle: 0.00 s in 0 gaps < 20 us, 0.00 s in 0 gaps 20 us - 1 ms, 2.00 s in 2 gaps >= 1 ms; the longest "
+        "1000.0 ms",
         "# other: 3.50s (116.7% of the busy time)",  # the two streams' overlap counts in each kernel's time
         "#   a: 2.00s x2",
         "#   b: 1.50s x1",
     ]
+
+
+def test_idle_gaps_by_length(train_step):
+    """Kernels (microseconds) [0, 10), [15, 30), [100, 200), [2000, 2100) in a window [-50, 2200): the gaps are 50
+    (before the first), 5, 70, 1800 and 100 (after the last): 5 below 20 us; 50 + 70 + 100 between 20 us and 1 ms;
+    1800 from 1 ms. Overlapping kernels leave no gap: [0, 10) and [5, 12) end at 12."""
+    intervals = [(0, 10), (15, 30), (100, 200), (2000, 2100)]
+    buckets, longest = train_step.idle_gaps(intervals, -50, 2200)
+    assert buckets == [[1, pytest.approx(5e-6)], [3, pytest.approx(220e-6)], [1, pytest.approx(1800e-6)]]
+    assert longest == pytest.approx(1.8e-3)
+    assert train_step.idle_gaps([(0, 10), (5, 12), (12, 20)], 0, 20) == ([[0, 0], [0, 0], [0, 0]], 0.0)
 
 
 def test_kernel_families_by_name(train_step):
