@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -495,28 +496,60 @@ def test_kernel_families_by_name(train_step):
     ]
 
 
-def test_train_step_times_the_trainers_own_phases(train_step, monkeypatch, capsys):
-    """The table's seconds are those the Trainer's own phases record: with Trainer.experience taking 1.25 s of
-    'rollout' and Trainer.update 2.5 s of 'train' (fakes that only fill the step's PhaseTimer), the row says
-    rollout 1.25, train 2.50 and 2 images / 3.75 s = 0.533 images/GPU/s."""
+class FakeProfiler:
+    """torch.profiler.profile's stand-in: one kernel of 1 ms; its teardown takes `teardown_s`."""
+
+    teardown_s = 0.0
+
+    def __init__(self, activities):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        time.sleep(self.teardown_s)
+
+    def key_averages(self):
+        return []
+
+    def events(self):
+        from torch.autograd.profiler_util import FunctionEvent
+        from torch.profiler import DeviceType
+
+        return [FunctionEvent(0, "gemm", 0, 0, 1000, device_type=DeviceType.CUDA)]
+
+
+def fake_phases(monkeypatch, *, rollout_s=lambda step: 1.25, window=None, calls=None):
+    """Trainer.experience and Trainer.update replaced by fakes that only fill the step's PhaseTimer: 'rollout'
+    rollout_s(step) s, 'train' 2.5 s, two samples whose windows are window(step) (none by default); each call
+    appended to `calls` as (phase, step)."""
     from fgrpo.async_mode import Batch
     from fgrpo.train import Trainer
 
-    calls = []
-
     def experience(self, step, timer):
-        calls.append(("experience", step))
-        timer.times.update(rollout=1.25, reward=0.0, sync=0.0)
-        traj = SimpleNamespace(window=torch.zeros(2, 0, dtype=torch.long))
+        if calls is not None:
+            calls.append(("experience", step))
+        timer.times.update(rollout=rollout_s(step), reward=0.0, sync=0.0)
+        traj = SimpleNamespace(window=torch.zeros(2, 0, dtype=torch.long) if window is None else window(step))
         return Batch(step, traj, torch.zeros(2), torch.zeros(2), {})  # pyright: ignore[reportArgumentType]
 
     def update(self, step, batch, timer, off_policy=False):
-        calls.append(("update", step))
+        if calls is not None:
+            calls.append(("update", step))
         timer.times["train"] = 2.5
         return {"skipped_steps": 0.0, "optimizer_steps": 1.0}
 
     monkeypatch.setattr(Trainer, "experience", experience)
     monkeypatch.setattr(Trainer, "update", update)
+
+
+def test_train_step_times_the_trainers_own_phases(train_step, monkeypatch, capsys):
+    """The table's seconds are those the Trainer's own phases record: with Trainer.experience taking 1.25 s of
+    'rollout' and Trainer.update 2.5 s of 'train' (fakes that only fill the step's PhaseTimer), the row says
+    rollout 1.25, train 2.50 and 2 images / 3.75 s = 0.533 images/GPU/s."""
+    calls = []
+    fake_phases(monkeypatch, calls=calls)
     out = run_main(train_step, monkeypatch, capsys, "--algo", "nft", "--iters", "1", *TRAIN_ARGS[2:])
     assert calls == [("experience", 0), ("update", 0), ("experience", 1), ("update", 1)]
     assert "| rollout | 1.25 | 1.600 |" in out and "| train | 2.50 | 0.800 |" in out
@@ -529,42 +562,9 @@ def test_the_profiled_steps_busy_share_is_of_the_step_not_of_the_profilers_teard
     """--profile's busy share divides by the profiled step's own wall time. Read after the profiler stopped, the wall
     took in its teardown and event tables (a real-size step: 140 s for a 31-s step, so 19 % busy instead of 87 %).
     Here the fake profiler's teardown takes 0.5 s and the fake step almost none: the share's wall stays below."""
-    import time
-
-    from torch.autograd.profiler_util import FunctionEvent
-    from torch.profiler import DeviceType
-
-    from fgrpo.async_mode import Batch
-    from fgrpo.train import Trainer
-
-    class SlowProfiler:
-        def __init__(self, activities):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            time.sleep(0.5)
-
-        def key_averages(self):
-            return []
-
-        def events(self):
-            return [FunctionEvent(0, "gemm", 0, 0, 1000, device_type=DeviceType.CUDA)]
-
-    def experience(self, step, timer):
-        timer.times.update(rollout=1.25, reward=0.0, sync=0.0)
-        traj = SimpleNamespace(window=torch.zeros(2, 0, dtype=torch.long))
-        return Batch(step, traj, torch.zeros(2), torch.zeros(2), {})  # pyright: ignore[reportArgumentType]
-
-    def update(self, step, batch, timer, off_policy=False):
-        timer.times["train"] = 2.5
-        return {"skipped_steps": 0.0, "optimizer_steps": 1.0}
-
-    monkeypatch.setattr(Trainer, "experience", experience)
-    monkeypatch.setattr(Trainer, "update", update)
-    monkeypatch.setattr(torch.profiler, "profile", SlowProfiler)
+    fake_phases(monkeypatch)
+    monkeypatch.setattr(FakeProfiler, "teardown_s", 0.5)
+    monkeypatch.setattr(torch.profiler, "profile", FakeProfiler)
     out = run_main(
         train_step, monkeypatch, capsys, "--algo", "nft", "--iters", "1", "--profile", *TRAIN_ARGS[2:]
     )
@@ -589,21 +589,7 @@ def test_every_step_says_how_many_of_its_rollout_steps_ran_the_training_graph(
     such steps is slower), not only the first step's. Fakes of the Trainer's phases give two rows, one forward
     (--compile only names the setting: the fakes run no model): windows at 0 and 1 in the warm-up step (steps
     {0, 1, 2}: 3), at 0 and 2 in the timed one ({0, 1, 2, 3}: 4)."""
-    from fgrpo.async_mode import Batch
-    from fgrpo.train import Trainer
-
-    def experience(self, step, timer):
-        timer.times.update(rollout=1.25, reward=0.0, sync=0.0)
-        window = torch.tensor([[0, 1], [1 + step % 2, 2 + step % 2]])
-        traj = SimpleNamespace(window=window)
-        return Batch(step, traj, torch.zeros(2), torch.zeros(2), {})  # pyright: ignore[reportArgumentType]
-
-    def update(self, step, batch, timer, off_policy=False):
-        timer.times["train"] = 2.5
-        return {"skipped_steps": 0.0, "optimizer_steps": 1.0, "logprob_gap/max": 0.0}
-
-    monkeypatch.setattr(Trainer, "experience", experience)
-    monkeypatch.setattr(Trainer, "update", update)
+    fake_phases(monkeypatch, window=lambda step: torch.tensor([[0, 1], [1 + step % 2, 2 + step % 2]]))
     out = run_main(
         train_step, monkeypatch, capsys, "--algo", "nft", "--compile", "--iters", "1", *TRAIN_ARGS[2:]
     )
@@ -618,53 +604,14 @@ def test_the_profiled_step_comes_after_the_timed_ones_and_stays_out_of_the_table
     means are the timed steps' only: the profiler slows the step it watches (RESULTS fp8-2's profiled step was the
     slowest of its three), and its teardown takes minutes at real size, so the other settings run none. Here the
     fake rollout takes 1.25 s in the timed steps and 9 s in the profiled one: both tables say 1.25."""
-    from torch.autograd.profiler_util import FunctionEvent
-    from torch.profiler import DeviceType
-
-    from fgrpo.async_mode import Batch
-    from fgrpo.train import Trainer
-
-    class FakeProfiler:
-        def __init__(self, activities):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            pass
-
-        def key_averages(self):
-            return []
-
-        def events(self):
-            return [FunctionEvent(0, "gemm", 0, 0, 1000, device_type=DeviceType.CUDA)]
-
-    steps = []
-
-    def experience(self, step, timer):
-        steps.append(step)
-        timer.times.update(rollout=9.0 if step == 2 else 1.25, reward=0.0, sync=0.0)
-        traj = SimpleNamespace(window=torch.zeros(2, 0, dtype=torch.long))
-        return Batch(step, traj, torch.zeros(2), torch.zeros(2), {})  # pyright: ignore[reportArgumentType]
-
-    def update(self, step, batch, timer, off_policy=False):
-        timer.times["train"] = 2.5
-        return {"skipped_steps": 0.0, "optimizer_steps": 1.0}
-
-    monkeypatch.setattr(Trainer, "experience", experience)
-    monkeypatch.setattr(Trainer, "update", update)
+    calls = []
+    fake_phases(monkeypatch, rollout_s=lambda step: 9.0 if step == 2 else 1.25, calls=calls)
     monkeypatch.setattr(torch.profiler, "profile", FakeProfiler)
     out = run_main(
         train_step, monkeypatch, capsys, "--algo", "nft,awm", "--iters", "1", "--profile", *TRAIN_ARGS[2:]
     )
-    assert steps == [
-        0,
-        1,
-        0,
-        1,
-        2,
-    ]  # each setting a warm-up and a timed step; the last one the profiled step too
+    # each setting a warm-up and a timed step; the last one the profiled step too
+    assert [step for phase, step in calls if phase == "experience"] == [0, 1, 0, 1, 2]
     assert "step 2: rollout 9.00s" in out and out.count("# profiled step: 1 kernels") == 1
     assert (
         out.count("| rollout | 1.25 | 1.600 |") == 2

@@ -46,14 +46,20 @@ class RecordingEngine:
         self.weights.append({k: t.detach().clone() for k, t in state.items()})
 
 
-def test_out_of_process_engine_is_woken_synced_and_slept(tmp_path, monkeypatch):
+def recording_engines(monkeypatch) -> list[RecordingEngine]:
+    """The loop builds RecordingEngines in place of its engine: the list of those built, in order."""
     engines = []
 
     def build(model, engine, path, **kw):
         engines.append(RecordingEngine(model))
-        return engines[0]
+        return engines[-1]
 
     monkeypatch.setattr(train_mod, "build_engine", build)
+    return engines
+
+
+def test_out_of_process_engine_is_woken_synced_and_slept(tmp_path, monkeypatch):
+    engines = recording_engines(monkeypatch)
     cfg = dataclasses.replace(
         Config(),
         num_steps=2,
@@ -72,13 +78,7 @@ def test_out_of_process_engine_is_woken_synced_and_slept(tmp_path, monkeypatch):
 def test_a_resumed_run_sends_the_engine_its_adapter_before_the_first_rollout(tmp_path, monkeypatch):
     """The engine starts from the base weights: a resume must send it the checkpoint's adapter before it samples
     (without it, the first rollout after a resume samples the untrained model)."""
-    engines = []
-
-    def build(model, engine, path, **kw):
-        engines.append(RecordingEngine(model))
-        return engines[-1]
-
-    monkeypatch.setattr(train_mod, "build_engine", build)
+    engines = recording_engines(monkeypatch)
     base = Config()
     run = dataclasses.replace(base.run, out_dir=str(tmp_path), val_every=0, ckpt_every=1)
     train_mod.train(dataclasses.replace(base, num_steps=1, run=run))
@@ -99,13 +99,7 @@ def test_a_trainer_over_an_earlier_trainers_model_sends_the_engine_its_adapter_f
     from fgrpo import parallel
     from fgrpo.logging import PhaseTimer
 
-    engines = []
-
-    def build(model, engine, path, **kw):
-        engines.append(RecordingEngine(model))
-        return engines[-1]
-
-    monkeypatch.setattr(train_mod, "build_engine", build)
+    engines = recording_engines(monkeypatch)
     base = Config()
     d = parallel.init_distributed("cpu")
 
