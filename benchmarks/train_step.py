@@ -705,8 +705,12 @@ def main() -> None:
         profiling = args.profile and run_index == len(runs) - 1  # the last setting's
         for it in range(timed_end + profiling):
             profile = profiling and it == timed_end  # the extra step, not in the table
-            activity = getattr(torch.profiler.ProfilerActivity, "CUDA" if d.device.type == "cuda" else "CPU")
-            prof = torch.profiler.profile(activities=[activity]) if profile else None
+            # the host's activity too: the phases' ranges (torch records no range of a GPU-only trace) and what the
+            # host did while the GPU waited
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if d.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            prof = torch.profiler.profile(activities=activities) if profile else None
             if prof is not None:
                 prof.__enter__()
             if d.device.type == "cuda":
@@ -738,17 +742,10 @@ def main() -> None:
             train = t["train"] + lora_sync
             if prof is not None:
                 prof.__exit__(None, None, None)
-                events = [e for e in prof.key_averages() if "nccl" in e.key.lower()]
-                nccl_s = (
-                    sum(
-                        getattr(e, "device_time_total", 0.0) or getattr(e, "cuda_time_total", 0.0)
-                        for e in events
-                    )
-                    / 1e6
-                )
-                for e in sorted(events, key=lambda e: -e.device_time_total)[:4]:
-                    print0(f"#   {e.key[:70]}: {e.device_time_total / 1e6:.2f}s x{e.count}")
-                for line in kernel_profile(prof.events(), step_s):
+                events = prof.events()  # read once: at real size this takes minutes
+                nccl = [e for e in gpu_kernels(events) if kernel_kind(e.name) == "NCCL"]
+                nccl_s = sum(e.time_range.elapsed_us() for e in nccl) / 1e6
+                for line in kernel_profile(events, step_s):
                     print0(line)
             peak = torch.cuda.max_memory_allocated() / 2**30 if d.device.type == "cuda" else 0.0
             all_peak = device_peak.stop() / 2**30 if device_peak is not None else float("nan")
@@ -1143,14 +1140,33 @@ def idle_gaps(
     return buckets, longest
 
 
+def gpu_kernels(events) -> list:
+    """The GPU kernels among a trace's events. A range of record_function also shows on the GPU's track (a
+    "gpu_user_annotation" spanning its kernels): it is no kernel."""
+    return [e for e in events if e.device_type == torch.profiler.DeviceType.CUDA and not e.is_user_annotation]
+
+
+def longest_gaps(intervals: list[tuple[float, float]], n: int, at_least: float) -> list[tuple[float, float]]:
+    """The `n` longest gaps (start, end) of at least `at_least` between kernel `intervals` (overlaps merged; none
+    before the first or after the last), longest first."""
+    gaps, reach = [], None
+    for a, b in sorted(intervals):
+        if reach is not None and a - reach >= at_least:
+            gaps.append((reach, a))
+        reach = b if reach is None else max(reach, b)
+    return sorted(gaps, key=lambda g: g[0] - g[1])[:n]
+
+
 def kernel_profile(events, wall_s: float, top: int = 8) -> list[str]:
     """Lines on a profiled step's GPU kernels (`events`: the profiler's events): how many, the share of the step's
     wall time the GPU was busy (the rest it waited for the host), the same within each of the step's phases (the
     PhaseTimer's `phase:<name>` ranges, in the order they began; a phase entered twice adds up), the device time of
     each kernel family (`kernel_kind`; families can overlap across streams, so their sum can pass the busy time),
     and the kernels that took the most device time. Each phase's idle time is split by gap length (`idle_gaps`):
-    many short gaps mean kernels too small for their launches, a few long ones the host's own waits."""
-    kernels = [e for e in events if e.device_type == torch.profiler.DeviceType.CUDA]
+    many short gaps mean kernels too small for their launches, a few long ones the host's own waits; for the 5
+    longest gaps of 1 ms or more, what the host was running then (with the host's events in the trace)."""
+    cpu = torch.profiler.DeviceType.CPU
+    kernels = gpu_kernels(events)
     intervals = [(e.time_range.start, e.time_range.end) for e in kernels]
     busy = busy_seconds(intervals)
     lines = [
@@ -1160,12 +1176,14 @@ def kernel_profile(events, wall_s: float, top: int = 8) -> list[str]:
 
     prefix = PhaseTimer.RANGE_PREFIX
     phases: dict[str, list] = {}  # name -> [wall s, busy s, gap buckets, longest gap s]
+    ranges = []  # (name, start, end) of each phase entered
     for e in sorted(events, key=lambda e: e.time_range.start):
-        if e.device_type == torch.profiler.DeviceType.CPU and e.name.startswith(prefix):
-            start, end = e.time_range.start, e.time_range.end
+        if e.device_type == cpu and e.name.startswith(prefix):
+            name, start, end = e.name.removeprefix(prefix), e.time_range.start, e.time_range.end
+            ranges.append((name, start, end))
             inside = [(max(a, start), min(b, end)) for a, b in intervals if a < end and b > start]
             buckets, longest = idle_gaps(inside, start, end)
-            p = phases.setdefault(e.name.removeprefix(prefix), [0.0, 0.0, [[0.0, 0.0] for _ in buckets], 0.0])
+            p = phases.setdefault(name, [0.0, 0.0, [[0.0, 0.0] for _ in buckets], 0.0])
             p[0] += (end - start) / 1e6
             p[1] += busy_seconds(inside)
             p[2] = [[n + m, t + u] for (n, t), (m, u) in zip(p[2], buckets)]
@@ -1175,6 +1193,21 @@ def kernel_profile(events, wall_s: float, top: int = 8) -> list[str]:
         lines.append(f"# phase {name}: GPU busy {phase_busy:.2f} of {phase_s:.2f} s ({share:.1%})")
         idle = ", ".join(f"{t:.2f} s in {n:.0f} gaps {g}" for g, (n, t) in zip(GAP_NAMES, buckets))
         lines.append(f"#   idle: {idle}; the longest {longest * 1e3:.1f} ms")
+    host = [e for e in events if e.device_type == cpu and not e.is_user_annotation]
+    for a, b in longest_gaps(intervals, 5, GAP_EDGES_US[-1]):
+        mid = (a + b) / 2
+        phase = next((f"{n} +{(mid - s0) / 1e6:.2f} s" for n, s0, s1 in ranges if s0 <= mid < s1), "no phase")
+        # each thread's innermost op running then (the rollout's thread, the streamed reward's, ...)
+        inner: dict[int, Any] = {}
+        for e in host:
+            if e.time_range.start <= mid < e.time_range.end:
+                if (
+                    e.thread not in inner
+                    or e.time_range.elapsed_us() < inner[e.thread].time_range.elapsed_us()
+                ):
+                    inner[e.thread] = e
+        doing = "; ".join(f"thread {t} in {e.name[:50]}" for t, e in sorted(inner.items())) or "no host op"
+        lines.append(f"#   gap of {(b - a) / 1e3:.1f} ms ({phase}): {doing}")
     totals: dict[str, list[float]] = {}
     kinds: dict[str, float] = {}
     for e in kernels:

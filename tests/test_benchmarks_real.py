@@ -419,18 +419,34 @@ def test_train_step_eager_vae_needs_compile(train_step, monkeypatch, capsys):
 def test_kernel_profile_counts_the_union_of_overlapping_kernels(train_step):
     """--profile's lines from hand-made profiler events: kernels on [0, 1), [0.5, 2) and [3, 4) s (two streams
     overlap on [0.5, 1)) keep the GPU busy 2 + 1 = 3 s of a 10-s step; kernel "a" ran 1 + 1 s, "b" 1.5 s; the
-    CPU event counts for neither; each phase range counts the kernels' time inside it."""
+    host's ops count for neither, nor does a range's copy on the GPU's track; each phase range counts the kernels'
+    time inside it. The one gap between kernels, [2, 3), is 0.5 s into the train range [2, 3.5): the host's
+    thread 0 then ran "cpu op" [0, 9) and inside it cudaStreamSynchronize [2.2, 2.9) (the innermost), thread 7
+    aten::copy_ [2.4, 2.6)."""
     from torch.autograd.profiler_util import FunctionEvent
     from torch.profiler import DeviceType
 
-    def event(name, start_s, end_s, device_type=DeviceType.CUDA):
-        return FunctionEvent(0, name, 0, int(start_s * 1e6), int(end_s * 1e6), device_type=device_type)
+    def event(name, start_s, end_s, device_type=DeviceType.CUDA, thread=0, annotation=False):
+        return FunctionEvent(
+            0,
+            name,
+            thread,
+            int(start_s * 1e6),
+            int(end_s * 1e6),
+            device_type=device_type,
+            is_user_annotation=annotation,
+        )
 
     events = [event("a", 0, 1), event("b", 0.5, 2), event("a", 3, 4), event("cpu op", 0, 9, DeviceType.CPU)]
+    events += [
+        event("cudaStreamSynchronize", 2.2, 2.9, DeviceType.CPU),
+        event("aten::copy_", 2.4, 2.6, DeviceType.CPU, thread=7),
+    ]
     # the PhaseTimer's ranges: rollout [0, 1.5) holds 1.5 s of kernels; train, entered twice, [2, 3.5) and
     # [3.5, 5) holds 0.5 + 0.5 s of the last kernel [3, 4) in 3 s; reward [1.5, 2) the last 0.5 s of "b"
     phases = [("rollout", 0, 1.5), ("train", 3.5, 5), ("reward", 1.5, 2), ("train", 2, 3.5)]
-    events += [event(f"phase:{name}", a, b, DeviceType.CPU) for name, a, b in phases]
+    events += [event(f"phase:{name}", a, b, DeviceType.CPU, annotation=True) for name, a, b in phases]
+    events += [event("phase:train", 2, 3.5, annotation=True)]  # the range on the GPU's track: no kernel
     assert train_step.busy_seconds([(0, 10), (5, 20), (30, 40)]) == pytest.approx(30e-6)
     assert train_step.busy_seconds([(0, 10), (2, 4)]) == pytest.approx(10e-6)  # one inside another
     none = "#   idle: 0.00 s in 0 gaps < 20 us, 0.00 s in 0 gaps 20 us - 1 ms, 0.00 s in 0 gaps >= 1 ms"
@@ -444,6 +460,7 @@ def test_kernel_profile_counts_the_union_of_overlapping_kernels(train_step):
         # [2, 3) before the last kernel, [4, 5) after it
         "#   idle: 0.00 s in 0 gaps < 20 us, 0.00 s in 0 gaps 20 us - 1 ms, 2.00 s in 2 gaps >= 1 ms; the longest "
         "1000.0 ms",
+        "#   gap of 1000.0 ms (train +0.50 s): thread 0 in cudaStreamSynchronize; thread 7 in aten::copy_",
         "# other: 3.50s (116.7% of the busy time)",  # the two streams' overlap counts in each kernel's time
         "#   a: 2.00s x2",
         "#   b: 1.50s x1",
@@ -459,6 +476,14 @@ def test_idle_gaps_by_length(train_step):
     assert buckets == [[1, pytest.approx(5e-6)], [3, pytest.approx(220e-6)], [1, pytest.approx(1800e-6)]]
     assert longest == pytest.approx(1.8e-3)
     assert train_step.idle_gaps([(0, 10), (5, 12), (12, 20)], 0, 20) == ([[0, 0], [0, 0], [0, 0]], 0.0)
+
+
+def test_longest_gaps_between_kernels(train_step):
+    """Gaps between merged kernels (microseconds) [0, 10), [5, 12), [1012, 1100), [1200, 1300), [4300, 4400): 1000,
+    100 and 3000; of at least 1000, longest first: (1300, 4300), then (12, 1012). None before the first kernel."""
+    intervals = [(1200, 1300), (0, 10), (5, 12), (1012, 1100), (4300, 4400)]
+    assert train_step.longest_gaps(intervals, 5, 1000) == [(1300, 4300), (12, 1012)]
+    assert train_step.longest_gaps(intervals, 1, 1000) == [(1300, 4300)]
 
 
 def test_kernel_families_by_name(train_step):
@@ -509,9 +534,6 @@ class FakeProfiler:
 
     def __exit__(self, *exc):
         time.sleep(self.teardown_s)
-
-    def key_averages(self):
-        return []
 
     def events(self):
         from torch.autograd.profiler_util import FunctionEvent

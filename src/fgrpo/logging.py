@@ -56,8 +56,9 @@ class PhaseTimer:
     A phase entered twice adds up. `total` runs from construction, so time outside any phase shows as
     `time/other` instead of vanishing. With CUDA in use the phase end synchronises the device (on by
     default): without it an asynchronous launch bills its kernels to whichever phase syncs next. Each phase is
-    also a profiler range named `phase:<name>`, so a torch.profiler trace shows the step's phases (and
-    benchmarks/train_step.py --profile how busy the GPU was in each).
+    also a profiler range named `phase:<name>`, so a torch.profiler trace that records the host's activity shows the
+    step's phases (a GPU-only trace keeps no range), and benchmarks/train_step.py --profile how busy the GPU was in
+    each.
     """
 
     RANGE_PREFIX = "phase:"  # a phase's profiler range is RANGE_PREFIX + its name
