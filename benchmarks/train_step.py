@@ -70,6 +70,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -1121,22 +1122,28 @@ GAP_EDGES_US = (20.0, 1000.0)
 GAP_NAMES = ("< 20 us", "20 us - 1 ms", ">= 1 ms")
 
 
+def gaps(intervals: list[tuple[float, float]]) -> Iterator[tuple[float, float]]:
+    """The GPU's idle gaps (start, end) between kernel `intervals` (overlaps merged), in order; none before the
+    first kernel or after the last."""
+    reach = None
+    for a, b in sorted(intervals):
+        if reach is not None and a > reach:
+            yield reach, a
+        reach = b if reach is None else max(reach, b)
+
+
 def idle_gaps(
     intervals: list[tuple[float, float]], start: float, end: float
 ) -> tuple[list[list[float]], float]:
-    """The GPU's idle time in [start, end) (microseconds) between kernel `intervals` (overlaps merged), by gap length
-    (`GAP_EDGES_US`): [count, seconds] per bucket, and the longest gap in seconds."""
+    """The GPU's idle time in [start, end) (microseconds) between kernel `intervals` inside it (overlaps merged), by
+    gap length (`GAP_EDGES_US`): [count, seconds] per bucket, and the longest gap in seconds."""
     buckets = [[0.0, 0.0] for _ in range(len(GAP_EDGES_US) + 1)]
-    longest, reach = 0.0, start
-    for a, b in sorted([*intervals, (end, end)]):
-        a, b = max(a, start), min(b, end)
-        if a > reach:
-            gap = a - reach
-            k = sum(gap >= edge for edge in GAP_EDGES_US)
-            buckets[k][0] += 1
-            buckets[k][1] += gap / 1e6
-            longest = max(longest, gap / 1e6)
-        reach = max(reach, b)
+    longest = 0.0
+    for a, b in gaps([(start, start), *intervals, (end, end)]):  # the two ends count too
+        k = sum(b - a >= edge for edge in GAP_EDGES_US)
+        buckets[k][0] += 1
+        buckets[k][1] += (b - a) / 1e6
+        longest = max(longest, (b - a) / 1e6)
     return buckets, longest
 
 
@@ -1147,14 +1154,8 @@ def gpu_kernels(events) -> list:
 
 
 def longest_gaps(intervals: list[tuple[float, float]], n: int, at_least: float) -> list[tuple[float, float]]:
-    """The `n` longest gaps (start, end) of at least `at_least` between kernel `intervals` (overlaps merged; none
-    before the first or after the last), longest first."""
-    gaps, reach = [], None
-    for a, b in sorted(intervals):
-        if reach is not None and a - reach >= at_least:
-            gaps.append((reach, a))
-        reach = b if reach is None else max(reach, b)
-    return sorted(gaps, key=lambda g: g[0] - g[1])[:n]
+    """The `n` longest `gaps` of at least `at_least` between kernel `intervals`, longest first."""
+    return sorted((g for g in gaps(intervals) if g[1] - g[0] >= at_least), key=lambda g: g[0] - g[1])[:n]
 
 
 def kernel_profile(events, wall_s: float, top: int = 8) -> list[str]:
