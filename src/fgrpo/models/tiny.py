@@ -147,6 +147,63 @@ def tiny_t5_tokenizer() -> PreTrainedTokenizerFast:
 # Qwen-Image
 
 
+def _tiny_clip(
+    tokenizer: PreTrainedTokenizerFast, hidden: int, *, projection: bool = False
+) -> torch.nn.Module:
+    """A two-layer CLIP text encoder of width `hidden` (with a projection of the same width for SD3's pooled
+    features), on the tiny CLIP tokenizer's ids."""
+    config = CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=CLIP_MAX_LENGTH,
+        projection_dim=hidden,
+        # ints here; transformers types a tokenizer's *_token_id as int | str | list | None
+        bos_token_id=tokenizer.bos_token_id,  # pyright: ignore[reportArgumentType]
+        eos_token_id=tokenizer.eos_token_id,  # pyright: ignore[reportArgumentType]
+        pad_token_id=tokenizer.pad_token_id,  # pyright: ignore[reportArgumentType]
+    )
+    return CLIPTextModelWithProjection(config) if projection else CLIPTextModel(config)
+
+
+def _tiny_t5(tokenizer: PreTrainedTokenizerFast, width: int) -> T5EncoderModel:
+    """A two-layer T5 encoder of width `width` on the tiny T5 tokenizer's ids."""
+    return T5EncoderModel(
+        T5Config(
+            vocab_size=len(tokenizer),
+            d_model=width,
+            d_kv=8,
+            d_ff=32,
+            num_layers=2,
+            num_heads=4,
+            pad_token_id=tokenizer.pad_token_id,  # pyright: ignore[reportArgumentType]
+            eos_token_id=tokenizer.eos_token_id,  # pyright: ignore[reportArgumentType]
+        )
+    )
+
+
+def _tiny_vae(scaling_factor: float, shift_factor: float) -> AutoencoderKL:
+    """A 4-channel AutoencoderKL (8x down, 64x64 images) with the given latent scale and shift."""
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        # diffusers annotates these as tuple[str] / tuple[int] (one element); any length is meant
+        down_block_types=("DownEncoderBlock2D",) * 4,  # pyright: ignore[reportArgumentType]
+        up_block_types=("UpDecoderBlock2D",) * 4,  # pyright: ignore[reportArgumentType]
+        block_out_channels=(8, 8, 16, 16),  # pyright: ignore[reportArgumentType]
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=64,
+        scaling_factor=scaling_factor,
+        shift_factor=shift_factor,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+
+
 def tiny_qwen_image_components(seed: int = 0, *, tokenizer: Qwen2Tokenizer | None = None) -> dict:
     """Random-init tiny Qwen-Image parts, keyed like QwenImagePipeline's constructor (fp32, CPU)."""
     tokenizer = tokenizer or tiny_qwen_tokenizer()
@@ -275,38 +332,9 @@ def tiny_sd3_components(seed: int = 0) -> dict:
     joint = 32
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-
-        def clip(hidden: int, proj: int) -> CLIPTextModelWithProjection:
-            return CLIPTextModelWithProjection(
-                CLIPTextConfig(
-                    vocab_size=len(clip_tok),
-                    hidden_size=hidden,
-                    intermediate_size=2 * hidden,
-                    num_hidden_layers=2,
-                    num_attention_heads=2,
-                    max_position_embeddings=CLIP_MAX_LENGTH,
-                    projection_dim=proj,
-                    # ints here; transformers types a tokenizer's *_token_id as int | str | list | None
-                    bos_token_id=clip_tok.bos_token_id,  # pyright: ignore[reportArgumentType]
-                    eos_token_id=clip_tok.eos_token_id,  # pyright: ignore[reportArgumentType]
-                    pad_token_id=clip_tok.pad_token_id,  # pyright: ignore[reportArgumentType]
-                )
-            )
-
         # CLIP widths 8 + 16 < T5's 32, so the pipeline's zero-padding of the CLIP features is exercised.
-        clip_l, clip_g = clip(8, 8), clip(16, 16)
-        t5 = T5EncoderModel(
-            T5Config(
-                vocab_size=len(t5_tok),
-                d_model=joint,
-                d_kv=8,
-                d_ff=32,
-                num_layers=2,
-                num_heads=4,
-                pad_token_id=t5_tok.pad_token_id,  # pyright: ignore[reportArgumentType]
-                eos_token_id=t5_tok.eos_token_id,  # pyright: ignore[reportArgumentType]
-            )
-        )
+        clip_l, clip_g = _tiny_clip(clip_tok, 8, projection=True), _tiny_clip(clip_tok, 16, projection=True)
+        t5 = _tiny_t5(t5_tok, joint)
         transformer = SD3Transformer2DModel(
             sample_size=8,
             patch_size=2,
@@ -321,22 +349,7 @@ def tiny_sd3_components(seed: int = 0) -> dict:
             qk_norm="rms_norm",
             dual_attention_layers=(0,),  # SD3.5 Medium's MMDiT-X block, in miniature
         )
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            # diffusers annotates these as tuple[str] / tuple[int] (one element); any length is meant
-            down_block_types=("DownEncoderBlock2D",) * 4,  # pyright: ignore[reportArgumentType]
-            up_block_types=("UpDecoderBlock2D",) * 4,  # pyright: ignore[reportArgumentType]
-            block_out_channels=(8, 8, 16, 16),  # pyright: ignore[reportArgumentType]
-            layers_per_block=1,
-            latent_channels=4,
-            norm_num_groups=4,
-            sample_size=64,
-            scaling_factor=1.5305,
-            shift_factor=0.0609,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-        )
+        vae = _tiny_vae(scaling_factor=1.5305, shift_factor=0.0609)
     for m in (clip_l, clip_g, t5, transformer, vae):
         m.eval()
     return dict(
@@ -376,32 +389,8 @@ def tiny_flux_components(seed: int = 0) -> dict:
     joint, pooled = 32, 16
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        clip = CLIPTextModel(
-            CLIPTextConfig(
-                vocab_size=len(clip_tok),
-                hidden_size=pooled,
-                intermediate_size=2 * pooled,
-                num_hidden_layers=2,
-                num_attention_heads=2,
-                max_position_embeddings=CLIP_MAX_LENGTH,
-                # ints here; transformers types a tokenizer's *_token_id as int | str | list | None
-                bos_token_id=clip_tok.bos_token_id,  # pyright: ignore[reportArgumentType]
-                eos_token_id=clip_tok.eos_token_id,  # pyright: ignore[reportArgumentType]
-                pad_token_id=clip_tok.pad_token_id,  # pyright: ignore[reportArgumentType]
-            )
-        )
-        t5 = T5EncoderModel(
-            T5Config(
-                vocab_size=len(t5_tok),
-                d_model=joint,
-                d_kv=8,
-                d_ff=32,
-                num_layers=2,
-                num_heads=4,
-                pad_token_id=t5_tok.pad_token_id,  # pyright: ignore[reportArgumentType]
-                eos_token_id=t5_tok.eos_token_id,  # pyright: ignore[reportArgumentType]
-            )
-        )
+        clip = _tiny_clip(clip_tok, pooled)
+        t5 = _tiny_t5(t5_tok, joint)
         transformer = FluxTransformer2DModel(
             patch_size=1,
             in_channels=16,  # 4 latent channels x the pipeline's 2x2 packing
@@ -414,22 +403,9 @@ def tiny_flux_components(seed: int = 0) -> dict:
             guidance_embeds=True,
             axes_dims_rope=(4, 6, 6),
         )
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            # diffusers annotates these as tuple[str] / tuple[int] (one element); any length is meant
-            down_block_types=("DownEncoderBlock2D",) * 4,  # pyright: ignore[reportArgumentType]
-            up_block_types=("UpDecoderBlock2D",) * 4,  # pyright: ignore[reportArgumentType]
-            block_out_channels=(8, 8, 16, 16),  # pyright: ignore[reportArgumentType]
-            layers_per_block=1,
-            latent_channels=4,
-            norm_num_groups=4,
-            sample_size=64,
-            scaling_factor=0.3611,  # black-forest-labs/FLUX.1-dev's vae/config.json
-            shift_factor=0.1159,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-        )
+        vae = _tiny_vae(
+            scaling_factor=0.3611, shift_factor=0.1159
+        )  # black-forest-labs/FLUX.1-dev's vae/config.json
     for m in (clip, t5, transformer, vae):
         m.eval()
     return dict(
@@ -497,22 +473,7 @@ def tiny_zimage_components(seed: int = 0) -> dict:
             axes_dims=[8, 4, 4],  # sums to the head size, 16
             axes_lens=[256, 64, 64],
         )
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            # diffusers annotates these as tuple[str] / tuple[int] (one element); any length is meant
-            down_block_types=("DownEncoderBlock2D",) * 4,  # pyright: ignore[reportArgumentType]
-            up_block_types=("UpDecoderBlock2D",) * 4,  # pyright: ignore[reportArgumentType]
-            block_out_channels=(8, 8, 16, 16),  # pyright: ignore[reportArgumentType]
-            layers_per_block=1,
-            latent_channels=4,
-            norm_num_groups=4,
-            sample_size=64,
-            scaling_factor=0.3611,
-            shift_factor=0.1159,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-        )
+        vae = _tiny_vae(scaling_factor=0.3611, shift_factor=0.1159)
     for m in (text_encoder, transformer, vae):
         m.eval()
     return dict(
@@ -1045,21 +1006,7 @@ def tiny_bagel_components(seed: int = 0) -> dict:
         for n, p in transformer.named_parameters():
             if "norm" in n:
                 p.data.uniform_(0.5, 1.5)
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D",) * 4,  # pyright: ignore[reportArgumentType]
-            up_block_types=("UpDecoderBlock2D",) * 4,  # pyright: ignore[reportArgumentType]
-            block_out_channels=(8, 8, 16, 16),  # pyright: ignore[reportArgumentType]
-            layers_per_block=1,
-            latent_channels=4,
-            norm_num_groups=4,
-            sample_size=64,
-            scaling_factor=0.3611,
-            shift_factor=0.1159,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-        )
+        vae = _tiny_vae(scaling_factor=0.3611, shift_factor=0.1159)
     for m in (transformer, vae):
         m.eval()
     return dict(transformer=transformer, vae=vae, tokenizer=tokenizer)
