@@ -4,6 +4,7 @@ the batch over the workers."""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import time
 
 import numpy as np
@@ -160,3 +161,37 @@ def test_reward_stream_takes_blocks_of_any_rows():
         twice.result()
     with pytest.raises(ValueError, match="outside the batch"):
         twice.add([6], images[:1])
+
+
+def test_reward_stream_raises_a_failed_block_at_the_next_add():
+    """A block whose scoring failed (a served reward's server killed, say) stops the rollout at its next micro-batch
+    with the reward's own error, instead of after the whole batch was sampled; a block still being scored does
+    not."""
+    from fgrpo.rewards.runner import RewardStream
+
+    class FailsFirst:
+        def __init__(self):
+            self.calls = 0
+
+        def __call__(self, images, prompts, metadata=None):
+            self.calls += 1
+            if self.calls == 1:
+                raise ConnectionError("server gone")
+            time.sleep(0.3)
+            return SlowMeanPixel(sleep_s=0.0)(images, prompts, metadata)
+
+    images = np.random.default_rng(4).integers(0, 256, (6, 8, 8, 3), dtype=np.uint8)
+    prompts = list("abcdef")
+    with AsyncRewardRunner(FailsFirst()) as runner:
+        stream = RewardStream(runner, prompts)
+        stream.add(slice(0, 2), images[:2])
+        cf.wait([f for _, f in stream._parts if isinstance(f, cf.Future)])
+        with pytest.raises(ConnectionError, match="server gone") as err:
+            stream.add(slice(2, 4), images[2:4])
+        assert any("still sampling" in n for n in err.value.__notes__)
+    with AsyncRewardRunner(FailsFirst()) as runner:
+        runner.submit(images[:1], prompts[:1]).exception()  # the one failing call, spent
+        stream = RewardStream(runner, prompts)
+        stream.add(slice(0, 3), images[:3])
+        stream.add(slice(3, 6), images[3:])  # the first block is still being scored: no error
+        np.testing.assert_array_equal(stream.result().scores, mean_pixel(images))

@@ -130,8 +130,12 @@ class RewardStream:
 
     With an AsyncRewardRunner the blocks are submitted at once (cut into up to `max_workers` slices), so the
     pool scores micro-batch k while the engine samples k + 1; any other Reward runs in this process, where
-    nothing would overlap it, and scores the blocks in `result()` (so its time counts as reward time). `result()` joins the blocks in row order: the scores equal one call on the whole batch for any
-    reward that scores each image on its own (all of fgrpo's); metrics are `concat_outputs`' merge.
+    nothing would overlap it, and scores the blocks in `result()` (so its time counts as reward time).
+    `result()` joins the blocks in row order: the scores equal one call on the whole batch for any reward that
+    scores each image on its own (all of fgrpo's); metrics are `concat_outputs`' merge.
+
+    A block whose scoring has already failed (a served reward's server gone, say) raises its error at the next
+    `add`, so the rollout stops there instead of sampling the rest of a batch that can never be scored.
     """
 
     def __init__(self, reward: Reward, prompts: Sequence[str]):
@@ -158,6 +162,7 @@ class RewardStream:
             raise ValueError(f"RewardStream.add: rows outside the batch of {len(self.prompts)}")
         prompts = [self.prompts[i] for i in idx]
         meta = check_inputs(images, prompts, metadata)
+        self._raise_failed()
         if not isinstance(self.reward, AsyncRewardRunner):  # scored in result(): nothing would overlap it
             self._pending.append((idx, np.array(images, copy=True), prompts, meta))
             return
@@ -165,6 +170,16 @@ class RewardStream:
         for a, b in zip(bounds[:-1], bounds[1:]):
             if b > a:
                 self._parts.append((idx[a:b], self.reward.submit(images[a:b], prompts[a:b], meta[a:b])))
+
+    def _raise_failed(self) -> None:
+        """Raise the error of the first block already scored without success (its future done, with an error)."""
+        for rows, part in self._parts:
+            if isinstance(part, cf.Future) and part.done() and (e := part.exception()) is not None:
+                e.add_note(
+                    f"(the reward of {len(rows)} row(s) failed while the rollout was still sampling; it stopped "
+                    "at its next micro-batch)"
+                )
+                raise e
 
     def result(self) -> RewardOutput:
         """The whole batch's RewardOutput, rows in order; every row must have been added exactly once."""
