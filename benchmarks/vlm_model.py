@@ -18,6 +18,7 @@ tokens differ from the tiny tokenizer's; the config carries the tokenizer's.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import signal
 import socket
@@ -211,6 +212,16 @@ def serve_argv(
     ]  # fmt: skip
 
 
+def serve_env() -> dict[str, str]:
+    """The server's environment: this one, with vLLM's FlashInfer sampler off where flashinfer is not installed
+    (vLLM 0.30 imports it for top-k/top-p sampling on CUDA and fails to start without it; the reward decodes
+    greedily, so the sampler is not on its path). A value the caller set is kept."""
+    env = dict(os.environ)
+    if importlib.util.find_spec("flashinfer") is None:
+        env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    return env
+
+
 class VllmServer:
     """`vllm serve` of a checkpoint directory in a process group of its own on 127.0.0.1, its console in `log`;
     the model is served under its path, the name VlmOcrEngine's `model` sends.
@@ -241,6 +252,7 @@ class VllmServer:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # kill() takes its workers (vLLM's engine core) with it
+                env=serve_env(),
             )
 
     def wait(self, timeout_s: float = 900.0) -> float:

@@ -831,6 +831,30 @@ def test_vllm_server_waits_for_the_server_and_reports_one_that_exits(bench, tmp_
         failing.wait(timeout_s=60)
 
 
+def test_the_vllm_server_turns_the_flashinfer_sampler_off_only_without_flashinfer(bench, monkeypatch):
+    """vLLM 0.30 fails to start where flashinfer is missing unless its FlashInfer sampler is off: the server's
+    environment turns it off then, keeps it where flashinfer is installed, and keeps a value the caller set."""
+    import importlib.util
+
+    vlm_model = bench("vlm_model")
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
+    for installed in (False, True):
+        monkeypatch.setattr(
+            importlib.util,
+            "find_spec",
+            lambda name, *a, installed=installed: (
+                (object() if installed else None) if name == "flashinfer" else real_find_spec(name, *a)
+            ),
+        )
+        env = vlm_model.serve_env()
+        assert env.get("VLLM_USE_FLASHINFER_SAMPLER") == (None if installed else "0")
+        assert env["PATH"] == os.environ["PATH"]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "1")
+    assert vlm_model.serve_env()["VLLM_USE_FLASHINFER_SAMPLER"] == "1"
+
+
 def test_the_vllm_server_takes_one_image_a_prompt_of_at_most_a_megapixel(bench):
     """vLLM profiles its memory with the largest input a prompt may hold: one image of at most 1 MP (1337 visual
     tokens, inside --max-model-len) and no video, not the processor's 16384-token bound."""
