@@ -521,13 +521,53 @@ def test_kernel_families_by_name(train_step):
     ]
 
 
+class FakeKinetoEvent:
+    """One event of a profiler's Kineto results, as `train_step.trace_events` reads it."""
+
+    def __init__(self, name, device_type, start_ns, end_ns, thread=0, annotation=False):
+        self._e = (name, device_type, start_ns, end_ns, thread, annotation)
+
+    def name(self):
+        return self._e[0]
+
+    def device_type(self):
+        return self._e[1]
+
+    def start_ns(self):
+        return self._e[2]
+
+    def end_ns(self):
+        return self._e[3]
+
+    def start_thread_id(self):
+        return self._e[4]
+
+    def is_user_annotation(self):
+        return self._e[5]
+
+    def is_hidden_event(self):
+        return False
+
+
 class FakeProfiler:
-    """torch.profiler.profile's stand-in: one kernel of 1 ms; its teardown takes `teardown_s`."""
+    """torch.profiler.profile's stand-in: one kernel of 1 ms in its Kineto results; its teardown takes
+    `teardown_s`."""
 
     teardown_s = 0.0
 
-    def __init__(self, activities):
-        pass
+    def __init__(self, activities, experimental_config):
+        from types import SimpleNamespace
+
+        from torch._C._profiler import _ExperimentalConfig
+        from torch.profiler import DeviceType
+
+        # the host ops of every thread: the streamed reward's too, not only the thread that started the profiler
+        every_thread = _ExperimentalConfig(profile_all_threads=True)
+        assert experimental_config.__getstate__() == every_thread.__getstate__()
+
+        kernel = FakeKinetoEvent("gemm", DeviceType.CUDA, 5_000, 1_005_000)
+        results = SimpleNamespace(trace_start_ns=lambda: 5_000, events=lambda: [kernel])
+        self.profiler = SimpleNamespace(kineto_results=results)
 
     def __enter__(self):
         return self
@@ -535,11 +575,42 @@ class FakeProfiler:
     def __exit__(self, *exc):
         time.sleep(self.teardown_s)
 
-    def events(self):
-        from torch.autograd.profiler_util import FunctionEvent
-        from torch.profiler import DeviceType
 
-        return [FunctionEvent(0, "gemm", 0, 0, 1000, device_type=DeviceType.CUDA)]
+def test_trace_events_are_the_profilers_own_events_without_its_event_tree(train_step):
+    """`trace_events` reads the Kineto results directly: the same events as `prof.events()` (names, device, user
+    annotations, threads, start and end to the bit), profiler-internal ones left out as torch leaves them out.
+    A real CPU trace: ops in two threads, a record_function range in each, the side thread started before the
+    profiler (as the reward's pool) and, as train_step's profile, every thread recorded."""
+    import threading
+
+    from torch._C._profiler import _ExperimentalConfig
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    def work(tag: str, go: threading.Event | None = None):
+        if go is not None:
+            go.wait()
+        with record_function(f"phase:{tag}"):
+            x = torch.ones(16, 16)
+            for _ in range(20):
+                x = (x @ x).tanh()
+
+    go = threading.Event()
+    side = threading.Thread(target=work, args=("reward", go))
+    side.start()
+    every_thread = _ExperimentalConfig(profile_all_threads=True)
+    with profile(activities=[ProfilerActivity.CPU], experimental_config=every_thread) as prof:
+        go.set()
+        work("rollout")
+        side.join()
+
+    def key(e):
+        return (e.name, e.device_type, e.is_user_annotation, e.thread, e.time_range.start, e.time_range.end)
+
+    ours = sorted(map(key, train_step.trace_events(prof)), key=str)
+    assert ours == sorted(map(key, prof.events() or []), key=str)
+    assert {e[0] for e in ours} >= {"phase:rollout", "phase:reward", "aten::mm", "aten::tanh"}
+    assert len({e[3] for e in ours if e[0] == "aten::mm"}) == 2  # both threads'
+    assert not {e[0] for e in ours} & set(train_step.PROFILER_INTERNAL)
 
 
 def fake_phases(monkeypatch, *, rollout_s=lambda step: 1.25, window=None, calls=None):
