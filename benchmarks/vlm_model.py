@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -222,6 +223,25 @@ def serve_env() -> dict[str, str]:
     return env
 
 
+# A console line that is an exception's last line: "SomeError: message", after vLLM's "(EngineCore pid=N)" and its
+# "ERROR date [file:line]" prefixes.
+_EXCEPTION_LINE = re.compile(
+    r"^(?:\(\w+ pid=\d+\)\s+)?(?:ERROR [\d-]+ [\d:]+ \[[^\]]+\]\s+)?(\w+(?:Error|Exception): .*)$"
+)
+
+
+def console_errors(text: str) -> list[str]:
+    """The exceptions a server's console ends its tracebacks with, each once, in the order they first appear: the
+    root cause comes before the error it caused (vLLM's API server reports an engine that failed to start, with
+    the engine's own error some 40 lines above the console's end)."""
+    seen: dict[str, None] = {}
+    for line in text.splitlines():
+        m = _EXCEPTION_LINE.match(line.strip())
+        if m:
+            seen.setdefault(m.group(1), None)
+    return list(seen)
+
+
 class VllmServer:
     """`vllm serve` of a checkpoint directory in a process group of its own on 127.0.0.1, its console in `log`;
     the model is served under its path, the name VlmOcrEngine's `model` sends.
@@ -261,8 +281,10 @@ class VllmServer:
         t0 = time.monotonic()
         while True:
             if self.proc.poll() is not None:
+                errors = " | ".join(console_errors(self.log.read_text(errors="replace"))) or "none named"
                 raise RuntimeError(
-                    f"vllm serve exited ({self.proc.returncode}) before serving:\n{self.tail()}"
+                    f"vllm serve exited ({self.proc.returncode}) before serving; the errors in its console: "
+                    f"{errors}; its last lines:\n{self.tail()}"
                 )
             try:
                 with urllib.request.urlopen(self.url + "/v1/models", timeout=5) as r:

@@ -1,6 +1,7 @@
 """A stand-in for `vllm serve` in the tests of benchmarks/vlm_model.VllmServer and train_step's served VLM: an
 OpenAI-compatible server on 127.0.0.1 that lists one model and answers every chat completion with the text
-"WORD" after --delay seconds; with --exit it exits at once, as a server that fails to start.
+"WORD" after --delay seconds; with --exit it exits at once, as a server that fails to start (its console
+holding an engine's error and the one it caused, as vLLM's does).
 
     python tests/fake_openai_server.py [--delay S] [--exit] --port PORT
 """
@@ -20,7 +21,13 @@ def main() -> None:
     ap.add_argument("--delay", type=float, default=0.0)
     ap.add_argument("--exit", action="store_true")
     args = ap.parse_args()
-    if args.exit:
+    if args.exit:  # as vLLM's console reads when its engine fails: the cause some 40 lines above the end
+        print(
+            "(EngineCore pid=7) ERROR 12-05 23:10:56 [core.py:1366] ModuleNotFoundError: No module named 'x'"
+        )
+        for i in range(40):
+            print(f'(APIServer pid=6)   File "frame{i}.py", line {i}, in f{i}')
+        print("(APIServer pid=6) RuntimeError: Engine core initialization failed. See root cause above.")
         print("fake server: failing to start", flush=True)
         sys.exit(3)
 

@@ -898,8 +898,15 @@ def test_vllm_server_waits_for_the_server_and_reports_one_that_exits(bench, tmp_
         server.kill()
     assert server.proc.returncode == -9
     failing = vlm_model.VllmServer(tmp_path / "m", tmp_path / "bad.log", command=[*FAKE_SERVER, "--exit"])
-    with pytest.raises(RuntimeError, match=r"exited \(3\) before serving:\nfake server: failing to start"):
+    with pytest.raises(RuntimeError, match=r"exited \(3\) before serving; the errors") as err:
         failing.wait(timeout_s=60)
+    # the root cause, 40 lines above the end and so outside the tail, is named first
+    head, tail = str(err.value).split("\n", 1)
+    assert head.endswith(
+        "the errors in its console: ModuleNotFoundError: No module named 'x' | RuntimeError: Engine core "
+        "initialization failed. See root cause above.; its last lines:"
+    )
+    assert "ModuleNotFoundError" not in tail and tail.endswith("fake server: failing to start")
 
 
 def test_the_vllm_server_turns_the_flashinfer_sampler_off_only_without_flashinfer(bench, monkeypatch):
