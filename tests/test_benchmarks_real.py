@@ -521,32 +521,20 @@ def test_kernel_families_by_name(train_step):
     ]
 
 
-class FakeKinetoEvent:
-    """One event of a profiler's Kineto results, as `train_step.trace_events` reads it."""
+def fake_kineto_event(name, device_type, start_ns, end_ns, thread=0, annotation=False):
+    """One event of a profiler's Kineto results, as `train_step.trace_events` reads it: each field a method."""
+    from types import SimpleNamespace
 
-    def __init__(self, name, device_type, start_ns, end_ns, thread=0, annotation=False):
-        self._e = (name, device_type, start_ns, end_ns, thread, annotation)
-
-    def name(self):
-        return self._e[0]
-
-    def device_type(self):
-        return self._e[1]
-
-    def start_ns(self):
-        return self._e[2]
-
-    def end_ns(self):
-        return self._e[3]
-
-    def start_thread_id(self):
-        return self._e[4]
-
-    def is_user_annotation(self):
-        return self._e[5]
-
-    def is_hidden_event(self):
-        return False
+    fields = {
+        "name": name,
+        "device_type": device_type,
+        "start_ns": start_ns,
+        "end_ns": end_ns,
+        "start_thread_id": thread,
+        "is_user_annotation": annotation,
+        "is_hidden_event": False,
+    }
+    return SimpleNamespace(**{k: (lambda v=v: v) for k, v in fields.items()})
 
 
 class FakeProfiler:
@@ -565,7 +553,7 @@ class FakeProfiler:
         every_thread = _ExperimentalConfig(profile_all_threads=True)
         assert experimental_config.__getstate__() == every_thread.__getstate__()
 
-        kernel = FakeKinetoEvent("gemm", DeviceType.CUDA, 5_000, 1_005_000)
+        kernel = fake_kineto_event("gemm", DeviceType.CUDA, 5_000, 1_005_000)
         results = SimpleNamespace(trace_start_ns=lambda: 5_000, events=lambda: [kernel])
         self.profiler = SimpleNamespace(kineto_results=results)
 
