@@ -713,9 +713,10 @@ def main() -> None:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if d.device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-            every_thread = _ExperimentalConfig(profile_all_threads=True)
             prof = (
-                torch.profiler.profile(activities=activities, experimental_config=every_thread)
+                torch.profiler.profile(
+                    activities=activities, experimental_config=_ExperimentalConfig(profile_all_threads=True)
+                )
                 if profile
                 else None
             )
@@ -1170,9 +1171,9 @@ PROFILER_INTERNAL = (
 def trace_events(prof) -> list:
     """A stopped profiler's events as light records with the attributes of torch's FunctionEvent that
     `kernel_profile` reads (name, device_type, is_user_annotation, thread, time_range in microseconds from the
-    trace's start), read from its Kineto results. `prof.events()` gives the same events but first builds torch's
-    tree of FunctionEvents, about 50 s a million events on one CPU core where this takes about 2; a real-size step
-    traced with its host holds millions."""
+    trace's start), read from its Kineto results. `prof.events()` gives the same events but first links them into
+    torch's tree of FunctionEvents in Python, several times slower (RESULTS `profile-read`); a real-size step traced
+    with its host holds millions."""
     from types import SimpleNamespace
 
     from torch.autograd.profiler_util import Interval
