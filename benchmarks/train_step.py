@@ -1170,8 +1170,8 @@ PROFILER_INTERNAL = (
 
 def trace_events(prof) -> list:
     """A stopped profiler's events as light records with the attributes of torch's FunctionEvent that
-    `kernel_profile` reads (name, device_type, is_user_annotation, thread, time_range in microseconds from the
-    trace's start), read from its Kineto results. `prof.events()` gives the same events but first links them into
+    `kernel_profile` reads (name, device_type, is_user_annotation, thread, device_resource_id, time_range in
+    microseconds from the trace's start), read from its Kineto results. `prof.events()` gives the same events but first links them into
     torch's tree of FunctionEvents in Python, several times slower (RESULTS `profile-read`); a real-size step traced
     with its host holds millions."""
     from types import SimpleNamespace
@@ -1194,6 +1194,7 @@ def trace_events(prof) -> list:
                 device_type=e.device_type(),
                 is_user_annotation=e.is_user_annotation(),
                 thread=e.start_thread_id(),
+                device_resource_id=e.device_resource_id(),  # a kernel's CUDA stream, an op's thread
                 time_range=Interval((e.start_ns() - t0) / 1000, (e.end_ns() - t0) / 1000),
             )
         )
@@ -1247,6 +1248,7 @@ def kernel_profile(events, wall_s: float, top: int = 8) -> list[str]:
         lines.append(f"# phase {name}: GPU busy {phase_busy:.2f} of {phase_s:.2f} s ({share:.1%})")
         idle = ", ".join(f"{t:.2f} s in {n:.0f} gaps {g}" for g, (n, t) in zip(GAP_NAMES, buckets))
         lines.append(f"#   idle: {idle}; the longest {longest * 1e3:.1f} ms")
+    lines += stream_lines(kernels, ranges)
     host = [e for e in events if e.device_type == cpu and not e.is_user_annotation]
     for a, b in longest_gaps(intervals, 5, GAP_EDGES_US[-1]):
         mid = (a + b) / 2
@@ -1274,6 +1276,33 @@ def kernel_profile(events, wall_s: float, top: int = 8) -> list[str]:
         lines.append(f"# {kind}: {s:.2f}s ({s / busy:.1%} of the busy time)")
     for name, (us, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"#   {name[:80]}: {us / 1e6:.2f}s x{count:.0f}")
+    return lines
+
+
+def stream_lines(kernels, ranges: list[tuple[str, float, float]]) -> list[str]:
+    """With kernels on more than one CUDA stream (the streamed reward reads on a stream of its own): each stream's
+    busy time (the union of its kernels), its kernels, its busy time within each phase `ranges` (name, start, end
+    in microseconds; a phase entered twice adds up), and the time two or more streams ran at once."""
+    by_stream: dict[int, list[tuple[float, float]]] = {}
+    for e in kernels:
+        by_stream.setdefault(e.device_resource_id, []).append((e.time_range.start, e.time_range.end))
+    if len(by_stream) < 2:
+        return []
+    lines = []
+    for stream, intervals in sorted(by_stream.items(), key=lambda kv: -busy_seconds(kv[1])):
+        in_phase: dict[str, float] = {}
+        for name, start, end in ranges:
+            inside = [(max(a, start), min(b, end)) for a, b in intervals if a < end and b > start]
+            in_phase[name] = in_phase.get(name, 0.0) + busy_seconds(inside)
+        where = ", ".join(f"{n} {s:.2f} s" for n, s in in_phase.items())
+        lines.append(
+            f"# stream {stream}: busy {busy_seconds(intervals):.2f} s in {len(intervals)} kernels"
+            + (f" ({where})" if where else "")
+        )
+    both = sum(busy_seconds(i) for i in by_stream.values()) - busy_seconds(
+        [i for v in by_stream.values() for i in v]
+    )
+    lines.append(f"#   streams at once: {both:.2f} s")
     return lines
 
 

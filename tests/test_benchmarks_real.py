@@ -467,6 +467,42 @@ def test_kernel_profile_counts_the_union_of_overlapping_kernels(train_step):
     ]
 
 
+def test_kernel_profile_gives_each_cuda_streams_busy_time_by_phase(train_step):
+    """Kernels on two CUDA streams (the streamed reward reads on its own): stream 7 runs [0, 1) and [3, 4) s,
+    stream 20 [0.5, 2). Phases rollout [0, 1.5), reward [1.5, 2), train [2, 3.5) and [3.5, 5). Stream 7 is busy
+    2 s: 1 in the rollout, 0.5 + 0.5 in train; stream 20 1.5 s: 1 in the rollout, 0.5 in the reward. They run at
+    once on [0.5, 1): 2 + 1.5 - the union's 3 = 0.5 s. One stream gives no stream lines."""
+    from torch.autograd.profiler_util import FunctionEvent
+    from torch.profiler import DeviceType
+
+    def kernel(start_s, end_s, stream):
+        return FunctionEvent(
+            0,
+            "k",
+            0,
+            int(start_s * 1e6),
+            int(end_s * 1e6),
+            device_type=DeviceType.CUDA,
+            device_resource_id=stream,
+        )
+
+    kernels = [kernel(0, 1, 7), kernel(3, 4, 7), kernel(0.5, 2, 20)]
+    ranges = [("rollout", 0, 1.5e6), ("reward", 1.5e6, 2e6), ("train", 2e6, 3.5e6), ("train", 3.5e6, 5e6)]
+    assert train_step.stream_lines(kernels, ranges) == [
+        "# stream 7: busy 2.00 s in 2 kernels (rollout 1.00 s, reward 0.00 s, train 1.00 s)",
+        "# stream 20: busy 1.50 s in 1 kernels (rollout 1.00 s, reward 0.50 s, train 0.00 s)",
+        "#   streams at once: 0.50 s",
+    ]
+    assert train_step.stream_lines(kernels[:2], ranges) == []
+    phases = [
+        FunctionEvent(0, f"phase:{n}", 0, int(a), int(b), is_user_annotation=True) for n, a, b in ranges
+    ]
+    lines = train_step.kernel_profile(kernels + phases, 5.0)  # after the phases' lines
+    streams = train_step.stream_lines(kernels, ranges)
+    at = lines.index(streams[0])
+    assert lines[at : at + 3] == streams and lines[at - 1].startswith("#   idle")
+
+
 def test_idle_gaps_by_length(train_step):
     """Kernels (microseconds) [0, 10), [15, 30), [100, 200), [2000, 2100) in a window [-50, 2200): the gaps are 50
     (before the first), 5, 70, 1800 and 100 (after the last): 5 below 20 us; 50 + 70 + 100 between 20 us and 1 ms;
@@ -531,6 +567,7 @@ def fake_kineto_event(name, device_type, start_ns, end_ns, thread=0, annotation=
         "start_ns": start_ns,
         "end_ns": end_ns,
         "start_thread_id": thread,
+        "device_resource_id": thread,
         "is_user_annotation": annotation,
         "is_hidden_event": False,
     }
@@ -592,7 +629,15 @@ def test_trace_events_are_the_profilers_own_events_without_its_event_tree(train_
         side.join()
 
     def key(e):
-        return (e.name, e.device_type, e.is_user_annotation, e.thread, e.time_range.start, e.time_range.end)
+        return (
+            e.name,
+            e.device_type,
+            e.is_user_annotation,
+            e.thread,
+            e.device_resource_id,
+            e.time_range.start,
+            e.time_range.end,
+        )
 
     ours = sorted(map(key, train_step.trace_events(prof)), key=str)
     assert ours == sorted(map(key, prof.events() or []), key=str)
