@@ -246,6 +246,13 @@ def main() -> None:
         "decoding step (CUDA graphs) in the warm-up step",
     )
     ap.add_argument(
+        "--reward-image-backend",
+        choices=("pil", "torchvision"),
+        default="pil",
+        help="with --reward vlm: where the VLM's images are resized and cut into patches: pil on the CPU (on the "
+        "reward's thread, beside the rollout's), torchvision on the GPU (TransformersOcrEngine's image_backend)",
+    )
+    ap.add_argument(
         "--merged-rollout",
         default="off",
         help="off, on, or off,on (each in turn, after its own warm-up step): rollout steps with no row in its "
@@ -342,6 +349,8 @@ def main() -> None:
         ap.error(f"--warmup {args.warmup}: at least 1 (the first step compiles and warms up)")
     if args.reward_static_cache and args.reward != "vlm":
         ap.error("--reward-static-cache sets the VLM's cache; add --reward vlm")
+    if args.reward_image_backend != "pil" and args.reward != "vlm":
+        ap.error("--reward-image-backend sets the VLM's image processor; add --reward vlm")
 
     def settings(flag: str, value: str) -> list[bool]:
         """An off / on / off,on flag as the settings to run in turn."""
@@ -565,6 +574,7 @@ def main() -> None:
             images_per_call=n_local,
             video=isinstance(model, LTX2),
             static_cache=args.reward_static_cache,
+            image_backend=args.reward_image_backend,
         )
         if args.reward == "vlm"
         else served_reward(server, images_per_call=n_local)
@@ -822,7 +832,7 @@ def main() -> None:
             *(
                 [
                     (
-                        f"reward (random Qwen2.5-VL OCR{', served by vLLM' if server else ''}{', static cache' if args.reward_static_cache else ''}{', streamed: the wait' if runner else ''})",
+                        f"reward (random Qwen2.5-VL OCR{', served by vLLM' if server else ''}{', static cache' if args.reward_static_cache else ''}{', torchvision images' if args.reward_image_backend == 'torchvision' else ''}{', streamed: the wait' if runner else ''})",
                         rew,
                         None,
                     )
@@ -1307,7 +1317,13 @@ def stream_lines(kernels, ranges: list[tuple[str, float, float]]) -> list[str]:
 
 
 def vlm_reward(
-    device: torch.device, *, tiny: bool, images_per_call: int, video: bool, static_cache: bool = False
+    device: torch.device,
+    *,
+    tiny: bool,
+    images_per_call: int,
+    video: bool,
+    static_cache: bool = False,
+    image_backend: str = "pil",
 ):
     """The OCR reward read by a random Qwen2.5-VL on `device`: the 3B's widths in bf16, or the tiny one in fp32 on
     the CPU; greedy, every image of a call in one generate batch (a clip: its read frames). Not sharded; with
@@ -1322,7 +1338,12 @@ def vlm_reward(
         "tiny" if tiny else "3b", device, dtype=torch.float32 if tiny else torch.bfloat16
     )
     engine = TransformersOcrEngine(
-        model, processor, batch_size=images_per_call, max_tokens=VLM_MAX_TOKENS, static_cache=static_cache
+        model,
+        processor,
+        batch_size=images_per_call,
+        max_tokens=VLM_MAX_TOKENS,
+        static_cache=static_cache,
+        image_backend=image_backend,
     )
     if not video:
         return OcrReward(engine)

@@ -4,6 +4,7 @@ template and Qwen2-VL's image processor. The reward engine reads it as it would 
 
     python benchmarks/vlm_model.py                    # H200: 32 images of 512², the recipe's reward batch
     python benchmarks/vlm_model.py --tiny --images 4  # CPU wiring check
+    python benchmarks/vlm_model.py --caches static --image-backends pil,torchvision --batch-size 8
 
     model, processor = build_random_vlm("3b", device="cuda")          # in memory, bf16
     engine = TransformersOcrEngine(model, processor, batch_size=32, max_tokens=16)
@@ -39,7 +40,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from fgrpo.models.qwen_image_edit import EDIT_PROMPT_DROP, EDIT_PROMPT_TEMPLATE
 from fgrpo.models.qwen_vl import vl_processor
 from fgrpo.models.tiny import VISION_TOKENS, tiny_qwen_tokenizer
-from fgrpo.rewards.vlm import TransformersOcrEngine
+from fgrpo.rewards.vlm import IMAGE_BACKENDS, TransformersOcrEngine
 
 # Qwen/Qwen2.5-VL-3B-Instruct's config.json: the language model (36 layers of 2048, GQA 16/2 heads, MRoPE
 # sections 16/24/24 of the 64 rotary pairs of a 128-wide head, tied embeddings) and its vision tower (32 blocks
@@ -321,12 +322,23 @@ def main() -> None:
         help="KV caches to time in turn, comma-separated: dynamic (generate's default), static (preallocated; its "
         "decoding step is compiled on a GPU); the texts of each are compared with the first's",
     )
+    ap.add_argument(
+        "--image-backends",
+        default="pil",
+        help="the image processor's backends to time with each cache, comma-separated: pil (on the CPU), "
+        "torchvision (on the model's device); TransformersOcrEngine's image_backend",
+    )
     args = ap.parse_args()
     if args.iters < 1:
         ap.error("--iters must be >= 1")
     caches = args.caches.split(",")
     if not caches or any(c not in ("dynamic", "static") for c in caches):
         ap.error(f"--caches takes dynamic and/or static, comma-separated; got {args.caches!r}")
+    backends = args.image_backends.split(",")
+    if not backends or any(b not in IMAGE_BACKENDS for b in backends):
+        ap.error(
+            f"--image-backends takes {' and/or '.join(IMAGE_BACKENDS)}, comma-separated; got {args.image_backends!r}"
+        )
     device, dtype = ("cpu", torch.float32) if args.tiny else ("cuda", torch.bfloat16)
 
     def sync() -> None:
@@ -339,13 +351,14 @@ def main() -> None:
     build_s = time.perf_counter() - t0
     images = np.random.default_rng(0).integers(0, 256, (args.images, args.size, args.size, 3), dtype=np.uint8)
     rows, first_texts = [], None
-    for cache in caches:
+    for cache, backend in ((c, b) for c in caches for b in backends):
         engine = TransformersOcrEngine(
             model,
             processor,
             batch_size=args.batch_size,
             max_tokens=args.max_tokens,
             static_cache=cache == "static",
+            image_backend=backend,
         )
         sync()
         t0 = time.perf_counter()
@@ -360,12 +373,28 @@ def main() -> None:
             sync()
             call_s.append(time.perf_counter() - t0)
         first_texts = texts if first_texts is None else first_texts
-        rows.append((cache, warm_s, min(call_s), texts == first_texts))
-    t0 = time.perf_counter()
+        name = cache + (f" cache, {backend} images" if len(backends) > 1 else " cache")
+        rows.append((name, warm_s, min(call_s), texts == first_texts))
     text = TransformersOcrEngine(model, processor).text  # the prompt every call sends
-    inputs = processor(text=[text] * len(images), images=list(images), return_tensors="pt")
-    prep_s = time.perf_counter() - t0
-    tokens = inputs["input_ids"].shape[1]
+
+    def preprocess(backend: str) -> tuple[Any, float]:
+        """The processor alone on the images (their text and pixels): its inputs and seconds."""
+        sync()
+        t0 = time.perf_counter()
+        if backend == "torchvision":
+            x = torch.from_numpy(images).to(device).permute(0, 3, 1, 2)
+            proc = TransformersOcrEngine(model, processor, image_backend=backend).processor
+            inputs = proc(text=[text] * len(images), images=x, return_tensors="pt", device=device)
+        else:
+            inputs = processor(text=[text] * len(images), images=list(images), return_tensors="pt")
+        sync()
+        return inputs, time.perf_counter() - t0
+
+    prep = []
+    for backend in backends:
+        preprocess(backend)  # the first call warms the resize kernels
+        prep.append((backend, preprocess(backend)[1]))
+    tokens = preprocess("pil")[0]["input_ids"].shape[1]
     params = sum(p.numel() for p in model.parameters())
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
     name = "tiny" if args.tiny else "3B"
@@ -374,12 +403,14 @@ def main() -> None:
     print("| what | value |\n| --- | --- |")
     print(f"| build (s) | {build_s:.2f} |")
     print(f"| prompt tokens per image (image pads included) | {tokens} |")
-    for cache, warm_s, best_s, same in rows:
-        print(f"| {cache} cache: first call, warm-up included (s) | {warm_s:.2f} |")
-        print(f"| {cache} cache: reward call (s, best of {args.iters}) | {best_s:.3f} |")
-        print(f"| {cache} cache: per image (ms) | {1e3 * best_s / args.images:.1f} |")
-        print(f"| {cache} cache: the same texts as the {caches[0]} cache's | {same} |")
-    print(f"| processor alone, on CPU (s) | {prep_s:.3f} |")
+    for name, warm_s, best_s, same in rows:
+        print(f"| {name}: first call, warm-up included (s) | {warm_s:.2f} |")
+        print(f"| {name}: reward call (s, best of {args.iters}) | {best_s:.3f} |")
+        print(f"| {name}: per image (ms) | {1e3 * best_s / args.images:.1f} |")
+        print(f"| {name}: texts equal to the first row's ({rows[0][0]}) | {same} |")
+    for backend, prep_s in prep:
+        where = "on the model's device" if backend == "torchvision" else "on the CPU"
+        print(f"| processor alone, {backend} images {where} (s) | {prep_s:.3f} |")
     print(f"| peak GPU memory (GiB) | {peak:.1f} |")
 
 

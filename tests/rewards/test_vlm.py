@@ -310,6 +310,35 @@ def test_transformers_engine_static_cache_reads_the_same_tokens(tiny_vlm, tiny_t
     assert seen == ["static", None]
 
 
+def test_transformers_engine_torchvision_backend_reads_as_pil_on_the_models_device(tiny_vlm, tiny_texts):
+    """image_backend="torchvision" hands the processor the uint8 batch as one [B, 3, H, W] tensor on the model's
+    device with device= set, and transformers' torchvision Qwen2-VL image processor with the PIL one's settings.
+    VL_IMAGES need no resize (multiples of 28 px), so the pixels agree with PIL's to float rounding and the
+    tokens are the same: the texts equal the PIL engine's."""
+    model, processor = tiny_vlm
+    engine = TransformersOcrEngine(model, processor, max_tokens=MAX_TOKENS, image_backend="torchvision")
+    image_processor = engine.processor.image_processor
+    assert type(image_processor).__name__ == "Qwen2VLImageProcessor"
+    assert image_processor.to_dict() == processor.image_processor.to_dict()
+    seen = []
+    call = type(engine.processor).__call__
+
+    def recording_call(self, **kw):
+        seen.append((type(kw["images"]), kw["images"].shape, kw["images"].device, kw.get("device")))
+        return call(self, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(engine.processor), "__call__", recording_call)
+        assert engine.recognize(VL_IMAGES) == tiny_texts
+    assert seen == [(torch.Tensor, (3, 3, 56, 84), model.device, model.device)]
+    ours = engine.processor(text=[engine.text], images=torch.from_numpy(VL_IMAGES[:1]).permute(0, 3, 1, 2))
+    pil = processor(text=[engine.text], images=[VL_IMAGES[0]], return_tensors="pt")
+    assert torch.equal(torch.as_tensor(ours["input_ids"]), pil["input_ids"])
+    torch.testing.assert_close(torch.as_tensor(ours["pixel_values"]), pil["pixel_values"], rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="image_backend must be one of"):
+        TransformersOcrEngine(model, processor, image_backend="cv2")
+
+
 def test_transformers_reward_from_a_checkpoint_directory_offline(
     vlm_model, tiny_texts, tmp_path, monkeypatch
 ):

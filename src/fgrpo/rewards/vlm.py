@@ -185,6 +185,17 @@ class VllmOcrEngine:
         return [o.outputs[0].text for o in outputs]
 
 
+IMAGE_BACKENDS = ("pil", "torchvision")
+
+
+def torchvision_image_processor(image_processor: Any) -> Any:
+    """Qwen2-VL's image processor on transformers' torchvision backend with `image_processor`'s settings (pixel
+    bounds, patch and merge sizes, mean and std)."""
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+
+    return Qwen2VLImageProcessor.from_dict(image_processor.to_dict())
+
+
 def load_qwen_vl(path: str | Path, *, device: str = "cuda", dtype: str = "bfloat16") -> tuple[Any, Any]:
     """(model, processor) of a local Qwen2-VL or Qwen2.5-VL checkpoint directory, offline.
 
@@ -239,6 +250,12 @@ class TransformersOcrEngine:
             size compiles (tens of seconds), later ones skip most of the per-token launch work. Make that first
             call before any other thread runs a module: compiling traces with torch.fx, which patches
             nn.Module.__call__ process-wide, so a compile on a reward thread breaks a rollout running beside it.
+        image_backend: "pil" resizes, rescales and cuts the images into patches on the CPU with PIL and numpy,
+            on the thread that scores (beside a rollout's launching thread); "torchvision" does it on the model's
+            device, a batch at a time, with the processor's settings (transformers' torchvision backend, what AutoProcessor picks
+            where torchvision is installed). Both give the same tokens; the pixels agree to float rounding
+            where no resize is needed, and a resize rounds some pixels differently (antialiased bicubic on
+            tensors against PIL's).
     """
 
     def __init__(
@@ -252,19 +269,27 @@ class TransformersOcrEngine:
         max_tokens: int = 64,
         prompt: str = DEFAULT_PROMPT,
         static_cache: bool = False,
+        image_backend: str = "pil",
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if image_backend not in IMAGE_BACKENDS:
+            raise ValueError(f"image_backend must be one of {list(IMAGE_BACKENDS)}, got {image_backend!r}")
         if isinstance(model, str | Path):
             if processor is not None:
                 raise ValueError("give a processor only with a built model; a directory has its own")
             model, processor = load_qwen_vl(model, device=device, dtype=dtype)
         elif processor is None:
             raise ValueError("a built model needs its processor: TransformersOcrEngine(model, processor)")
+        if image_backend == "torchvision":
+            processor = vl_processor(
+                torchvision_image_processor(processor.image_processor), processor.tokenizer
+            )
         self.model, self.processor = model.eval(), processor
         self.batch_size, self.max_tokens = batch_size, max_tokens
+        self.on_device = image_backend == "torchvision"
         self.cache = {"cache_implementation": "static"} if static_cache else {}
         self.text = processor.tokenizer.apply_chat_template(
             chat_request({"type": "image"}, prompt), add_generation_prompt=True, tokenize=False
@@ -275,8 +300,13 @@ class TransformersOcrEngine:
 
         texts: list[str] = []
         for start in range(0, len(images), self.batch_size):
-            batch = list(images[start : start + self.batch_size])
-            inputs = self.processor(text=[self.text] * len(batch), images=batch, return_tensors="pt")
+            batch = images[start : start + self.batch_size]
+            text = [self.text] * len(batch)
+            if self.on_device:  # uint8 [B, 3, H, W] on the model's device, processed there
+                x = torch.from_numpy(np.ascontiguousarray(batch)).to(self.model.device).permute(0, 3, 1, 2)
+                inputs = self.processor(text=text, images=x, return_tensors="pt", device=self.model.device)
+            else:
+                inputs = self.processor(text=text, images=list(batch), return_tensors="pt")
             inputs = inputs.to(self.model.device)
             with torch.inference_mode():
                 ids = self.model.generate(
