@@ -311,30 +311,54 @@ def test_transformers_engine_static_cache_reads_the_same_tokens(tiny_vlm, tiny_t
 
 
 def test_transformers_engine_torchvision_backend_reads_as_pil_on_the_models_device(tiny_vlm, tiny_texts):
-    """image_backend="torchvision" hands the processor the uint8 batch as one [B, 3, H, W] tensor on the model's
-    device with device= set, and transformers' torchvision Qwen2-VL image processor with the PIL one's settings.
-    VL_IMAGES need no resize (multiples of 28 px), so the pixels agree with PIL's to float rounding and the
-    tokens are the same: the texts equal the PIL engine's."""
+    """image_backend="torchvision": transformers' torchvision Qwen2-VL image processor with the PIL one's settings
+    gets each batch as one uint8 [B, 3, H, W] tensor on the model's device, with device= set. VL_IMAGES need no
+    resize (multiples of 28 px), so the pixels agree with PIL's to float rounding and the tokens are the same:
+    the texts equal the PIL engine's. The chat is tokenized once per batch size and image size: a second call
+    of the same sizes runs the image processor alone and hands generate the same tokens."""
     model, processor = tiny_vlm
     engine = TransformersOcrEngine(model, processor, max_tokens=MAX_TOKENS, image_backend="torchvision")
     image_processor = engine.processor.image_processor
     assert type(image_processor).__name__ == "Qwen2VLImageProcessor"
     assert image_processor.to_dict() == processor.image_processor.to_dict()
-    seen = []
-    call = type(engine.processor).__call__
+    pixels, tokenized, given = [], [], []
+    call, image_call, generate = (
+        type(engine.processor).__call__,
+        type(image_processor).__call__,
+        model.generate,
+    )
+
+    def recording_image_call(self, images, **kw):
+        pixels.append((type(images), images.shape, images.dtype, images.device, kw.get("device")))
+        return image_call(self, images, **kw)
 
     def recording_call(self, **kw):
-        seen.append((type(kw["images"]), kw["images"].shape, kw["images"].device, kw.get("device")))
+        tokenized.append(len(kw["text"]))
         return call(self, **kw)
 
+    def recording_generate(**kw):
+        given.append({k: v.clone() for k, v in kw.items() if isinstance(v, torch.Tensor)})
+        return generate(**kw)
+
     with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(image_processor), "__call__", recording_image_call)
         mp.setattr(type(engine.processor), "__call__", recording_call)
+        mp.setattr(model, "generate", recording_generate)
         assert engine.recognize(VL_IMAGES) == tiny_texts
-    assert seen == [(torch.Tensor, (3, 3, 56, 84), model.device, model.device)]
-    ours = engine.processor(text=[engine.text], images=torch.from_numpy(VL_IMAGES[:1]).permute(0, 3, 1, 2))
-    pil = processor(text=[engine.text], images=[VL_IMAGES[0]], return_tensors="pt")
-    assert torch.equal(torch.as_tensor(ours["input_ids"]), pil["input_ids"])
-    torch.testing.assert_close(torch.as_tensor(ours["pixel_values"]), pil["pixel_values"], rtol=0, atol=1e-6)
+        assert engine.recognize(VL_IMAGES) == tiny_texts
+    assert tokenized == [3]  # the first call's; its image processor ran inside (a third call of it)
+    assert pixels == [(torch.Tensor, (3, 3, 56, 84), torch.uint8, model.device, model.device)] * 3
+    assert (
+        given[0].keys()
+        == given[1].keys()
+        >= {"input_ids", "attention_mask", "pixel_values", "image_grid_thw"}
+    )
+    for k in given[0]:
+        assert torch.equal(given[0][k], given[1][k]), k
+    pil = processor(text=[engine.text] * 3, images=list(VL_IMAGES), return_tensors="pt")
+    for k in ("input_ids", "attention_mask", "image_grid_thw"):
+        assert torch.equal(given[0][k], pil[k]), k
+    torch.testing.assert_close(given[0]["pixel_values"], pil["pixel_values"], rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="image_backend must be one of"):
         TransformersOcrEngine(model, processor, image_backend="cv2")
 

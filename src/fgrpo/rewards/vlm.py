@@ -255,7 +255,7 @@ class TransformersOcrEngine:
             device, a batch at a time, with the processor's settings (transformers' torchvision backend, what AutoProcessor picks
             where torchvision is installed). Both give the same tokens; the pixels agree to float rounding
             where no resize is needed, and a resize rounds some pixels differently (antialiased bicubic on
-            tensors against PIL's).
+            tensors against PIL's). Its chat tokens are tokenized once per batch size and image size.
     """
 
     def __init__(
@@ -290,10 +290,24 @@ class TransformersOcrEngine:
         self.model, self.processor = model.eval(), processor
         self.batch_size, self.max_tokens = batch_size, max_tokens
         self.on_device = image_backend == "torchvision"
+        self._tokens: dict[tuple[int, ...], dict[str, Any]] = {}  # the torchvision path's chat tokens
         self.cache = {"cache_implementation": "static"} if static_cache else {}
         self.text = processor.tokenizer.apply_chat_template(
             chat_request({"type": "image"}, prompt), add_generation_prompt=True, tokenize=False
         )
+
+    def _device_inputs(self, batch: Any, text: list[str]) -> dict[str, Any]:
+        """generate's inputs for uint8 `batch` [B, H, W, 3] with the torchvision backend: the pixels computed on
+        the model's device; the chat's tokens, which depend only on the batch size and the images' patch grid
+        (one size for all images of a call), tokenized once per (size, grid) and kept on the device."""
+        device = self.model.device
+        x = batch.to(device).permute(0, 3, 1, 2)  # [B, 3, H, W]
+        pixels = self.processor.image_processor(images=x, return_tensors="pt", device=device)
+        key = (len(text), *pixels["image_grid_thw"][0].tolist())
+        if key not in self._tokens:
+            full = self.processor(text=text, images=x, return_tensors="pt", device=device)
+            self._tokens[key] = {k: v.to(device) for k, v in full.items() if k not in pixels}
+        return {**self._tokens[key], **{k: v.to(device) for k, v in pixels.items()}}
 
     def recognize(self, images: np.ndarray) -> list[str]:
         import torch
@@ -302,12 +316,11 @@ class TransformersOcrEngine:
         for start in range(0, len(images), self.batch_size):
             batch = images[start : start + self.batch_size]
             text = [self.text] * len(batch)
-            if self.on_device:  # uint8 [B, 3, H, W] on the model's device, processed there
-                x = torch.from_numpy(np.ascontiguousarray(batch)).to(self.model.device).permute(0, 3, 1, 2)
-                inputs = self.processor(text=text, images=x, return_tensors="pt", device=self.model.device)
+            if self.on_device:
+                inputs = self._device_inputs(torch.from_numpy(np.ascontiguousarray(batch)), text)
             else:
                 inputs = self.processor(text=text, images=list(batch), return_tensors="pt")
-            inputs = inputs.to(self.model.device)
+                inputs = inputs.to(self.model.device)
             with torch.inference_mode():
                 ids = self.model.generate(
                     **inputs, do_sample=False, max_new_tokens=self.max_tokens, **self.cache
