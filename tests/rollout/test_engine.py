@@ -484,9 +484,9 @@ def test_bad_flash_requests_fail_before_model_work(models, changes, match):
 
 
 def test_images_reach_the_sink_micro_batch_by_micro_batch(models):
-    """on_images gets every micro-batch's decoded images as soon as they exist (before the next micro-batch is
-    sampled), with the indices of their batch rows, equal to the trajectory's images; the rollout helper hands an
-    engine without streaming's images over in one block."""
+    """on_images gets every micro-batch's decoded images once the next micro-batch's first forward is queued (the
+    last one's at once), with the indices of their batch rows, equal to the trajectory's images; the rollout
+    helper hands an engine without streaming's images over in one block."""
     from fgrpo.rollout.engine import rollout
 
     model = models["qwen"]
@@ -520,7 +520,8 @@ def test_images_reach_the_sink_micro_batch_by_micro_batch(models):
     for rows, im, _ in got:
         np.testing.assert_array_equal(im, traj.images[torch.as_tensor(rows)].numpy())
     per_micro_batch = counting.calls // 3  # pyright: ignore[reportFunctionMemberAccess] - a call counter kept on the function
-    assert forwards_before[:2] == [per_micro_batch, 2 * per_micro_batch]  # no later micro-batch sampled yet
+    # one forward of the next micro-batch queued, none after it; the last micro-batch's at its end
+    assert forwards_before == [per_micro_batch + 1, 2 * per_micro_batch + 1, 3 * per_micro_batch]
 
     class Other:  # an engine that cannot stream (e.g. vLLM-Omni)
         def generate(self, prompts, seeds, cfg):
@@ -537,6 +538,34 @@ def test_images_reach_the_sink_micro_batch_by_micro_batch(models):
     )
     assert [(r.start, r.stop) for r, _ in blocks] == [(0, 5)]
     np.testing.assert_array_equal(blocks[0][1], traj.images.numpy())
+
+
+def test_a_one_step_windows_images_reach_the_sink_after_the_next_micro_batchs_forwards(models):
+    """MixGRPO-Flash with its window at step 0 has no second window step to hand the previous micro-batch's images
+    over at: they go once the next micro-batch's forwards (its window step and ODE tail) are queued, the last
+    micro-batch's at its end (3 micro-batches of p forwards each: after 2p, 3p and 3p), equal to the
+    trajectory's."""
+    model = models["qwen"]
+    cfg = dataclasses.replace(BASE, window_size=1, window_range=(0, 1), ode_tail="dpmpp_2m")
+    seen, calls = [], []
+    real_velocity = model.velocity
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real_velocity(*a, **k)
+
+    model.velocity = counting
+    try:
+        traj = DiffusersEngine(model).generate(
+            PROMPTS, SEEDS, cfg, on_images=lambda rows, im, meta: seen.append((rows, im, len(calls)))
+        )
+    finally:
+        del model.velocity
+    p = len(calls) // 3
+    assert [n for _, _, n in seen] == [2 * p, 3 * p, 3 * p] and p > 1
+    assert sorted(np.concatenate([r for r, _, _ in seen]).tolist()) == list(range(len(PROMPTS)))
+    for rows, im, _ in seen:
+        np.testing.assert_array_equal(im, traj.images[torch.as_tensor(rows)].numpy())
 
 
 def test_forward_units_group_rows_by_window_start():

@@ -154,6 +154,18 @@ def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def _download(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """`t` copied to the CPU without the host waiting: from a GPU into pinned memory, queued on the stream, with
+    an event recorded after the copy (wait on it before reading); elsewhere copied at once, no event."""
+    if t.device.type != "cuda":
+        return t.cpu(), None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
 class DiffusersEngine:
     """Rollouts in this process with the model's own (diffusers) modules: the trainer's exact kernels.
 
@@ -195,8 +207,10 @@ class DiffusersEngine:
         (equal init seeds = equal x_1, e.g. one per GRPO group). Its own generator still draws (and drops) its
         x_1, so its window and SDE noises are the same draws with or without init_seeds.
         on_images(rows, images, metadata): called with each micro-batch's decoded images (uint8 [m, H, W, 3], on
-        the CPU) as soon as they exist, e.g. to score them while the next micro-batch samples; metadata: the
-        model's `reward_metadata` of those rows (e.g. an audio-video model's waveforms), else None."""
+        the CPU), e.g. to score them while the next micro-batch samples, once the next micro-batch's first forward
+        is queued (the last micro-batch's at once): the images come back by a copy queued after their decode, and
+        the host waits for that copy only while the GPU has the next forward to run. metadata: the model's
+        `reward_metadata` of those rows (e.g. an audio-video model's waveforms), else None."""
         model = self.model
         check_request(model, prompts, seeds, cfg)
         if init_seeds is not None and len(init_seeds) != len(prompts):
@@ -249,6 +263,15 @@ class DiffusersEngine:
         )
         span = contextlib.ExitStack()  # holds merged.active() over a run of steps with no row in its window
         merging = False
+        staged = []  # the last micro-batch's images on their way to on_images: (rows, images, copy done, metadata)
+
+        def hand_over() -> None:
+            for rows_np, host, done, meta in staged:
+                if done is not None:
+                    done.synchronize()
+                assert on_images is not None
+                on_images(rows_np, host.numpy(), meta)
+            staged.clear()
 
         def outside_window(on: bool) -> None:
             nonlocal merging
@@ -270,6 +293,8 @@ class DiffusersEngine:
                 start = window[rows, 0] if W else None
                 x0_prev = None
                 for i in range(last + 1 if flash else T):
+                    if i == 1:
+                        hand_over()  # the previous micro-batch's images: this one's first forward is queued
                     sigma, sigma_next = sigmas[i].expand(m), sigmas[i + 1].expand(m)
                     sde_rows = in_window[rows, i]  # [m] bool
                     outside_window(not sde_rows.any())
@@ -316,16 +341,15 @@ class DiffusersEngine:
                         x = sde.dpmpp_2m_step(x, x0_pred, x0_prev, sigma_prev, sigma, sigma_next)
                         x0_prev, sigma_prev = x0_pred, sigma
                 outside_window(False)
+                hand_over()  # where the loop above ran one step (a Flash window at step 0)
                 x0[rows_dev] = x
                 images.append(model.decode(x, cfg.height, cfg.width))
                 image_rows.append(rows)
                 if on_images is not None:
                     extra = getattr(model, "reward_metadata", None)
-                    on_images(
-                        rows.numpy(),
-                        images[-1].cpu().numpy(),
-                        extra(x, cfg.height, cfg.width) if extra else None,
-                    )
+                    meta = extra(x, cfg.height, cfg.width) if extra else None
+                    staged.append((rows.numpy(), *_download(images[-1]), meta))
+            hand_over()
         finally:
             span.close()  # the adapters and original weights back, whatever happened
         stacked = torch.cat(images)
