@@ -253,6 +253,12 @@ def main() -> None:
         "reward's thread, beside the rollout's), torchvision on the GPU (TransformersOcrEngine's image_backend)",
     )
     ap.add_argument(
+        "--reward-varlen-vision",
+        action="store_true",
+        help="with --reward vlm: the VLM's vision tower attends within its windows in one variable-length call per "
+        "layer, not one SDPA call per window (TransformersOcrEngine's varlen_vision)",
+    )
+    ap.add_argument(
         "--merged-rollout",
         default="off",
         help="off, on, or off,on (each in turn, after its own warm-up step): rollout steps with no row in its "
@@ -349,6 +355,8 @@ def main() -> None:
         ap.error(f"--warmup {args.warmup}: at least 1 (the first step compiles and warms up)")
     if args.reward_static_cache and args.reward != "vlm":
         ap.error("--reward-static-cache sets the VLM's cache; add --reward vlm")
+    if args.reward_varlen_vision and args.reward != "vlm":
+        ap.error("--reward-varlen-vision sets the VLM's vision attention; add --reward vlm")
     if args.reward_image_backend != "pil" and args.reward != "vlm":
         ap.error("--reward-image-backend sets the VLM's image processor; add --reward vlm")
 
@@ -575,6 +583,7 @@ def main() -> None:
             video=isinstance(model, LTX2),
             static_cache=args.reward_static_cache,
             image_backend=args.reward_image_backend,
+            varlen_vision=args.reward_varlen_vision,
         )
         if args.reward == "vlm"
         else served_reward(server, images_per_call=n_local)
@@ -832,7 +841,7 @@ def main() -> None:
             *(
                 [
                     (
-                        f"reward (random Qwen2.5-VL OCR{', served by vLLM' if server else ''}{', static cache' if args.reward_static_cache else ''}{', torchvision images' if args.reward_image_backend == 'torchvision' else ''}{', streamed: the wait' if runner else ''})",
+                        f"reward (random Qwen2.5-VL OCR{', served by vLLM' if server else ''}{', static cache' if args.reward_static_cache else ''}{', torchvision images' if args.reward_image_backend == 'torchvision' else ''}{', varlen vision' if args.reward_varlen_vision else ''}{', streamed: the wait' if runner else ''})",
                         rew,
                         None,
                     )
@@ -1324,6 +1333,7 @@ def vlm_reward(
     video: bool,
     static_cache: bool = False,
     image_backend: str = "pil",
+    varlen_vision: bool = False,
 ):
     """The OCR reward read by a random Qwen2.5-VL on `device`: the 3B's widths in bf16, or the tiny one in fp32 on
     the CPU; greedy, every image of a call in one generate batch (a clip: its read frames). Not sharded; with
@@ -1344,6 +1354,7 @@ def vlm_reward(
         max_tokens=VLM_MAX_TOKENS,
         static_cache=static_cache,
         image_backend=image_backend,
+        varlen_vision=varlen_vision,
     )
     if not video:
         return OcrReward(engine)

@@ -328,12 +328,24 @@ def main() -> None:
         help="the image processor's backends to time with each cache, comma-separated: pil (on the CPU), "
         "torchvision (on the model's device); TransformersOcrEngine's image_backend",
     )
+    ap.add_argument(
+        "--varlen-vision",
+        default="off",
+        help="the vision tower's windowed attention, comma-separated settings to time with each cache: off (one SDPA "
+        "call per window, transformers' sdpa), on (one variable-length call per layer); TransformersOcrEngine's "
+        "varlen_vision",
+    )
     args = ap.parse_args()
     if args.iters < 1:
         ap.error("--iters must be >= 1")
     caches = args.caches.split(",")
     if not caches or any(c not in ("dynamic", "static") for c in caches):
         ap.error(f"--caches takes dynamic and/or static, comma-separated; got {args.caches!r}")
+    varlens = args.varlen_vision.split(",")
+    if varlens not in (["off"], ["on"], ["off", "on"]):
+        ap.error(
+            f"--varlen-vision takes off, on or off,on (it stays set on the model); got {args.varlen_vision!r}"
+        )
     backends = args.image_backends.split(",")
     if not backends or any(b not in IMAGE_BACKENDS for b in backends):
         ap.error(
@@ -351,7 +363,8 @@ def main() -> None:
     build_s = time.perf_counter() - t0
     images = np.random.default_rng(0).integers(0, 256, (args.images, args.size, args.size, 3), dtype=np.uint8)
     rows, first_texts = [], None
-    for cache, backend in ((c, b) for c in caches for b in backends):
+    # varlen last: it stays set on the model
+    for varlen, cache, backend in ((v, c, b) for v in varlens for c in caches for b in backends):
         engine = TransformersOcrEngine(
             model,
             processor,
@@ -359,6 +372,7 @@ def main() -> None:
             max_tokens=args.max_tokens,
             static_cache=cache == "static",
             image_backend=backend,
+            varlen_vision=varlen == "on",
         )
         sync()
         t0 = time.perf_counter()
@@ -374,6 +388,7 @@ def main() -> None:
             call_s.append(time.perf_counter() - t0)
         first_texts = texts if first_texts is None else first_texts
         name = cache + (f" cache, {backend} images" if len(backends) > 1 else " cache")
+        name += ", varlen vision" if varlen == "on" else ""
         rows.append((name, warm_s, min(call_s), texts == first_texts))
     text = TransformersOcrEngine(model, processor).text  # the prompt every call sends
 

@@ -244,6 +244,7 @@ def test_train_step_tiny_vlm_reward_scores_the_rollout(train_step, monkeypatch, 
                 current_thread().name,
                 self.cache,
                 self.on_device,
+                self.model.config.vision_config._attn_implementation,
             )
         )
         # the rows of these images: a streamed micro-batch's rows are those RewardStream.add was given
@@ -269,19 +270,22 @@ def test_train_step_tiny_vlm_reward_scores_the_rollout(train_step, monkeypatch, 
     monkeypatch.setattr(grpo, "group_advantages", group_advantages)
     args = ["--reward", "vlm", "--iters", "0", "--prompts", "2", "--group", "2", "--opt-steps", "1"]
     # streamed: the rollout's two micro-batches of 2 are read one by one, on the runner's thread (and the VLM
-    # decodes with a static KV cache, its images processed on its device)
+    # decodes with a static KV cache, its images processed on its device, its vision windows in one call a layer)
     streamed = ["--reward-stream", "--micro-batch", "2", "--reward-static-cache"]
-    args += [*streamed, "--reward-image-backend", "torchvision"] if stream else []
+    args += [*streamed, "--reward-image-backend", "torchvision", "--reward-varlen-vision"] if stream else []
     out = run_main(train_step, monkeypatch, capsys, *args)
 
     if stream:
         static = {"cache_implementation": "static"}
         # first one call on the training thread at the stream's block size, so that the static cache's compile
         # (torch.fx patches nn.Module.__call__ process-wide) never runs beside the rollout; then the two blocks
-        warm = ((2, 64, 64, 3), np.dtype(np.uint8), 4, "cpu", "MainThread", static, True)
-        assert read == [warm] + [((2, 64, 64, 3), np.dtype(np.uint8), 4, "cpu", "reward_0", static, True)] * 2
+        v = "flash_varlen_torch"
+        warm = ((2, 64, 64, 3), np.dtype(np.uint8), 4, "cpu", "MainThread", static, True, v)
+        assert (
+            read == [warm] + [((2, 64, 64, 3), np.dtype(np.uint8), 4, "cpu", "reward_0", static, True, v)] * 2
+        )
     else:  # one generate batch of the rank's images, in the training thread
-        assert read == [((4, 64, 64, 3), np.dtype(np.uint8), 4, "cpu", "MainThread", {}, False)]
+        assert read == [((4, 64, 64, 3), np.dtype(np.uint8), 4, "cpu", "MainThread", {}, False, "sdpa")]
     (rewards,) = fed
     torch.testing.assert_close(rewards, torch.tensor([1.0, 0.0, 0.8, 0.8]))
     adv = real_advantages(rewards, 2, std="global")
@@ -289,7 +293,7 @@ def test_train_step_tiny_vlm_reward_scores_the_rollout(train_step, monkeypatch, 
     step = next(line for line in out.splitlines() if line.startswith("step 0:"))
     assert re.search(r"rollout [0-9.]+s reward [0-9.]+s old-logprob", step)
     label = (
-        r"reward \(random Qwen2.5-VL OCR, static cache, torchvision images, streamed: the wait\)"
+        r"reward \(random Qwen2.5-VL OCR, static cache, torchvision images, varlen vision, streamed: the wait\)"
         if stream
         else r"reward \(random Qwen2.5-VL OCR\)"
     )

@@ -363,6 +363,74 @@ def test_transformers_engine_torchvision_backend_reads_as_pil_on_the_models_devi
         TransformersOcrEngine(model, processor, image_backend="cv2")
 
 
+def test_varlen_vision_attention_reads_as_sdpa_with_one_call_per_layer():
+    """varlen_vision=True: each vision layer calls the attention once with its windows' offsets (cu_seqlens, from
+    0 to every patch) instead of once per window, and the texts are the sdpa engine's (on the CPU the function
+    runs SDPA per window, transformers' own loop; on a GPU torch's varlen kernel, tested there). The language
+    model keeps sdpa. A model of its own: the setting stays on the model."""
+    from transformers import AttentionInterface
+
+    from fgrpo.rewards import vlm
+
+    vlm_model = load_script(Path(__file__).resolve().parents[2] / "benchmarks" / "vlm_model.py")
+    model, processor = vlm_model.build_random_vlm("tiny", "cpu", dtype=torch.float32, seed=0)
+    images = rng.integers(0, 256, (2, 112, 168, 3), dtype=np.uint8)  # 8 x 12 patches each: several windows
+    sdpa = TransformersOcrEngine(model, processor, max_tokens=MAX_TOKENS).recognize(images)
+    engine = TransformersOcrEngine(model, processor, max_tokens=MAX_TOKENS, varlen_vision=True)
+    offsets = []
+
+    def recording(*args, **kw):
+        offsets.append(kw["cu_seq_lens_q"].tolist())
+        return vlm.varlen_vision_attention(*args, **kw)
+
+    AttentionInterface.register(vlm.VARLEN_VISION, recording)
+    try:
+        assert engine.recognize(images) == sdpa
+    finally:
+        AttentionInterface.register(vlm.VARLEN_VISION, vlm.varlen_vision_attention)
+    assert len(offsets) == model.config.vision_config.depth
+    # a windowed layer (windows of 16 patches here) and a full one (one per image)
+    assert offsets == [list(range(0, 193, 16)), [0, 96, 192]]
+    assert model.config.vision_config._attn_implementation == vlm.VARLEN_VISION
+    assert model.config.text_config._attn_implementation == "sdpa"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: torch's varlen attention")
+def test_varlen_vision_attention_on_a_gpu_is_sdpa_per_window():
+    """torch's varlen kernel against one SDPA call per window, bf16 on a GPU: windows of 64, 64, 37 and 100
+    tokens, 16 heads of 80 (Qwen2.5-VL's vision widths)."""
+    import torch.nn.functional as F
+
+    from fgrpo.rewards.vlm import varlen_vision_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (
+        torch.randn(1, 16, 265, 80, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3)
+    )
+    cu = torch.tensor([0, 64, 128, 165, 265], device="cuda", dtype=torch.int32)
+    out, _ = varlen_vision_attention(
+        None,
+        q,
+        k,
+        v,
+        None,
+        scaling=80**-0.5,
+        cu_seq_lens_q=cu,
+        cu_seq_lens_k=cu,
+        max_length_q=100,
+        max_length_k=100,
+    )
+    ref = torch.cat(
+        [
+            F.scaled_dot_product_attention(q[..., a:b, :], k[..., a:b, :], v[..., a:b, :])
+            for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())
+        ],
+        dim=2,
+    ).transpose(1, 2)
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+
+
 def test_transformers_reward_from_a_checkpoint_directory_offline(
     vlm_model, tiny_texts, tmp_path, monkeypatch
 ):

@@ -186,6 +186,58 @@ class VllmOcrEngine:
 
 
 IMAGE_BACKENDS = ("pil", "torchvision")
+# A name with "flash" in it: transformers' Qwen-VL vision attention then hands the function its windows' offsets
+# (cu_seqlens) for one call, instead of calling it once per window.
+VARLEN_VISION = "flash_varlen_torch"
+
+
+def varlen_vision_attention(
+    module: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    attention_mask: Any,
+    *,
+    scaling: float | None = None,
+    cu_seq_lens_q: Any = None,
+    cu_seq_lens_k: Any = None,
+    max_length_q: Any = None,
+    max_length_k: Any = None,
+    **kwargs: Any,
+) -> tuple[Any, None]:
+    """Attention within each packed window (transformers' attention interface): query, key, value [1, H, T, D]
+    with the windows' offsets cu_seq_lens [N + 1] -> [1, T, H, D]. On a GPU one call of torch's varlen_attn
+    (FlashAttention's variable-length kernel); elsewhere one scaled_dot_product_attention per window, what
+    transformers runs for "sdpa". Qwen2.5-VL's vision tower otherwise runs one SDPA call per window in each
+    layer: tens of thousands of kernels launched from the scoring thread for a few images."""
+    import torch
+    import torch.nn.functional as F
+
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
+    if q.is_cuda:
+        from torch.nn.attention.varlen import varlen_attn
+
+        cu_q, cu_k = cu_seq_lens_q.to(torch.int32), cu_seq_lens_k.to(torch.int32)
+        out: Any = varlen_attn(q, k, v, cu_q, cu_k, int(max_length_q), int(max_length_k), scale=scaling)
+        return out.unsqueeze(0), None  # [T, H, D]: no auxiliary output asked for
+    bounds = cu_seq_lens_q.tolist()
+    parts = [
+        F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v)), scale=scaling).transpose(
+            0, 1
+        )
+        for a, b in zip(bounds[:-1], bounds[1:])
+    ]
+    return torch.cat(parts).unsqueeze(0), None
+
+
+def use_varlen_vision(model: Any) -> None:
+    """`varlen_vision_attention` in `model`'s vision tower (registered once with transformers); its language
+    model keeps its own attention."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(VARLEN_VISION, varlen_vision_attention)
+    # set_attn_implementation would look for a flash-attention package by the name; the attention reads this
+    model.model.visual.config._attn_implementation_internal = VARLEN_VISION
 
 
 def torchvision_image_processor(image_processor: Any) -> Any:
@@ -256,6 +308,8 @@ class TransformersOcrEngine:
             where torchvision is installed). Both give the same tokens; the pixels agree to float rounding
             where no resize is needed, and a resize rounds some pixels differently (antialiased bicubic on
             tensors against PIL's). Its chat tokens are tokenized once per batch size and image size.
+        varlen_vision: the vision tower's windowed attention as one variable-length call per layer
+            (`varlen_vision_attention`) instead of one SDPA call per window; set on `model` itself.
     """
 
     def __init__(
@@ -270,6 +324,7 @@ class TransformersOcrEngine:
         prompt: str = DEFAULT_PROMPT,
         static_cache: bool = False,
         image_backend: str = "pil",
+        varlen_vision: bool = False,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -287,6 +342,8 @@ class TransformersOcrEngine:
             processor = vl_processor(
                 torchvision_image_processor(processor.image_processor), processor.tokenizer
             )
+        if varlen_vision:
+            use_varlen_vision(model)
         self.model, self.processor = model.eval(), processor
         self.batch_size, self.max_tokens = batch_size, max_tokens
         self.on_device = image_backend == "torchvision"
