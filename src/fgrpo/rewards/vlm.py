@@ -304,10 +304,11 @@ class TransformersOcrEngine:
             nn.Module.__call__ process-wide, so a compile on a reward thread breaks a rollout running beside it.
         image_backend: "pil" resizes, rescales and cuts the images into patches on the CPU with PIL and numpy,
             on the thread that scores (beside a rollout's launching thread); "torchvision" does it on the model's
-            device, a batch at a time, with the processor's settings (transformers' torchvision backend, what AutoProcessor picks
-            where torchvision is installed). Both give the same tokens; the pixels agree to float rounding
-            where no resize is needed, and a resize rounds some pixels differently (antialiased bicubic on
-            tensors against PIL's). Its chat tokens are tokenized once per batch size and image size.
+            device, a batch at a time, with the processor's settings (transformers' torchvision backend, what
+            AutoProcessor picks where torchvision is installed). Both give the same tokens; the pixels agree to
+            float rounding where no resize is needed, and differ where one is (torchvision's bicubic on tensors
+            against PIL's; 512² images on a GPU in RESULTS fp8-6). Its chat tokens are tokenized once per batch
+            size and image size.
         varlen_vision: the vision tower's windowed attention as one variable-length call per layer
             (`varlen_vision_attention`) instead of one SDPA call per window; set on `model` itself.
     """
