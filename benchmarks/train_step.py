@@ -1190,9 +1190,9 @@ PROFILER_INTERNAL = (
 def trace_events(prof) -> list:
     """A stopped profiler's events as light records with the attributes of torch's FunctionEvent that
     `kernel_profile` reads (name, device_type, is_user_annotation, thread, device_resource_id, time_range in
-    microseconds from the trace's start), read from its Kineto results. `prof.events()` gives the same events but first links them into
-    torch's tree of FunctionEvents in Python, several times slower (RESULTS `profile-read`); a real-size step traced
-    with its host holds millions."""
+    microseconds from the trace's start), read from its Kineto results. `prof.events()` gives the same events but
+    first links them into torch's tree of FunctionEvents in Python, several times slower (RESULTS `profile-read`);
+    a real-size step traced with its host holds millions."""
     from types import SimpleNamespace
 
     from torch.autograd.profiler_util import Interval
@@ -1307,20 +1307,19 @@ def stream_lines(kernels, ranges: list[tuple[str, float, float]]) -> list[str]:
         by_stream.setdefault(e.device_resource_id, []).append((e.time_range.start, e.time_range.end))
     if len(by_stream) < 2:
         return []
+    busy = {stream: busy_seconds(intervals) for stream, intervals in by_stream.items()}
     lines = []
-    for stream, intervals in sorted(by_stream.items(), key=lambda kv: -busy_seconds(kv[1])):
+    for stream, intervals in sorted(by_stream.items(), key=lambda kv: -busy[kv[0]]):
         in_phase: dict[str, float] = {}
         for name, start, end in ranges:
             inside = [(max(a, start), min(b, end)) for a, b in intervals if a < end and b > start]
             in_phase[name] = in_phase.get(name, 0.0) + busy_seconds(inside)
         where = ", ".join(f"{n} {s:.2f} s" for n, s in in_phase.items())
         lines.append(
-            f"# stream {stream}: busy {busy_seconds(intervals):.2f} s in {len(intervals)} kernels"
+            f"# stream {stream}: busy {busy[stream]:.2f} s in {len(intervals)} kernels"
             + (f" ({where})" if where else "")
         )
-    both = sum(busy_seconds(i) for i in by_stream.values()) - busy_seconds(
-        [i for v in by_stream.values() for i in v]
-    )
+    both = sum(busy.values()) - busy_seconds([i for v in by_stream.values() for i in v])
     lines.append(f"#   streams at once: {both:.2f} s")
     return lines
 
