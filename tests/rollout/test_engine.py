@@ -939,7 +939,8 @@ def test_the_step_loop_never_waits_for_the_gpu(sd3_parts):
     units = -(-len(PROMPTS) // BASE.micro_batch)
     assert abs(counts[2] - counts[4]) <= 1 and max(counts.values()) <= 2 * units + 4, counts
     # an image sink adds no synchronisation: each micro-batch's images come back by a copy into pinned memory,
-    # waited for by its event once the next micro-batch's forward is queued
+    # waited for by its event once the next micro-batch's forward is queued (an event wait, which the sync debug
+    # mode does not count). On an H100 the sink's rollout counted one fewer than the one without (6 against 7).
     cfg = dataclasses.replace(BASE, window_size=2, window_range=(0, 6))
     got = []
     with warnings.catch_warnings(record=True) as seen:
@@ -951,6 +952,6 @@ def test_the_step_loop_never_waits_for_the_gpu(sd3_parts):
             )
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    assert sum("synchroniz" in str(w.message) for w in seen) == counts[2]
+    assert sum("synchroniz" in str(w.message) for w in seen) <= counts[2], counts
     for rows, im in got:
         np.testing.assert_array_equal(im, traj.images[torch.as_tensor(rows)].cpu().numpy())
