@@ -243,9 +243,26 @@ def console_errors(text: str) -> list[str]:
     return list(seen)
 
 
+# The server runs under this supervisor. It leads the server's own session, so that kill() reaches every process of
+# it, and it dies with the process that started it, taking the whole group along (vLLM's engine processes included):
+# a server in a session of its own would otherwise outlive a trainer stopped by an error or a timeout's kill and
+# keep its share of the GPU. Linux's PR_SET_PDEATHSIG sends the supervisor SIGTERM when the starting thread ends;
+# argv[1], the starter's pid, catches a starter that died before prctl took effect.
+_LEASH = """
+import ctypes, os, signal, subprocess, sys
+signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
+if sys.platform == "linux":
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+if os.getppid() != int(sys.argv[1]):
+    os.killpg(0, signal.SIGKILL)
+sys.exit(subprocess.call(sys.argv[2:]))
+"""
+
+
 class VllmServer:
     """`vllm serve` of a checkpoint directory in a process group of its own on 127.0.0.1, its console in `log`;
-    the model is served under its path, the name VlmOcrEngine's `model` sends.
+    the model is served under its path, the name VlmOcrEngine's `model` sends. On Linux the group dies with the
+    thread that built this object (the process exiting, raising or killed): build it on the main thread.
 
     gpu_fraction: vLLM's --gpu-memory-utilization, the share of the GPU's memory it takes for weights, activations
     and KV cache (beside a trainer, start it before the trainer allocates). command: an argv to run instead of
@@ -269,7 +286,14 @@ class VllmServer:
         argv = command or serve_argv(path, self.port, gpu_fraction, max_model_len, eager)
         with open(self.log, "w") as out:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(
-                [*argv, *(["--port", str(self.port)] if command else [])],
+                [
+                    sys.executable,
+                    "-c",
+                    _LEASH,
+                    str(os.getpid()),
+                    *argv,
+                    *(["--port", str(self.port)] if command else []),
+                ],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # kill() takes its workers (vLLM's engine core) with it

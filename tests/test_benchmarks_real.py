@@ -948,6 +948,64 @@ def test_vllm_server_waits_for_the_server_and_reports_one_that_exits(bench, tmp_
     assert "ModuleNotFoundError" not in tail and tail.endswith("fake server: failing to start")
 
 
+def _live_members(pgid: int) -> list[int]:
+    """The processes of group `pgid` that run (zombies, whose parent has not reaped them yet, left out)."""
+    live = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp, ...
+        except (OSError, IndexError):
+            continue  # gone while listing
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            live.append(int(stat.parent.name))
+    return live
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the server's leash is Linux's PR_SET_PDEATHSIG")
+def test_the_vllm_server_dies_with_the_process_that_started_it(tmp_path):
+    """A trainer killed outright (SIGKILL: none of its code runs, as under a timeout's kill or an OOM killer)
+    takes its server's whole process group along, the server and the process the server started, instead of
+    leaving them to hold their share of the GPU."""
+    started = tmp_path / "started"
+    server = (  # a server that starts a worker of its own, as vLLM's API server starts its engine core
+        "import pathlib, subprocess, sys, time; "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+        f"pathlib.Path({str(started)!r}).touch(); time.sleep(120)"
+    )
+    starter = tmp_path / "starter.py"
+    starter.write_text(
+        "import sys, time\n"
+        f"sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
+        "import vlm_model\n"
+        f"s = vlm_model.VllmServer({str(tmp_path / 'm')!r}, {str(tmp_path / 'log')!r}, "
+        f"command=[sys.executable, '-c', {server!r}])\n"
+        "print(s.proc.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    proc = subprocess.Popen([sys.executable, str(starter)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    pgid = int(proc.stdout.readline())  # the server's supervisor leads its own group
+    try:
+        deadline = time.monotonic() + 60
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (
+            len(_live_members(pgid)) >= 2
+        )  # the server and its worker (and, with the leash, the supervisor)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while _live_members(pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _live_members(pgid) == []
+    finally:
+        proc.kill()
+        try:
+            os.killpg(pgid, 9)
+        except ProcessLookupError:
+            pass
+
+
 def test_the_vllm_server_turns_the_flashinfer_sampler_off_only_without_flashinfer(bench, monkeypatch):
     """vLLM 0.30 fails to start where flashinfer is missing unless its FlashInfer sampler is off: the server's
     environment turns it off then, keeps it where flashinfer is installed, and keeps a value the caller set."""
