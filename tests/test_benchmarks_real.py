@@ -6,6 +6,7 @@ import importlib.util
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -989,9 +990,8 @@ def test_the_vllm_server_dies_with_the_process_that_started_it(tmp_path):
         deadline = time.monotonic() + 60
         while not started.exists() and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert (
-            len(_live_members(pgid)) >= 2
-        )  # the server and its worker (and, with the leash, the supervisor)
+        # the server and its worker (and, with the leash, the supervisor)
+        assert len(_live_members(pgid)) >= 2
         proc.kill()
         proc.wait()
         deadline = time.monotonic() + 10
@@ -1001,7 +1001,7 @@ def test_the_vllm_server_dies_with_the_process_that_started_it(tmp_path):
     finally:
         proc.kill()
         try:
-            os.killpg(pgid, 9)
+            os.killpg(pgid, signal.SIGKILL)
         except ProcessLookupError:
             pass
 
